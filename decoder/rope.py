@@ -1,0 +1,35 @@
+"""RoPE helpers: apply and undo rotary position embeddings (HF "rotate_half" convention).
+
+Captured keys/queries are post-RoPE (what attention sees). Methods that cluster or classify
+position-free vectors (SAAP) de-RoPE them with the positions and rope parameters recorded in the
+manifest. Only the default (unscaled) RoPE is handled here; `validate_configuration` of such a
+method should refuse other rope types.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float, dtype=torch.float32):
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
+    freqs = positions.to(torch.float64)[:, None] * inv_freq[None, :]  # [N, D/2]
+    emb = torch.cat([freqs, freqs], dim=-1)  # [N, D]
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat([-x2, x1], dim=-1)
+
+
+def apply_rope(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
+    """x: [..., N, D] -> rotated by each token's position."""
+    cos, sin = rope_cos_sin(positions, x.shape[-1], theta, x.dtype)
+    return x * cos + _rotate_half(x) * sin
+
+
+def undo_rope(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
+    """Inverse of `apply_rope` (rotation by the negative angle)."""
+    cos, sin = rope_cos_sin(positions, x.shape[-1], theta, x.dtype)
+    return x * cos - _rotate_half(x) * sin

@@ -1,0 +1,174 @@
+"""The sparse-method interface. Every method (full, topk, streaming, csattn, ...) is one module in
+`indexer/` that defines a `SparseMethod` subclass decorated with `@register`; the service finds it
+by name, so adding a method is adding a file.
+
+Life cycle, in faiss terms (`train/add/search`):
+
+* `build(prefill, params) -> {name: tensor}`: prefill worker, once per context. Input: the
+  captured post-RoPE Q/K/V of every layer. Output: arrays with a leading layer dimension, persisted
+  with the context (`storage/artifacts.py`), loaded lazily per layer by the decode worker.
+* `open(index, params, ctx) -> MethodSession`: decode worker, once per request. The session holds
+  the request's private state; the persisted arrays (shared by all requests, cached in DRAM) are
+  never mutated.
+* `session.select(layer, q, kv) -> positions`: once per layer and decode step ("plan"); the
+  decoder unions the result with sink + recent window and runs exact attention over it ("run").
+* `session.append(layer, k, v, positions)`: the keys the request just appended (question and
+  generated tokens), for methods that keep their index current while decoding.
+
+Parameters are one pydantic model per method (`extra="forbid"`, every field constrained), so bad
+values are rejected with a 4xx before any work starts. Fields listed in `build_fields` change the
+persisted arrays and therefore the index identity (`params_hash`); all other fields are decode-time
+and may be overridden per request.
+"""
+
+from __future__ import annotations
+
+import importlib
+import pkgutil
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field
+
+from storage.keys import params_hash
+
+
+class MethodParams(BaseModel):
+    """Decode frame shared by every method: exact attention over sink + recent window + selection."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    sink: int = Field(4, ge=0, le=4096, description="first tokens always attended (attention sinks)")
+    window: int = Field(32, ge=0, le=65536, description="most recent tokens always attended")
+
+    build_fields: ClassVar[frozenset[str]] = frozenset()
+
+    def build_params(self) -> dict:
+        return {k: v for k, v in self.model_dump().items() if k in self.build_fields}
+
+    def with_overrides(self, overrides: dict) -> "MethodParams":
+        return type(self).model_validate({**self.model_dump(), **overrides})
+
+
+@dataclass
+class PrefillCapture:
+    """What the prefill worker hands to `build`: every layer's post-RoPE tensors (CPU).
+
+    q: [L, H, N, D]; k, v: [L, KVH, N, D]; positions: [N] (0..N-1); `spec` is the ModelSpec
+    (rope_theta etc. for methods that need de-RoPE'd vectors, see decoder/rope.py).
+    """
+
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    positions: torch.Tensor
+    spec: object
+
+    @property
+    def n_tokens(self) -> int:
+        return self.k.shape[2]
+
+
+@dataclass
+class KVView:
+    """Keys/values one decode step may look at, for one layer.
+
+    ctx_k/ctx_v: the persisted context [KVH, N, D]; loc_k/loc_v: the request's own tokens
+    [KVH, M, D] (the last T of them are this step's queries). Positions: context 0..N-1, then
+    N..N+M-1. q_pos: [T] absolute positions of the query tokens.
+    """
+
+    ctx_k: torch.Tensor
+    ctx_v: torch.Tensor
+    loc_k: torch.Tensor
+    loc_v: torch.Tensor
+    q_pos: torch.Tensor
+
+    @property
+    def n_ctx(self) -> int:
+        return self.ctx_k.shape[1]
+
+    @property
+    def n_local(self) -> int:
+        return self.loc_k.shape[1]
+
+
+class IndexReader:
+    """Lazy, per-layer access to one method's persisted arrays (through the DRAM tier)."""
+
+    def __init__(self, load_layer, names: list[str]):
+        self._load_layer = load_layer  # (name, layer) -> tensor
+        self.names = names
+
+    def layer(self, name: str, layer: int) -> torch.Tensor:
+        return self._load_layer(name, layer)
+
+
+class MethodSession(ABC):
+    """Per-request state of a method. Private to one request."""
+
+    @abstractmethod
+    def select(self, layer: int, q: torch.Tensor, kv: KVView) -> torch.Tensor | None:
+        """q: [KVH, G, T, D] post-RoPE queries. Return positions [KVH, T, K] (int64, -1 = empty
+        slot) in [0, N + M) shared by the GQA group, or None for dense attention over everything."""
+
+    def append(self, layer: int, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor) -> None:
+        """k, v: [KVH, T, D] keys/values the request just appended at `positions` [T]."""
+
+
+class SparseMethod(ABC):
+    name: ClassVar[str]
+    Params: ClassVar[type[MethodParams]] = MethodParams
+    version: ClassVar[int] = 1  # bump when the persisted layout of `build` changes
+    has_index: ClassVar[bool] = False  # True when `build` persists arrays
+
+    def validate_configuration(self, spec, params: MethodParams) -> list[str]:
+        """Reasons this method cannot run for this model/params (empty = fine)."""
+        return []
+
+    def build(self, prefill: PrefillCapture, params: MethodParams) -> dict[str, torch.Tensor]:
+        return {}
+
+    @abstractmethod
+    def open(self, index: IndexReader | None, params: MethodParams, n_ctx: int) -> MethodSession: ...
+
+    def index_id(self, params: MethodParams) -> str:
+        return f"{self.name}-{params_hash(self.name, self.version, params.build_params())}"
+
+
+_REGISTRY: dict[str, SparseMethod] = {}
+_DISCOVERED = False
+
+
+def register(cls: type[SparseMethod]) -> type[SparseMethod]:
+    if cls.name in _REGISTRY and type(_REGISTRY[cls.name]) is not cls:
+        raise ValueError(f"two sparse methods are named {cls.name!r}")
+    _REGISTRY[cls.name] = cls()
+    return cls
+
+
+def _discover() -> None:
+    global _DISCOVERED
+    if _DISCOVERED:
+        return
+    import indexer
+
+    for mod in pkgutil.iter_modules(indexer.__path__):
+        if not mod.name.startswith("_") and mod.name != "base":
+            importlib.import_module(f"indexer.{mod.name}")
+    _DISCOVERED = True
+
+
+def get_method(name: str) -> SparseMethod:
+    _discover()
+    try:
+        return _REGISTRY[name]
+    except KeyError:
+        raise KeyError(f"unknown method {name!r}; known: {', '.join(sorted(_REGISTRY))}") from None
+
+
+def method_names() -> list[str]:
+    _discover()
+    return sorted(_REGISTRY)

@@ -1,0 +1,54 @@
+"""Typed keys. Every key is a sha256 digest; Python's `hash()` (salted per process) is never used."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import numpy as np
+
+_HEX64 = re.compile(r"^[0-9a-f]{64}$")
+
+
+@dataclass(frozen=True, order=True)
+class PromptHash:
+    """Content address of a context: sha256 over (model fingerprint, tokenizer fingerprint, token ids).
+
+    What is *not* part of it: display name, ttl, which methods were requested and their params
+    (indexes are stored per method under the context, each keyed by its own `params_hash`).
+    The string form (64 lowercase hex digits) is the context id in the API.
+    """
+
+    hex: str
+
+    def __post_init__(self) -> None:
+        if not _HEX64.match(self.hex):
+            raise ValueError(f"not a prompt hash (64 lowercase hex digits): {self.hex!r}")
+
+    @classmethod
+    def compute(cls, model_fingerprint: str, tokenizer_fingerprint: str, token_ids: Iterable[int]) -> "PromptHash":
+        h = hashlib.sha256()
+        h.update(b"ctxcache-prompt-v1\0")
+        h.update(model_fingerprint.encode() + b"\0")
+        h.update(tokenizer_fingerprint.encode() + b"\0")
+        h.update(np.asarray(list(token_ids), dtype="<i8").tobytes())
+        return cls(h.hexdigest())
+
+    @classmethod
+    def from_string(cls, s: str) -> "PromptHash":
+        return cls(s)
+
+    def to_string(self) -> str:
+        return self.hex
+
+    def __str__(self) -> str:
+        return self.hex
+
+
+def params_hash(method: str, version: int, build_params: dict) -> str:
+    """Identity of a method's persisted index: method name, its artifact version, build params."""
+    blob = json.dumps({"method": method, "version": version, "params": build_params}, sort_keys=True)
+    return hashlib.sha256(blob.encode()).hexdigest()[:16]
