@@ -67,9 +67,13 @@ class DecodeStep:
         q = query[0].reshape(kvh, g, t, d)  # q head i*G + j belongs to kv head i (repeat_kv order)
         kv = KVView(ctx_k, ctx_v, key[0], value[0], self.q_pos)
         t0 = time.perf_counter()
-        sel = self.session.select(layer, q, kv)
+        custom = self.session.attend(layer, q, kv)
+        sel = self.session.select(layer, q, kv) if custom is None else None
         t1 = time.perf_counter()
-        if sel is None:
+        if custom is not None:
+            out, frac = custom
+            frac = frac.double().cpu()
+        elif sel is None:
             out = dense_attention(q, ctx_k, ctx_v, key[0], value[0], scaling)
             frac = torch.ones(kvh, t, dtype=torch.float64)
         else:

@@ -117,6 +117,12 @@ class MethodSession(ABC):
     def append(self, layer: int, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor) -> None:
         """k, v: [KVH, T, D] keys/values the request just appended at `positions` [T]."""
 
+    def attend(self, layer: int, q: torch.Tensor, kv: KVView) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Optional: compute the attention output itself, for methods whose output is not exact
+        attention over a token set (e.g. LFPS's bypass for highly sparse heads). Return
+        (out [KVH, G, T, D], fraction of visible KV read [KVH, T]) or None to use select()."""
+        return None
+
 
 class SparseMethod(ABC):
     name: ClassVar[str]

@@ -83,7 +83,7 @@ def captured_2k(lm):
     """Real post-RoPE Q/K/V of the default model over a ~2K-token document (captured once)."""
     from decoder.prefill import prefill
 
-    ids = lm.context_ids(natural_document(1500))[:2048]
+    ids = lm.context_ids(natural_document(1750))[:2048]
     return prefill(lm, ids)
 
 
