@@ -94,10 +94,8 @@ def selection_recall(
             kk = k if k is not None else max(1, int(round((ratio or 0.05) * (p + 1))))
             exact = torch.topk(group_attention_mass(q, kv), min(kk, p + 1), dim=-1).indices  # [KVH, 1, K]
             if custom is not None:
-                # no token set to compare: recall counts as the touched fraction's share, output is scored
+                # the method computed the output itself (no token set): recall 0, the output error counts
                 out, frac = custom
-                idx = torch.full((kvh, 1, 1), -1)
-                rec[layer] += 0.0
                 tch[layer] += frac.float().mean() / n_queries
                 err[layer] += ((out - dense).norm() / dense.norm().clamp_min(1e-12)) / n_queries
                 session.append(layer, cap.k[layer, :, p:p + 1], cap.v[layer, :, p:p + 1], q_pos)
