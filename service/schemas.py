@@ -1,0 +1,145 @@
+"""Request and response models of the REST API (OpenAPI schema + examples come from here)."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+Status = Literal["queued", "prefilling", "indexing", "ready", "failed"]
+
+
+class ContextCreate(BaseModel):
+    model_config = ConfigDict(
+        extra="forbid",
+        json_schema_extra={
+            "examples": [
+                {
+                    "text": "The pass key is 71432. Remember it. ...",
+                    "methods": ["topk", "streaming"],
+                    "params": {"topk": {"ratio": 0.05}},
+                    "ttl_seconds": 86400,
+                    "display_name": "passkey demo",
+                }
+            ]
+        },
+    )
+
+    text: str | None = Field(None, description="the context; wrapped as the start of a user turn (format=chat)")
+    token_ids: list[int] | None = Field(None, description="alternative to text: token ids used as they are")
+    model: str | None = Field(None, description="must name the served model (default: it)")
+    format: Literal["chat", "raw"] = Field(
+        "chat", description="chat: the model's chat template around context + question; raw: plain concatenation"
+    )
+    methods: list[str] = Field(default_factory=list, description="sparse methods to build indexes for (see GET /v1/methods)")
+    params: dict[str, dict[str, Any]] = Field(
+        default_factory=dict, description="per-method parameters, e.g. {'topk': {'ratio': 0.05}}"
+    )
+    ttl_seconds: int | None = Field(None, gt=0, description="remove the context this long after registration")
+    display_name: str | None = Field(None, max_length=200)
+
+    @model_validator(mode="after")
+    def _one_source(self):
+        if (self.text is None) == (self.token_ids is None):
+            raise ValueError("give exactly one of `text` or `token_ids`")
+        return self
+
+
+class ContextPatch(BaseModel):
+    model_config = ConfigDict(extra="forbid", json_schema_extra={"examples": [{"ttl_seconds": 3600, "display_name": "v2"}]})
+
+    ttl_seconds: int | None = Field(None, ge=0, description="new ttl from now; 0 = never expire")
+    display_name: str | None = Field(None, max_length=200)
+
+
+class MethodInfo(BaseModel):
+    params: dict[str, Any] = Field(default_factory=dict, description="build parameters of the persisted index")
+    index_id: str | None = None
+
+
+class ContextPublic(BaseModel):
+    model_config = ConfigDict(
+        json_schema_extra={
+            "examples": [
+                {
+                    "id": "9f2c...e1",
+                    "status": "ready",
+                    "progress": 1.0,
+                    "model": "smollm2-135m",
+                    "n_tokens": 1536,
+                    "methods": {"csattn": {"params": {"m": 8, "C": 64}, "index_id": "csattn-1a2b3c4d5e6f7a8b"}},
+                    "bytes": 70778880,
+                    "timings": {"prefill_s": 3.9, "write_s": 0.4},
+                    "expires_at": None,
+                }
+            ]
+        }
+    )
+
+    id: str
+    status: Status
+    progress: float = Field(description="0..1")
+    model: str
+    n_tokens: int | None = None
+    format: str = "chat"
+    methods: dict[str, MethodInfo] = Field(default_factory=dict, description="methods with a persisted index")
+    index_free_methods: list[str] = Field(default_factory=list, description="methods usable without an index")
+    bytes: int | None = None
+    timings: dict[str, Any] = Field(default_factory=dict)
+    display_name: str | None = None
+    created_at: float
+    updated_at: float | None = None
+    expires_at: float | None = None
+    error: dict[str, str] | None = Field(None, description="code + message when status is failed")
+
+
+class ContextCreated(ContextPublic):
+    created: bool = Field(description="true if this call queued a build; false if the content was already known")
+
+
+class ContextList(BaseModel):
+    data: list[ContextPublic]
+    total: int
+    offset: int
+    limit: int
+    next_offset: int | None
+
+
+class CompletionRequest(BaseModel):
+    model_config = ConfigDict(
+        extra="forbid",
+        json_schema_extra={"examples": [{"question": "What is the pass key?", "max_tokens": 32, "method": "topk",
+                                         "params": {"k": 128}}]},
+    )
+
+    question: str = Field(min_length=1, description="appended after the context")
+    max_tokens: int = Field(64, ge=1, description="tokens to generate at most")
+    temperature: float = Field(0.0, ge=0.0, le=5.0, description="0 = greedy")
+    seed: int | None = Field(None, ge=0, description="sampling seed (temperature > 0)")
+    method: str = Field("full", description="sparse method; see GET /v1/methods")
+    params: dict[str, Any] = Field(default_factory=dict, description="method parameters for this request")
+    stream: bool = Field(False, description="server-sent events: `token` events then one `done` event")
+
+
+class Usage(BaseModel):
+    cached_tokens: int = Field(description="context tokens served from the stored KV")
+    prompt_tokens: int = Field(description="new tokens of the question (after the template)")
+    completion_tokens: int
+    total_tokens: int
+
+
+class CompletionResponse(BaseModel):
+    id: str
+    context_id: str
+    text: str
+    token_ids: list[int]
+    finish_reason: Literal["stop", "length", "cancelled"]
+    usage: Usage
+    stats: dict[str, Any] = Field(description="method, ttft_ms, cache (cold/warm), load_ms, decode_tokens_per_s, kv_fraction, ...")
+
+
+class MethodDescription(BaseModel):
+    name: str
+    has_index: bool
+    params_schema: dict[str, Any]
+    build_fields: list[str]

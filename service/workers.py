@@ -1,0 +1,325 @@
+"""Workers: prefill (build + persist), decode (answer questions), janitor (expiry, stale jobs).
+
+Each runs as a loop over Redis queues, in its own process (`ctxcache worker prefill|decode`) or as
+a thread of the API process in embedded mode: the same code either way.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import uuid
+from collections import OrderedDict
+
+import torch
+
+from decoder.generate import ContextKV, generate
+from decoder.prefill import prefill
+from indexer.base import IndexReader, get_method
+from service.runtime import Runtime, resolve_device
+from storage.artifacts import ArtifactCorrupt, ArtifactError, ArtifactMissing, IndexArrays
+from storage.keys import PromptHash
+from storage.tier import DramTier
+
+log = logging.getLogger("ctxcache.worker")
+
+
+class _Loop:
+    kind = "worker"
+
+    def __init__(self, rt: Runtime):
+        self.rt = rt
+        self.wid = uuid.uuid4().hex[:8]
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> "_Loop":
+        self._thread = threading.Thread(target=self.run_forever, name=f"ctxcache-{self.kind}", daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self, timeout: float = 30.0) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    def run_forever(self) -> None:
+        if self.rt.settings.torch_threads:
+            torch.set_num_threads(self.rt.settings.torch_threads)
+        backoff = 0.5
+        while not self._stop.is_set():
+            try:
+                self.rt.catalog.worker_alive(self.kind, self.wid, ttl_s=15)
+                self.tick()
+                backoff = 0.5
+            except Exception as e:  # noqa: BLE001 - a worker must survive Redis outages and bad jobs
+                log.warning("%s %s: %s", self.kind, self.wid, e, exc_info=not _is_redis_down(e))
+                self._stop.wait(backoff)
+                backoff = min(backoff * 2, 10.0)
+
+    def tick(self) -> None:
+        raise NotImplementedError
+
+
+def _is_redis_down(e: Exception) -> bool:
+    import redis
+
+    return isinstance(e, (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError))
+
+
+class PrefillWorker(_Loop):
+    """Claims a prefill job, runs the model over the context, builds the requested indexes and
+    publishes everything atomically. A crash leaves the job in the active list; once its lease
+    expires the janitor requeues it."""
+
+    kind = "prefill"
+
+    def tick(self) -> None:
+        job = self.rt.catalog.claim_prefill(timeout_s=1.0, lease_s=self.rt.settings.job_lease_seconds)
+        if job is None:
+            return
+        beat_stop = threading.Event()
+        beat = threading.Thread(target=self._heartbeat, args=(job, beat_stop), daemon=True)
+        beat.start()
+        try:
+            self.process(job)
+        finally:
+            beat_stop.set()
+            beat.join()
+            self.rt.catalog.finish_prefill(job)
+
+    def _heartbeat(self, job: dict, stop: threading.Event) -> None:
+        lease = self.rt.settings.job_lease_seconds
+        while not stop.wait(max(1.0, lease / 3)):
+            try:
+                self.rt.catalog.heartbeat(job, lease)
+            except Exception:  # noqa: BLE001
+                log.warning("heartbeat failed for job %s", job["id"])
+
+    def process(self, job: dict) -> None:
+        rt, cat, cid = self.rt, self.rt.catalog, job["id"]
+        rec = cat.get(cid)
+        if rec is None:
+            return  # deleted (or expired) before we got to it
+        try:
+            self._build(cid, rec)
+        except Exception as e:  # noqa: BLE001 - any failure becomes the context's status, never a lost job
+            log.exception("prefill of %s failed", cid)
+            code = "artifact_corrupt" if isinstance(e, ArtifactCorrupt) else "build_failed"
+            cat.update(cid, status="failed", error_code=code, error_message=f"{type(e).__name__}: {e}"[:2000])
+
+    def _build(self, cid: str, rec: dict) -> None:
+        rt, cat = self.rt, self.rt.catalog
+        lm = rt.ensure_weights()
+        spec = lm.spec
+        if rec.get("slug") != spec.slug:
+            raise RuntimeError(f"context was registered for model {rec.get('model')} ({rec.get('slug')}); this worker serves {spec.slug}")
+        key = PromptHash(cid)
+        methods: dict = rec.get("methods") or {}
+        published = rt.store.exists(spec.slug, key)
+        if published:
+            manifest = rt.store.read_manifest(spec.slug, key)
+            todo = {m: v for m, v in methods.items() if v["index_id"] not in manifest["indexes"]}
+            if not todo:
+                self._ready(cid, manifest)
+                return
+            tokens = rt.store.open(spec.slug, key).read("tokens").tolist()
+        else:
+            todo = methods
+            tokens = cat.tokens(cid)
+            if tokens is None:
+                raise RuntimeError("token ids of this context are gone from the catalog; register it again")
+        cat.update(cid, status="prefilling", progress=0.0, error_code="", error_message="")
+        t0 = time.perf_counter()
+        last = [0.0]
+
+        def progress(f: float) -> None:
+            if f - last[0] >= 0.05 or f >= 1.0:
+                last[0] = f
+                cat.update(cid, progress=round(0.8 * f, 3))
+
+        cap = prefill(lm, tokens, chunk_tokens=rt.settings.prefill_chunk_tokens, keep_q=bool(todo), progress=progress)
+        t_prefill = time.perf_counter() - t0
+        cat.update(cid, status="indexing", progress=0.8)
+        builds = []
+        for i, (name, entry) in enumerate(sorted(todo.items())):
+            method = get_method(name)
+            params = method.Params.model_validate(entry["params"])
+            t1 = time.perf_counter()
+            arrays = method.build(cap, params)
+            builds.append(IndexArrays(name, method.version, params.build_params(), entry["index_id"].split("-", 1)[1],
+                                      {k: v.cpu() for k, v in arrays.items()}, time.perf_counter() - t1))
+            cat.update(cid, progress=round(0.8 + 0.15 * (i + 1) / len(todo), 3))
+        timings = {"prefill_s": round(t_prefill, 4), "prefill_tokens_per_s": round(len(tokens) / max(t_prefill, 1e-9), 1),
+                   "index_s": {b.method: round(b.build_s, 4) for b in builds}}
+        if published:
+            manifest = rt.store.add_indexes(spec.slug, key, builds)
+        else:
+            manifest = rt.store.publish(key, spec, tokens, cap.k, cap.v, builds,
+                                        {"timings": timings, "prompt_format": rec.get("prompt_format", "chat")})
+        del cap
+        if not self._ready(cid, manifest):
+            rt.store.delete(spec.slug, key)  # deleted while we were building: leave nothing behind
+        cat.drop_tokens(cid)
+
+    def _ready(self, cid: str, manifest: dict) -> bool:
+        return self.rt.catalog.update(
+            cid, status="ready", progress=1.0, n_tokens=manifest["n_tokens"], bytes=manifest["bytes"],
+            timings=manifest.get("timings", {}), error_code="", error_message="",
+        )
+
+
+class DecodeWorker(_Loop):
+    """Answers completion requests. Keeps a DRAM tier of artifact arrays (LRU by bytes), so only a
+    context's first question reads from disk."""
+
+    kind = "decode"
+
+    def __init__(self, rt: Runtime):
+        super().__init__(rt)
+        self.tier = DramTier(rt.settings.dram_tier_bytes)
+        self._handles: OrderedDict[str, object] = OrderedDict()
+        self.device = resolve_device(rt.settings.device)
+
+    def tick(self) -> None:
+        req = self.rt.catalog.claim_decode(timeout_s=1.0)
+        if req is not None:
+            self.process(req)
+
+    def _artifacts(self, cid: str, slug: str):
+        h = self._handles.get(cid)
+        if h is None:
+            h = self.rt.store.open(slug, PromptHash(cid))
+            self._handles[cid] = h
+            while len(self._handles) > 64:
+                self._handles.popitem(last=False)
+        self._handles.move_to_end(cid)
+        return h
+
+    def forget(self, cid: str) -> None:
+        self._handles.pop(cid, None)
+        self.tier.drop(cid)
+
+    def process(self, req: dict) -> None:
+        cat, rid, cid = self.rt.catalog, req["rid"], req["id"]
+        try:
+            self._answer(req)
+        except ArtifactError as e:
+            code = "artifact_missing" if isinstance(e, ArtifactMissing) else "artifact_corrupt"
+            log.error("context %s: %s", cid, e)
+            self.forget(cid)
+            cat.update(cid, status="failed", error_code=code, error_message=str(e)[:2000])
+            cat.emit(rid, "error", {"code": code, "message": f"stored artifacts of this context are unusable: {e}"})
+        except Exception as e:  # noqa: BLE001
+            log.exception("completion %s on %s failed", rid, cid)
+            cat.emit(rid, "error", {"code": "internal_error", "message": f"{type(e).__name__}: {e}"[:500]})
+
+    def _answer(self, req: dict) -> None:
+        rt, cat, rid, cid = self.rt, self.rt.catalog, req["rid"], req["id"]
+        rec = cat.get(cid)
+        if rec is None:
+            cat.emit(rid, "error", {"code": "not_found", "message": f"no context {cid}"})
+            return
+        if rec["status"] != "ready":
+            cat.emit(rid, "error", {"code": "context_not_ready", "message": f"context is {rec['status']}"})
+            return
+        t_start = time.perf_counter()
+        lm = rt.ensure_weights()
+        method = get_method(req["method"])
+        params = method.Params.model_validate(req["params"])
+        art = self._artifacts(cid, rec["slug"])
+        n = art.n_tokens
+        load = {"s": 0.0, "misses": 0, "hits": 0}
+
+        def load_layer(name: str, layer: int) -> torch.Tensor:
+            t0 = time.perf_counter()
+            t, hit = self.tier.get((cid, name, layer), lambda: art.read(name, layer))
+            load["hits" if hit else "misses"] += 1
+            load["s"] += time.perf_counter() - t0
+            return t
+
+        index = None
+        if method.has_index:
+            index_id = method.index_id(params)
+            prefix = f"indexes/{index_id}/"
+            index = IndexReader(lambda name, layer: load_layer(prefix + name, layer).to(self.device), art.index_arrays(index_id))
+        session = method.open(index, params, n)
+        ctx = ContextKV(n, load_layer, self.device)
+        tok = lm.tokenizer
+        emitted: list[int] = []
+        text_so_far = [""]
+
+        def on_token(t: int) -> None:
+            emitted.append(t)
+            text = tok.decode(emitted, skip_special_tokens=True)
+            if text.endswith("\ufffd"):
+                return  # a multi-byte character is not complete yet
+            delta = text[len(text_so_far[0]):]
+            text_so_far[0] = text
+            if delta:
+                cat.emit(rid, "token", {"text": delta, "token_id": t})
+
+        t_gen = time.perf_counter()
+        res = generate(lm, ctx, session, params, req["question_ids"], max_tokens=req["max_tokens"],
+                       temperature=req["temperature"], seed=req.get("seed"), on_token=on_token,
+                       should_stop=lambda: cat.cancelled(rid))
+        text = tok.decode(res.token_ids, skip_special_tokens=True)
+        n_out = len(res.token_ids)
+        cat.emit(rid, "done", {
+            "text": text,
+            "token_ids": res.token_ids,
+            "finish_reason": res.finish_reason,
+            "usage": {"cached_tokens": n, "prompt_tokens": len(req["question_ids"]), "completion_tokens": n_out,
+                      "total_tokens": n + len(req["question_ids"]) + n_out},
+            "stats": {
+                "method": method.name,
+                "params": params.model_dump(),
+                "cache": "cold" if load["misses"] else "warm",
+                "ttft_ms": round(1000 * (t_gen - t_start + res.ttft_s), 2),
+                "load_ms": round(1000 * load["s"], 2),
+                "tier_hits": load["hits"],
+                "tier_misses": load["misses"],
+                "decode_tokens_per_s": round(max(n_out - 1, 0) / res.decode_s, 2) if res.decode_s > 0 and n_out > 1 else None,
+                "kv_fraction": round(res.stats.kv_fraction, 5),
+                "select_ms": round(1000 * res.stats.select_s, 2),
+                "attend_ms": round(1000 * res.stats.attend_s, 2),
+                "steps": res.stats.steps,
+                "device": self.device,
+            },
+        })
+
+
+class Janitor(_Loop):
+    """Removes expired contexts (record + artifacts) and requeues jobs of crashed workers."""
+
+    kind = "janitor"
+
+    def __init__(self, rt: Runtime, on_delete=None):
+        super().__init__(rt)
+        self.on_delete = on_delete
+
+    def tick(self) -> None:
+        self.sweep()
+        self._stop.wait(self.rt.settings.janitor_interval_seconds)
+
+    def sweep(self) -> dict:
+        cat, store = self.rt.catalog, self.rt.store
+        expired = 0
+        for cid in cat.due_for_expiry():
+            delete_context(self.rt, cid)
+            if self.on_delete:
+                self.on_delete(cid)
+            expired += 1
+        requeued = cat.requeue_stale()
+        store.gc_temp(older_than_s=max(3600.0, 10 * self.rt.settings.job_lease_seconds))
+        return {"expired": expired, "requeued": requeued}
+
+
+def delete_context(rt: Runtime, cid: str) -> bool:
+    """Remove a context's record and its artifacts. True if anything existed."""
+    raw = rt.catalog.r.hgetall(rt.catalog.k_ctx(cid))
+    slug = (raw.get(b"slug") or b"").decode() or rt.lm.spec.slug
+    rt.catalog.delete(cid)
+    removed = rt.store.delete(slug, PromptHash(cid))
+    return bool(raw) or removed

@@ -1,0 +1,329 @@
+"""The catalog and the job queues, in Redis.
+
+Redis is an index of what storage holds plus the work in flight; the artifacts on disk are the
+truth. If Redis loses the catalog, `rebuild_from_store` re-adds every published context.
+
+Keys (all under one configurable prefix, so tests and deployments can share a server):
+
+    {p}ctx:{id}            hash: status, progress, model, n_tokens, methods (json), display_name,
+                           created_at, updated_at, expires_at, bytes, timings (json), error_code, error_message
+    {p}contexts            zset id -> created_at (listing, pagination)
+    {p}expiry              zset id -> expires_at (the janitor removes what is due)
+    {p}tokens:{id}         json token ids of a queued context (deleted when it is ready)
+    {p}q:prefill           list of prefill jobs (json); {p}q:prefill:active the ones being worked on
+    {p}lease:{id}          a worker's heartbeat on a job (expires: the job is requeued)
+    {p}q:decode            list of decode requests (json)
+    {p}out:{rid}           stream of a decode request's events (token / done / error)
+    {p}cancel:{rid}        set when the client went away
+    {p}worker:{kind}:{wid} heartbeat of a live worker (expires)
+
+Registration is single-flight: a WATCH/MULTI transaction creates the record and enqueues the job
+only if no live record exists, so concurrent registrations of one document build it once.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from dataclasses import dataclass
+
+import redis
+
+STATUSES = ("queued", "prefilling", "indexing", "ready", "failed")
+ACTIVE = ("queued", "prefilling", "indexing")
+
+
+@dataclass
+class Registration:
+    id: str
+    created: bool  # a new build was queued by this call
+    record: dict
+
+
+def _decode(h: dict) -> dict:
+    out = {(k.decode() if isinstance(k, bytes) else k): (v.decode() if isinstance(v, bytes) else v) for k, v in h.items()}
+    for key in ("methods", "timings", "manifest"):
+        if key in out and out[key]:
+            out[key] = json.loads(out[key])
+    for key in ("progress", "created_at", "updated_at", "expires_at"):
+        if out.get(key) not in (None, ""):
+            out[key] = float(out[key])
+        elif key in out:
+            out[key] = None
+    for key in ("n_tokens", "bytes", "attempts"):
+        if out.get(key) not in (None, ""):
+            out[key] = int(out[key])
+    return out
+
+
+class Catalog:
+    def __init__(self, client: redis.Redis, prefix: str = "ctxcache:"):
+        self.r = client
+        self.p = prefix
+
+    # -- keys -----------------------------------------------------------------------------------
+    def k_ctx(self, cid: str) -> str:
+        return f"{self.p}ctx:{cid}"
+
+    @property
+    def k_contexts(self) -> str:
+        return f"{self.p}contexts"
+
+    @property
+    def k_expiry(self) -> str:
+        return f"{self.p}expiry"
+
+    def k_tokens(self, cid: str) -> str:
+        return f"{self.p}tokens:{cid}"
+
+    @property
+    def k_prefill(self) -> str:
+        return f"{self.p}q:prefill"
+
+    @property
+    def k_prefill_active(self) -> str:
+        return f"{self.p}q:prefill:active"
+
+    def k_lease(self, cid: str) -> str:
+        return f"{self.p}lease:{cid}"
+
+    @property
+    def k_decode(self) -> str:
+        return f"{self.p}q:decode"
+
+    def k_out(self, rid: str) -> str:
+        return f"{self.p}out:{rid}"
+
+    def k_cancel(self, rid: str) -> str:
+        return f"{self.p}cancel:{rid}"
+
+    def k_worker(self, kind: str, wid: str) -> str:
+        return f"{self.p}worker:{kind}:{wid}"
+
+    def ping(self) -> bool:
+        return bool(self.r.ping())
+
+    # -- records --------------------------------------------------------------------------------
+    def get(self, cid: str) -> dict | None:
+        h = self.r.hgetall(self.k_ctx(cid))
+        if not h:
+            return None
+        rec = _decode(h)
+        if rec.get("expires_at") and rec["expires_at"] <= time.time():
+            return None  # expired: invisible now, removed by the janitor
+        return rec
+
+    def update(self, cid: str, **fields) -> bool:
+        """Set fields on an existing record; False if the record is gone (deleted meanwhile)."""
+        enc = {k: (json.dumps(v) if isinstance(v, (dict, list)) else "" if v is None else v) for k, v in fields.items()}
+        enc["updated_at"] = time.time()
+        key = self.k_ctx(cid)
+        with self.r.pipeline() as pipe:
+            while True:
+                try:
+                    pipe.watch(key)
+                    if not pipe.exists(key):
+                        pipe.reset()
+                        return False
+                    pipe.multi()
+                    pipe.hset(key, mapping=enc)
+                    pipe.execute()
+                    return True
+                except redis.WatchError:
+                    continue
+
+    def register(
+        self,
+        cid: str,
+        record: dict,
+        token_ids: list[int],
+        wanted: dict[str, dict],
+        ttl_seconds: int | None,
+    ) -> Registration:
+        """Create the record and queue a build, unless one exists (then add missing methods).
+
+        `wanted`: method name -> {"index_id", "params"} for methods that persist an index.
+        """
+        key = self.k_ctx(cid)
+        now = time.time()
+        with self.r.pipeline() as pipe:
+            while True:
+                try:
+                    pipe.watch(key)
+                    existing = pipe.hgetall(key)
+                    cur = _decode(existing) if existing else None
+                    if cur and cur.get("expires_at") and cur["expires_at"] <= now:
+                        cur = None  # expired but not yet collected: register afresh
+                    if cur and cur["status"] != "failed":
+                        have = cur.get("methods") or {}
+                        missing = {m: v for m, v in wanted.items() if have.get(m, {}).get("index_id") != v["index_id"]}
+                        if not missing:
+                            pipe.reset()
+                            return Registration(cid, False, cur)
+                        # add indexes to a context that exists (or is being built)
+                        methods = {**have, **missing}
+                        pipe.multi()
+                        pipe.hset(key, mapping={"methods": json.dumps(methods), "updated_at": now})
+                        if cur["status"] == "ready":
+                            pipe.hset(key, mapping={"status": "indexing", "progress": 0})
+                        pipe.rpush(self.k_prefill, json.dumps({"id": cid, "kind": "index", "queued_at": now}))
+                        pipe.execute()
+                        return Registration(cid, True, {**cur, "methods": methods})
+                    rec = {
+                        **record,
+                        "id": cid,
+                        "status": "queued",
+                        "progress": 0.0,
+                        "methods": json.dumps(wanted),
+                        "created_at": now,
+                        "updated_at": now,
+                        "expires_at": now + ttl_seconds if ttl_seconds else "",
+                        "error_code": "",
+                        "error_message": "",
+                        "attempts": int(cur.get("attempts", 0)) + 1 if cur else 1,
+                    }
+                    pipe.multi()
+                    pipe.delete(key)
+                    pipe.hset(key, mapping={k: ("" if v is None else v) for k, v in rec.items()})
+                    pipe.zadd(self.k_contexts, {cid: now})
+                    if ttl_seconds:
+                        pipe.zadd(self.k_expiry, {cid: now + ttl_seconds})
+                    else:
+                        pipe.zrem(self.k_expiry, cid)
+                    pipe.set(self.k_tokens(cid), json.dumps(token_ids))
+                    pipe.rpush(self.k_prefill, json.dumps({"id": cid, "kind": "build", "queued_at": now}))
+                    pipe.execute()
+                    return Registration(cid, True, _decode(rec | {"methods": json.dumps(wanted)}))
+                except redis.WatchError:
+                    continue
+
+    def add_ready(self, cid: str, record: dict, methods: dict, manifest_summary: dict) -> None:
+        """Insert a context found on disk (catalog rebuild). No-op if the id is known."""
+        key = self.k_ctx(cid)
+        now = time.time()
+        rec = {**record, "id": cid, "status": "ready", "progress": 1.0, "methods": json.dumps(methods),
+               "created_at": manifest_summary.get("created_at", now), "updated_at": now, "expires_at": "",
+               "error_code": "", "error_message": "", "attempts": 1}
+        if self.r.hsetnx(key, "id", cid):
+            self.r.hset(key, mapping={k: ("" if v is None else v) for k, v in rec.items()})
+            self.r.zadd(self.k_contexts, {cid: rec["created_at"]})
+
+    def set_ttl(self, cid: str, ttl_seconds: int | None) -> None:
+        if ttl_seconds:
+            exp = time.time() + ttl_seconds
+            self.update(cid, expires_at=exp)
+            self.r.zadd(self.k_expiry, {cid: exp})
+        else:
+            self.update(cid, expires_at=None)
+            self.r.zrem(self.k_expiry, cid)
+
+    def delete(self, cid: str) -> dict | None:
+        rec = self.get(cid) or (_decode(self.r.hgetall(self.k_ctx(cid))) or None)
+        with self.r.pipeline() as pipe:
+            pipe.delete(self.k_ctx(cid), self.k_tokens(cid))
+            pipe.zrem(self.k_contexts, cid)
+            pipe.zrem(self.k_expiry, cid)
+            pipe.execute()
+        return rec
+
+    def list(self, offset: int = 0, limit: int = 20, model: str | None = None, status: str | None = None) -> tuple[list[dict], int]:
+        """Newest first. Returns (page, total matching)."""
+        ids = [i.decode() for i in self.r.zrevrange(self.k_contexts, 0, -1)]
+        recs = []
+        for cid in ids:
+            rec = self.get(cid)
+            if rec is None:
+                continue
+            if model and rec.get("model") != model:
+                continue
+            if status and rec.get("status") != status:
+                continue
+            recs.append(rec)
+        return recs[offset:offset + limit], len(recs)
+
+    def due_for_expiry(self, now: float | None = None) -> list[str]:
+        return [i.decode() for i in self.r.zrangebyscore(self.k_expiry, "-inf", now or time.time())]
+
+    def tokens(self, cid: str) -> list[int] | None:
+        raw = self.r.get(self.k_tokens(cid))
+        return json.loads(raw) if raw else None
+
+    def drop_tokens(self, cid: str) -> None:
+        self.r.delete(self.k_tokens(cid))
+
+    # -- prefill jobs ---------------------------------------------------------------------------
+    def claim_prefill(self, timeout_s: float, lease_s: int) -> dict | None:
+        raw = self.r.blmove(self.k_prefill, self.k_prefill_active, timeout_s, "LEFT", "RIGHT")
+        if raw is None:
+            return None
+        job = json.loads(raw)
+        job["_raw"] = raw.decode() if isinstance(raw, bytes) else raw
+        self.r.set(self.k_lease(job["id"]), "1", ex=lease_s)
+        return job
+
+    def heartbeat(self, job: dict, lease_s: int) -> None:
+        self.r.set(self.k_lease(job["id"]), "1", ex=lease_s)
+
+    def finish_prefill(self, job: dict) -> None:
+        with self.r.pipeline() as pipe:
+            pipe.lrem(self.k_prefill_active, 1, job["_raw"])
+            pipe.delete(self.k_lease(job["id"]))
+            pipe.execute()
+
+    def requeue_stale(self) -> int:
+        """Jobs whose worker stopped heart-beating (crashed) go back to the queue."""
+        n = 0
+        for raw in self.r.lrange(self.k_prefill_active, 0, -1):
+            job = json.loads(raw)
+            if not self.r.exists(self.k_lease(job["id"])):
+                if self.r.lrem(self.k_prefill_active, 1, raw):
+                    self.r.lpush(self.k_prefill, raw)
+                    n += 1
+        return n
+
+    def queue_depth(self) -> dict:
+        return {"prefill": self.r.llen(self.k_prefill), "prefill_active": self.r.llen(self.k_prefill_active),
+                "decode": self.r.llen(self.k_decode)}
+
+    # -- decode requests ------------------------------------------------------------------------
+    def submit_decode(self, request: dict) -> str:
+        rid = uuid.uuid4().hex
+        self.r.rpush(self.k_decode, json.dumps({**request, "rid": rid}))
+        return rid
+
+    def claim_decode(self, timeout_s: float) -> dict | None:
+        item = self.r.blpop([self.k_decode], timeout=timeout_s)
+        return json.loads(item[1]) if item else None
+
+    def emit(self, rid: str, event: str, data: dict, ttl_s: int = 600) -> None:
+        key = self.k_out(rid)
+        with self.r.pipeline() as pipe:
+            pipe.xadd(key, {"event": event, "data": json.dumps(data)})
+            pipe.expire(key, ttl_s)
+            pipe.execute()
+
+    def events(self, rid: str, last_id: str, block_ms: int) -> list[tuple[str, str, dict]]:
+        got = self.r.xread({self.k_out(rid): last_id}, block=block_ms)
+        out = []
+        for _, entries in got or []:
+            for eid, fields in entries:
+                f = {k.decode(): v.decode() for k, v in fields.items()}
+                out.append((eid.decode(), f["event"], json.loads(f["data"])))
+        return out
+
+    def cancel(self, rid: str) -> None:
+        self.r.set(self.k_cancel(rid), "1", ex=600)
+
+    def cancelled(self, rid: str) -> bool:
+        return bool(self.r.exists(self.k_cancel(rid)))
+
+    def cleanup_request(self, rid: str) -> None:
+        self.r.delete(self.k_out(rid), self.k_cancel(rid))
+
+    # -- workers --------------------------------------------------------------------------------
+    def worker_alive(self, kind: str, wid: str, ttl_s: int) -> None:
+        self.r.set(self.k_worker(kind, wid), json.dumps({"since": time.time()}), ex=ttl_s)
+
+    def live_workers(self, kind: str) -> int:
+        return sum(1 for _ in self.r.scan_iter(match=self.k_worker(kind, "*"), count=100))
