@@ -24,6 +24,7 @@ and may be overridden per request.
 from __future__ import annotations
 
 import importlib
+import logging
 import pkgutil
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
@@ -145,6 +146,7 @@ class SparseMethod(ABC):
 
 
 _REGISTRY: dict[str, SparseMethod] = {}
+_BROKEN: dict[str, str] = {}  # module name -> import error
 _DISCOVERED = False
 
 
@@ -163,7 +165,11 @@ def _discover() -> None:
 
     for mod in pkgutil.iter_modules(indexer.__path__):
         if not mod.name.startswith("_") and mod.name != "base":
-            importlib.import_module(f"indexer.{mod.name}")
+            try:
+                importlib.import_module(f"indexer.{mod.name}")
+            except Exception as e:  # noqa: BLE001 - one broken method module must not take the service down
+                _BROKEN[mod.name] = f"{type(e).__name__}: {e}"
+                logging.getLogger("ctxcache").error("sparse method module indexer.%s failed to import: %s", mod.name, e)
     _DISCOVERED = True
 
 
