@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import logging
+import time
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI
@@ -13,49 +14,57 @@ from service.api.routes import contexts, health
 from service.errors import error_body, install_error_handlers
 from service.runtime import Runtime
 from service.settings import Settings, get_settings
+from storage.keys import PromptHash
 
 log = logging.getLogger("ctxcache")
 
 
-class BodyLimit:
-    """413 for request bodies over the limit (declared or streamed), before any parsing."""
+class RequestGuard:
+    """Checks a request body before any route sees it: 413 over the size limit (declared or
+    streamed), 400 `invalid_utf8` for a body that is not UTF-8. The body (bounded by the limit) is
+    buffered and replayed to the app."""
 
     def __init__(self, app, max_bytes: int):
         self.app, self.max_bytes = app, max_bytes
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] != "http":
+        if scope["type"] != "http" or scope["method"] in ("GET", "HEAD", "DELETE", "OPTIONS"):
             return await self.app(scope, receive, send)
         declared = dict(scope.get("headers") or []).get(b"content-length")
         if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
-            return await self._reject(send)
-        seen = 0
-
-        async def limited_receive():
-            nonlocal seen
+            return await _reject(send, 413, "payload_too_large", f"request body exceeds {self.max_bytes} bytes")
+        parts, size, more = [], 0, True
+        while more:
             msg = await receive()
-            if msg["type"] == "http.request":
-                seen += len(msg.get("body", b""))
-                if seen > self.max_bytes:
-                    raise _TooLarge()
-            return msg
-
+            if msg["type"] == "http.disconnect":
+                return
+            parts.append(msg.get("body", b""))
+            size += len(parts[-1])
+            if size > self.max_bytes:
+                return await _reject(send, 413, "payload_too_large", f"request body exceeds {self.max_bytes} bytes")
+            more = msg.get("more_body", False)
+        body = b"".join(parts)
         try:
-            await self.app(scope, limited_receive, send)
-        except _TooLarge:
-            await self._reject(send)
+            body.decode("utf-8")
+        except UnicodeDecodeError as e:
+            return await _reject(send, 400, "invalid_utf8", f"request body is not valid UTF-8 (byte {e.start})")
+        replayed = False
 
-    async def _reject(self, send):
-        import json
+        async def replay():
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            return await receive()
 
-        body = json.dumps(error_body("payload_too_large", f"request body exceeds {self.max_bytes} bytes")).encode()
-        await send({"type": "http.response.start", "status": 413,
-                    "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
-        await send({"type": "http.response.body", "body": body})
+        await self.app(scope, replay, send)
 
 
-class _TooLarge(Exception):
-    pass
+async def _reject(send, status: int, code: str, message: str) -> None:
+    body = json.dumps(error_body(code, message)).encode()
+    await send({"type": "http.response.start", "status": status,
+                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
+    await send({"type": "http.response.body", "body": body})
 
 
 def create_app(settings: Settings | None = None, *, lm=None) -> FastAPI:
@@ -96,7 +105,7 @@ def create_app(settings: Settings | None = None, *, lm=None) -> FastAPI:
     install_error_handlers(app)
     app.include_router(health.router)
     app.include_router(contexts.router)
-    app.add_middleware(BodyLimit, max_bytes=settings.max_request_bytes)
+    app.add_middleware(RequestGuard, max_bytes=settings.max_request_bytes)
     return app
 
 
@@ -116,10 +125,17 @@ def _rebuild_catalog(rt: Runtime) -> int:
                 methods[entry["method"]] = {"params": m.Params.model_validate(entry["params"]).model_dump(), "index_id": index_id}
             except Exception:  # noqa: BLE001 - a method this build does not know: skip that index
                 continue
+        expires_at = manifest.get("expires_at")
+        if expires_at and expires_at <= time.time():
+            rt.store.delete(slug, PromptHash(cid))  # expired while the catalog was away
+            continue
         record = {"model": manifest["model"]["name"], "slug": slug, "n_tokens": manifest["n_tokens"],
-                  "prompt_format": manifest.get("prompt_format", "chat"), "display_name": "",
+                  "prompt_format": manifest.get("prompt_format", "chat"), "display_name": manifest.get("display_name", ""),
+                  "expires_at": expires_at or "",
                   "bytes": manifest["bytes"], "timings": json.dumps(manifest.get("timings", {}))}
         rt.catalog.add_ready(cid, record, methods, manifest)
+        if expires_at:
+            rt.catalog.r.zadd(rt.catalog.k_expiry, {cid: expires_at})
         n += 1
     if n:
         log.info("catalog: re-added %d contexts found on disk", n)

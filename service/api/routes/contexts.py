@@ -234,10 +234,12 @@ def _sse(rt, rid: str, cid: str, method: str, deadline: float):
             if event == "done":
                 finished = True
                 COMPLETIONS.labels(method, "ok").inc()
+                TTFT.labels(data["stats"]["cache"]).observe(data["stats"]["ttft_ms"] / 1000)
                 yield {"event": "done", "data": json.dumps({"id": rid, "context_id": cid, **data})}
                 return
             if event == "error":
                 finished = True
+                COMPLETIONS.labels(method, data["code"]).inc()
                 yield {"event": "error", "data": json.dumps({"error": data})}
                 return
             yield {"event": "token", "data": json.dumps(data)}
