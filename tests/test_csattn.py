@@ -19,10 +19,19 @@ from decoder.generate import ContextKV
 from indexer.base import IndexReader, KVView, MethodParams, PrefillCapture, get_method
 from indexer.csattn import CSAttention, CSAttnParams, build_layer, effective_lists
 
-N_CONT = 64  # continuation tokens: recall queries and teacher-forced fidelity positions
-# what the paper does (w_b = 1, a key absent from a list adds 0) and our measured improvement
-PAPER = {}
-IMPROVED = {"missing_score": "list_min", "subspace_weights": "query_norm"}
+N_CONT = 64  # teacher-forced fidelity positions after the 1984-token context
+N_RECALL = 16  # replayed decode queries for recall (tokens 1984..1999: the same index)
+PAPER = {"missing_score": "zero", "subspace_weights": "uniform"}  # the paper's reduce-by-key
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread():
+    """The model runs and searches here are many small ops: on 2 shared cores one intra-op thread
+    is several times faster than two (measured: the module took 11 min with 2 threads)."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
 
 
 class _Prebuilt(CSAttention):
@@ -72,25 +81,26 @@ def test_build_layout(doc_index, lm):
 def test_recall_real_qk(doc_index, captured_2k):
     ctx, arr = doc_index
     method = _Prebuilt(arr, ctx.n_tokens)
+    cap = truncate_capture(captured_2k, ctx.n_tokens + N_RECALL)
     out = {}
-    for name, extra in (("paper", PAPER), ("improved", IMPROVED)):
+    for name, extra in (("default", {}), ("paper", PAPER)):
         for rho in (0.05, 0.10):
-            rep = selection_recall(method, CSAttnParams(rho=rho, **extra), captured_2k, n_queries=N_CONT, ratio=rho)
+            rep = selection_recall(method, CSAttnParams(rho=rho, **extra), cap, n_queries=N_RECALL, ratio=rho)
             out[name, rho] = rep
             print(f"\ncsattn[{name}] rho={rho}: {rep.summary()}")
     for rho in (0.05, 0.10):
-        base = selection_recall(get_method("streaming"), get_method("streaming").Params(window=32), captured_2k,
-                                n_queries=N_CONT, ratio=rho)
-        print(f"streaming(sink 4 + window 32) rho={rho}: recall {base.summary()['recall']:.4f}")
-        assert out["paper", rho].recall.mean() > base.recall.mean() + 0.15
-    # measured (2026-11-21, SmolLM2-135M, 1984-token context, 64 queries): paper 0.372 / 0.367,
-    # improved 0.572 / 0.531 mean recall at rho 5% / 10%
-    assert out["paper", 0.05].recall.mean() >= 0.33
-    assert out["paper", 0.10].recall.mean() >= 0.33
-    assert out["improved", 0.05].recall.mean() >= 0.52
-    assert out["improved", 0.10].recall.mean() >= 0.48
-    assert (out["paper", 0.05].recall >= 0.05).all(), "a layer with (almost) no recall"
-    assert float(out["paper", 0.05].touched.mean()) < 0.09  # sink + window + 5%
+        base = selection_recall(get_method("streaming"), get_method("streaming").Params(window=32), cap,
+                                n_queries=N_RECALL, ratio=rho)
+        print(f"streaming (sink 4 + window 32) rho={rho}: recall {base.summary()['recall']:.4f}")
+        assert out["paper", rho].recall.mean() > base.recall.mean() + 0.1
+    # measured 2026-11-21 (SmolLM2-135M, 1984-token context, 16 queries, mean over 30 layers):
+    # default 0.629 / 0.592, paper 0.362 / 0.350, streaming 0.217 / 0.130 at rho 5% / 10%
+    assert out["default", 0.05].recall.mean() >= 0.58
+    assert out["default", 0.10].recall.mean() >= 0.54
+    assert out["paper", 0.05].recall.mean() >= 0.32
+    assert out["paper", 0.10].recall.mean() >= 0.31
+    assert (out["default", 0.05].recall >= 0.35).all(), "a layer with little recall"  # worst layer: 0.452
+    assert float(out["default", 0.05].touched.mean()) < 0.075  # sink + window + 5%: 0.068
 
 
 def test_fidelity_real_model(doc_index, captured_2k, lm):
@@ -102,22 +112,14 @@ def test_fidelity_real_model(doc_index, captured_2k, lm):
     cont = ids[n:]
     assert len(cont) == N_CONT
     kv = ContextKV(n, lambda name, layer: {"kv/k": ctx.k, "kv/v": ctx.v}[name][layer])
-    full = get_method("full")
-    ref = teacher_forced_logits(lm, kv, full.open(None, MethodParams(), n), MethodParams(), cont)
-    res = {}
-    for name, extra in (("paper", PAPER), ("improved", IMPROVED)):
-        p = CSAttnParams(**extra)
-        res[name] = fidelity(ref, teacher_forced_logits(lm, kv, get_method("csattn").open(_reader(arr), p, n), p, cont))
-        print(f"\ncsattn[{name}] fidelity vs full over {N_CONT} positions: {res[name]}")
-    sp = get_method("streaming").Params(window=32)
-    base = fidelity(ref, teacher_forced_logits(lm, kv, get_method("streaming").open(None, sp, n), sp, cont))
-    print(f"streaming(sink 4 + window 32): {base}")
-    # measured (2026-11-21): paper top-1 0.969, KL 0.0244; improved 1.000, 0.0071; streaming 0.906, 0.219
-    assert res["paper"]["top1_agreement"] >= 0.9
-    assert res["paper"]["kl_mean"] <= 0.06
-    assert res["improved"]["top1_agreement"] >= 0.95
-    assert res["improved"]["kl_mean"] <= 0.02
-    assert res["paper"]["kl_mean"] < base["kl_mean"] / 3
+    ref = teacher_forced_logits(lm, kv, get_method("full").open(None, MethodParams(), n), MethodParams(), cont)
+    p = CSAttnParams()
+    res = fidelity(ref, teacher_forced_logits(lm, kv, get_method("csattn").open(_reader(arr), p, n), p, cont))
+    print(f"\ncsattn fidelity vs full over {N_CONT} positions: {res}")
+    # measured 2026-11-21: top-1 0.828, mean KL 0.296. Same positions, for scale: exact top-5% oracle
+    # 0.906 / 0.030, paper scoring 0.422 / 2.16, streaming (sink 4 + window 32) 0.359 / 2.72
+    assert res["top1_agreement"] >= 0.75
+    assert res["kl_mean"] <= 0.45
 
 
 # ---------------------------------------------------------------------------------------------
