@@ -125,16 +125,18 @@ def sparse_attention(
     scaling: float,
 ) -> torch.Tensor:  # [KVH, G, T, D]
     """Exact attention restricted to the selected positions (context or request-local)."""
-    n, m = ctx_k.shape[1], loc_k.shape[1]
-    kvh, t, k = idx.shape
-    d = q.shape[-1]
+    n = ctx_k.shape[1]
+    kvh = idx.shape[0]
     valid = idx >= 0
-    in_ctx = (idx < n) & valid
-    ci = torch.where(in_ctx, idx, 0).reshape(kvh, t * k, 1).expand(-1, -1, d)
-    li = torch.where(valid & ~in_ctx, idx - n, 0).clamp(max=max(m - 1, 0)).reshape(kvh, t * k, 1).expand(-1, -1, d)
-    sel = in_ctx.reshape(kvh, t * k, 1)
-    k_sel = torch.where(sel, torch.gather(ctx_k, 1, ci), torch.gather(loc_k, 1, li)).view(kvh, t, k, d)
-    v_sel = torch.where(sel, torch.gather(ctx_v, 1, ci), torch.gather(loc_v, 1, li)).view(kvh, t, k, d)
+    heads = torch.arange(kvh, device=idx.device)[:, None, None].expand_as(idx)
+    # gather only the selected rows: context rows by advanced indexing, then patch request-local ones
+    k_sel = ctx_k[heads, idx.clamp(0, n - 1)]  # [KVH, T, K, D]
+    v_sel = ctx_v[heads, idx.clamp(0, n - 1)]
+    local = idx >= n
+    if bool(local.any()):
+        h_loc, p_loc = heads[local], idx[local] - n
+        k_sel[local] = loc_k[h_loc, p_loc]
+        v_sel[local] = loc_v[h_loc, p_loc]
     s = torch.einsum("hgtd,htkd->hgtk", q, k_sel) * scaling
     s = s.masked_fill(~valid[:, None], float("-inf"))
     p = torch.softmax(s.float(), dim=-1).to(q.dtype)
