@@ -341,7 +341,8 @@ def test_recall_on_real_captured_qk(captured_2k):
     for ratio in (0.05, 0.10):
         for bypass in (False, True):
             p = lfps.Params(ratio=ratio, bypass=bypass)
-            rows[(ratio, bypass)] = selection_recall(lfps, p, captured_2k, n_queries=8, ratio=ratio, layers=LAYERS).summary()
+            rows[(ratio, bypass)] = selection_recall(lfps, p, captured_2k, n_queries=8, ratio=ratio,
+                                                     layers=LAYERS).summary()
         rows[("topk", ratio)] = selection_recall(topk, topk.Params(ratio=ratio), captured_2k, n_queries=8, ratio=ratio,
                                                  layers=LAYERS).summary()
     # candidate fraction: replay the same queries once more, reading the session's stats
@@ -352,8 +353,8 @@ def test_recall_on_real_captured_qk(captured_2k):
         for i in range(8):
             pos = n_ctx + i
             q = captured_2k.q[layer, :, pos:pos + 1].reshape(spec.num_kv_heads, spec.group_size, 1, spec.head_dim)
-            kv = KVView(captured_2k.k[layer, :, :n_ctx], captured_2k.v[layer, :, :n_ctx],
-                        captured_2k.k[layer, :, n_ctx:pos + 1], captured_2k.v[layer, :, n_ctx:pos + 1], torch.tensor([pos]))
+            k, v = captured_2k.k[layer], captured_2k.v[layer]
+            kv = KVView(k[:, :n_ctx], v[:, :n_ctx], k[:, n_ctx:pos + 1], v[:, n_ctx:pos + 1], torch.tensor([pos]))
             if sess.attend(layer, q, kv) is None:
                 sess.select(layer, q, kv)
     st = sess.stats()

@@ -10,7 +10,7 @@ from pydantic import ValidationError
 from decoder.attention import dense_attention, merge_selection, sparse_attention
 from decoder.fidelity import build_index, selection_recall
 from indexer.base import IndexReader, KVView, PrefillCapture, get_method
-from indexer.psa import META_MAX, META_MEAN, META_MIN, block_criticality, block_metadata, progressive_attention
+from indexer.psa import META_MAX, META_MEAN, META_MIN, block_criticality, progressive_attention
 
 ATOL, RTOL = 2e-5, 1e-4
 
@@ -36,7 +36,8 @@ def _index(ctx_k, block_size):
     """What the prefill worker persists, for a single-layer context."""
     psa = get_method("psa")
     kvh, n, d = ctx_k.shape
-    cap = PrefillCapture(q=torch.zeros(1, kvh, n, d), k=ctx_k[None], v=ctx_k[None], positions=torch.arange(n), spec=None)
+    cap = PrefillCapture(q=torch.zeros(1, kvh, n, d), k=ctx_k[None], v=ctx_k[None], positions=torch.arange(n),
+                         spec=None)
     arrays = psa.build(cap, psa.Params(block_size=block_size))
     return IndexReader(lambda name, layer: arrays[name][layer], sorted(arrays)), arrays
 
@@ -178,7 +179,8 @@ def test_sessions_are_isolated_and_index_is_never_written():
     assert 0 in a._loc_meta and 0 not in b._loc_meta
     # b has its own, different request-local tokens
     gen = torch.Generator().manual_seed(9)
-    kv_b = KVView(kv.ctx_k, kv.ctx_v, torch.randn(2, 70, 16, generator=gen), torch.randn(2, 70, 16, generator=gen), kv.q_pos)
+    loc_k, loc_v = torch.randn(2, 70, 16, generator=gen), torch.randn(2, 70, 16, generator=gen)
+    kv_b = KVView(kv.ctx_k, kv.ctx_v, loc_k, loc_v, kv.q_pos)
     sel_b = b.select(0, q, kv_b)
     fresh = psa.open(index, params, kv.n_ctx)
     assert torch.equal(sel_b, fresh.select(0, q, kv_b))
@@ -204,8 +206,10 @@ def test_recall_on_real_captured_qk(captured_2k):
     for eps in (0.7, 0.9, 0.95):
         p = psa.Params(eps=eps)
         for ratio in (0.05, 0.10):
-            rows[(eps, ratio)] = selection_recall(psa, p, captured_2k, n_queries=8, ratio=ratio, layers=LAYERS).summary()
-    oracle = selection_recall(topk, topk.Params(ratio=0.05), captured_2k, n_queries=8, ratio=0.05, layers=LAYERS).summary()
+            rows[(eps, ratio)] = selection_recall(psa, p, captured_2k, n_queries=8, ratio=ratio,
+                                                  layers=LAYERS).summary()
+    oracle = selection_recall(topk, topk.Params(ratio=0.05), captured_2k, n_queries=8, ratio=0.05,
+                              layers=LAYERS).summary()
     for (eps, ratio), s in rows.items():
         print(f"psa eps={eps} rho={ratio:.2f}: recall {s['recall']:.3f} kv_touched {s['kv_touched']:.3f} "
               f"rel_err {s['rel_l2_err']:.3f}")
