@@ -1,0 +1,302 @@
+"""CTkvr (`ctkvr`) and the key-centric IVF baseline (`kivf`) against the exact top-K oracle (`topk`),
+StreamingLLM (`streaming`, lower bound) and dense attention (`full`), on the default model, CPU.
+
+Measured, per context length (default 2048 and 8000 tokens of the tests' deterministic document,
+`tests/conftest.py::natural_document`), all in one run so ratios compare like with like:
+
+* attention level (`decoder.fidelity.selection_recall`): recall of the exact top-K, fraction of KV
+  attended, relative L2 error of the attention output, and the mean number of keys each method
+  scores exactly (its rerank candidates, counted by wrapping `candidate_mass`), over the last
+  `--n-queries` tokens of the capture, every layer, at budgets 5% and 10%;
+* model level (first length only, `teacher_forced_logits` + `fidelity`): the last `--positions`
+  tokens of the document fed one at a time after the rest, top-1 agreement and KL(full || method);
+* decode speed: `decoder.generate.generate` over a `ContextKV` of the captured K/V (as the decode
+  worker would read them), greedy, `--gen-tokens` tokens with EOS disabled so every method decodes
+  the same number of steps; tokens/s after the first token, median of `--repeats` interleaved
+  runs, and the ratio to `full` from the same run; the method's own time per token (`select`, all
+  layers; less exposed to neighbours' load than tokens/s); index build time and size.
+
+Streaming is given the same number of tokens as the sparse budget (window = 32 + K), so it is the
+"same KV, no search" lower bound.
+
+    python benchmarks/bench_ctkvr_kivf.py --json /tmp/bench_ctkvr_kivf.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+import indexer.ctkvr as ctkvr_mod  # noqa: E402
+import indexer.kivf as kivf_mod  # noqa: E402
+from decoder.fidelity import build_index, fidelity, selection_recall, teacher_forced_logits, truncate_capture  # noqa: E402
+from decoder.generate import ContextKV, generate  # noqa: E402
+from decoder.model import load_model  # noqa: E402
+from decoder.prefill import prefill  # noqa: E402
+from indexer.base import MethodSession, get_method  # noqa: E402
+from tests.conftest import MODEL_CACHE, natural_document  # noqa: E402
+
+QUESTION = "Summarize what the engineer and the scheduler did, in detail."
+
+
+class _CandidateCounter:
+    """Wraps `candidate_mass` (the exact-rerank step) to count the keys scored per (head, query)."""
+
+    def __init__(self):
+        self.total = 0.0
+        self.calls = 0
+        self._orig = ctkvr_mod.candidate_mass
+
+    def __enter__(self):
+        def counted(q, cand, kv):
+            valid = (cand >= 0) & (cand <= kv.q_pos[None, :, None])
+            self.total += float(valid.sum(-1).double().mean())
+            self.calls += 1
+            return self._orig(q, cand, kv)
+
+        ctkvr_mod.candidate_mass = counted
+        kivf_mod.candidate_mass = counted
+        return self
+
+    def __exit__(self, *exc):
+        ctkvr_mod.candidate_mass = self._orig
+        kivf_mod.candidate_mass = self._orig
+
+    @property
+    def mean(self) -> float | None:
+        return self.total / self.calls if self.calls else None
+
+
+class _TimedSession(MethodSession):
+    """Passes through to a method session, timing `select` on one-token steps only (the question
+    step, T > 1 tokens at once, would otherwise dominate a 32-token average)."""
+
+    def __init__(self, inner: MethodSession):
+        self.inner = inner
+        self.one_token_s = 0.0
+
+    def select(self, layer, q, kv):
+        t0 = time.perf_counter()
+        out = self.inner.select(layer, q, kv)
+        if q.shape[2] == 1:
+            self.one_token_s += time.perf_counter() - t0
+        return out
+
+    def append(self, layer, k, v, positions):
+        self.inner.append(layer, k, v, positions)
+
+    def attend(self, layer, q, kv):
+        return self.inner.attend(layer, q, kv)
+
+
+def configs(n: int, ratio: float) -> list[tuple[str, str, dict]]:
+    """(label, method, params) at one budget; K = ceil(ratio x n)."""
+    k = math.ceil(ratio * n)
+    return [
+        (f"topk {ratio:.0%}", "topk", {"ratio": ratio}),
+        (f"streaming (window 32+K) {ratio:.0%}", "streaming", {"window": 32 + k}),
+        (f"ctkvr {ratio:.0%}", "ctkvr", {"ratio": ratio, "list_size": math.ceil(2.5 * ratio * n)}),
+        (f"kivf {ratio:.0%}", "kivf", {"ratio": ratio}),
+    ]
+
+
+def machine() -> dict:
+    def sh(cmd):
+        try:
+            return subprocess.run(cmd, shell=True, capture_output=True, text=True, timeout=10).stdout.strip()
+        except Exception as e:  # noqa: BLE001 - informational only
+            return f"unavailable: {e}"
+
+    return {
+        "lscpu_head": sh("lscpu | head"),
+        "nproc": sh("nproc"),
+        "loadavg_start": sh("cat /proc/loadavg"),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "torch_threads": torch.get_num_threads(),
+        "date_utc": time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime()),
+    }
+
+
+def index_bytes(index, n_layers: int) -> int:
+    if index is None:
+        return 0
+    return sum(t.numel() * t.element_size() for name in index.names for t in (index.layer(name, i) for i in range(n_layers)))
+
+
+def bench_recall(cap, n_queries: int, ratios: list[float]) -> list[dict]:
+    rows = []
+    n_ctx = cap.n_tokens - n_queries
+    for ratio in ratios:
+        for label, name, kw in configs(n_ctx, ratio):
+            m = get_method(name)
+            params = m.Params(**kw)
+            t0 = time.perf_counter()
+            with _CandidateCounter() as cc:
+                rep = selection_recall(m, params, cap, n_queries=n_queries, ratio=ratio)
+            s = rep.summary()
+            rows.append({
+                "config": label, "ratio": ratio, "recall": s["recall"], "kv_touched": s["kv_touched"],
+                "rel_l2_err": s["rel_l2_err"], "scored_keys": cc.mean, "k": s["k"], "wall_s": time.perf_counter() - t0,
+                "recall_min_layer": min(s["recall_per_layer"]),
+            })
+            print(json.dumps(rows[-1]), flush=True)
+    return rows
+
+
+def bench_fidelity(lm, cap, ids: list[int], positions: int, ratios: list[float]) -> list[dict]:
+    n_ctx = cap.n_tokens - positions
+    ctx_cap = truncate_capture(cap, n_ctx)
+    ctx = ContextKV(n_ctx, lambda name, layer: (ctx_cap.k if name == "kv/k" else ctx_cap.v)[layer])
+    cont = ids[n_ctx:n_ctx + positions]
+    full = get_method("full")
+    fp = full.Params()
+    ref = teacher_forced_logits(lm, ctx, full.open(None, fp, n_ctx), fp, cont)
+    rows = []
+    for ratio in ratios:
+        for label, name, kw in configs(n_ctx, ratio):
+            m = get_method(name)
+            params = m.Params(**kw)
+            index = build_index(m, params, ctx_cap)
+            t0 = time.perf_counter()
+            logits = teacher_forced_logits(lm, ctx, m.open(index, params, n_ctx), params, cont)
+            f = fidelity(ref, logits)
+            rows.append({"config": label, "ratio": ratio, **f, "wall_s": time.perf_counter() - t0})
+            print(json.dumps(rows[-1]), flush=True)
+    return rows
+
+
+def bench_decode(lm, cap, gen_tokens: int, repeats: int, ratio: float) -> list[dict]:
+    n = cap.n_tokens
+    ctx = ContextKV(n, lambda name, layer: (cap.k if name == "kv/k" else cap.v)[layer])
+    lm_noeos = dataclasses.replace(lm, eos_token_ids=())
+    q_ids = lm.question_ids(QUESTION)
+    todo = [("full", "full", {})] + configs(n, ratio)
+    built = {}
+    for label, name, kw in todo:
+        m = get_method(name)
+        params = m.Params(**kw)
+        t0 = time.perf_counter()
+        index = build_index(m, params, cap)
+        built[label] = (m, params, index, time.perf_counter() - t0, index_bytes(index, lm.spec.num_layers))
+    times: dict[str, list[float]] = {label: [] for label, _, _ in todo}
+    extra: dict[str, dict] = {}
+    sel_ms: dict[str, list[float]] = {}
+    for _ in range(repeats):  # interleaved, so a load spike from a neighbour hits every method alike
+        for label, _, _ in todo:
+            m, params, index, _, _ = built[label]
+            session = _TimedSession(m.open(index, params, n))
+            res = generate(lm_noeos, ctx, session, params, q_ids, max_tokens=gen_tokens)
+            steps = res.stats.steps
+            times[label].append((steps - 1) / res.decode_s)
+            sel_ms.setdefault(label, []).append(session.one_token_s / (steps - 1) * 1e3)
+            extra[label] = {
+                "steps": steps, "kv_fraction": res.stats.kv_fraction,
+                "select_share": res.stats.select_s / max(res.ttft_s + res.decode_s, 1e-9),
+                "first_tokens": res.token_ids[:8],
+            }
+    full_tps = statistics.median(times["full"])
+    rows = []
+    for label, name, _ in todo:
+        tps = statistics.median(times[label])
+        rows.append({
+            "config": label, "n_ctx": n, "tokens_per_s": tps, "vs_full": tps / full_tps, "runs_tps": times[label],
+            "select_ms_per_token": statistics.median(sel_ms[label]),
+            "build_s": built[label][3], "index_mb": built[label][4] / 2**20, **extra[label],
+        })
+        print(json.dumps(rows[-1]), flush=True)
+    return rows
+
+
+def render_markdown(out: dict) -> str:
+    """The tables of RESULTS_ctkvr_kivf.md from a --json result."""
+    lines = []
+    for n, res in out["lengths"].items():
+        lines += [f"### {n}-token context (prefill {res['prefill_s']:.0f} s)", ""]
+        if "recall" in res:
+            lines += ["Attention level, last 16 tokens as queries, all 30 layers:", "",
+                      "| config | recall of exact top-K | worst layer | KV touched | rel. L2 err | keys scored exactly |",
+                      "|---|---|---|---|---|---|"]
+            for r in res["recall"]:
+                scored = r["scored_keys"]
+                sk = f"{scored:.0f}" if scored is not None else "all" if r["config"].startswith("topk") else "0"
+                lines.append(f"| {r['config']} | {r['recall']:.3f} | {r['recall_min_layer']:.3f} | {r['kv_touched']:.3f} "
+                             f"| {r['rel_l2_err']:.3f} | {sk} |")
+            lines.append("")
+        if "fidelity" in res:
+            lines += ["Teacher-forced, 64 positions after the context, vs `full`:", "",
+                      "| config | top-1 agreement | mean KL | max KL |", "|---|---|---|---|"]
+            for r in res["fidelity"]:
+                lines.append(f"| {r['config']} | {r['top1_agreement']:.3f} | {r['kl_mean']:.4f} | {r['kl_max']:.3f} |")
+            lines.append("")
+        if "decode" in res:
+            full_runs = next(r["runs_tps"] for r in res["decode"] if r["config"] == "full")
+            lines += ["Greedy decode, 32 tokens; tokens/s = median over the interleaved rounds; per-round ratio = "
+                      "median over rounds of (method / full in the same round):", "",
+                      "| config | tokens/s | vs full (medians) | vs full (per-round ratio) | select ms/token (30 layers) "
+                      "| KV touched | index MB | build s |",
+                      "|---|---|---|---|---|---|---|---|"]
+            for r in res["decode"]:
+                per_round = statistics.median(a / b for a, b in zip(r["runs_tps"], full_runs))
+                lines.append(f"| {r['config']} | {r['tokens_per_s']:.2f} | {r['vs_full']:.2f} | {per_round:.2f} "
+                             f"| {r['select_ms_per_token']:.1f} | {r['kv_fraction']:.3f} | {r['index_mb']:.1f} "
+                             f"| {r['build_s']:.1f} |")
+            lines.append("")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--lengths", type=int, nargs="+", default=[2048, 8000])
+    ap.add_argument("--ratios", type=float, nargs="+", default=[0.05, 0.10])
+    ap.add_argument("--n-queries", type=int, default=16)
+    ap.add_argument("--positions", type=int, default=64, help="teacher-forced positions (first length only)")
+    ap.add_argument("--gen-tokens", type=int, default=32)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=1, help="torch threads (1: stable timings on shared cores)")
+    ap.add_argument("--parts", nargs="+", default=["recall", "fidelity", "decode"], choices=["recall", "fidelity", "decode"])
+    ap.add_argument("--json", type=Path, default=None)
+    ap.add_argument("--render", type=Path, default=None, help="print the markdown tables of an earlier --json and exit")
+    args = ap.parse_args()
+    if args.render:
+        print(render_markdown(json.loads(args.render.read_text())))
+        return
+    torch.set_num_threads(args.threads)
+    out = {"machine": machine(), "args": {k: str(v) for k, v in vars(args).items()}, "lengths": {}}
+    lm = load_model("smollm2-135m", MODEL_CACHE)
+    for i, n in enumerate(args.lengths):
+        ids = lm.context_ids(natural_document(max(1750, int(n * 0.86))))[:n]
+        assert len(ids) == n, f"document too short: {len(ids)} < {n}"
+        t0 = time.perf_counter()
+        cap = prefill(lm, ids)
+        res = {"prefill_s": time.perf_counter() - t0}
+        print(f"# n={n}: prefill {res['prefill_s']:.1f}s", flush=True)
+        if "recall" in args.parts:
+            res["recall"] = bench_recall(cap, args.n_queries, args.ratios)
+        if i == 0 and "fidelity" in args.parts:
+            res["fidelity"] = bench_fidelity(lm, cap, ids, args.positions, args.ratios)
+        if "decode" in args.parts:
+            res["decode"] = bench_decode(lm, cap, args.gen_tokens, args.repeats, args.ratios[0])
+        out["lengths"][str(n)] = res
+        del cap
+    out["machine"]["loadavg_end"] = open("/proc/loadavg").read().strip()
+    if args.json:
+        args.json.write_text(json.dumps(out, indent=1))
+    print(json.dumps(out["machine"], indent=1))
+
+
+if __name__ == "__main__":
+    main()

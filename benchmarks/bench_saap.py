@@ -1,0 +1,271 @@
+"""SAAP (`saap`) on the default model, CPU: training cost, selectivity, recall, fidelity, speed vs `full`.
+
+Measured in one run (1 torch thread by default: on 2 shared cores it is the fastest setting):
+
+* training, `small` preset (C = 32, hidden 128, 300 steps x 256 queries, four 1,024-token windows
+  of the built-in corpus, every layer 1-29): wall time of capture, k-means and f_q per layer;
+* the `full` preset's training time, ESTIMATED (not run): one 8,192-token window is captured
+  through 2 layers (x15 -> 30 layers, x40 windows), `--full-steps-timed` Adam steps of the full
+  classifier (C = 1024, hidden 1024, batch 1000) are timed on it (x 40,000 steps x 29 layers), and
+  one k-means at full size (40 x 8,191 keys, C = 1024, 10 iterations; x 87 KV heads);
+* on a held-out ~2K-token document (`tests/conftest.py::natural_document`, not in the corpus):
+  - bucket level, every SAAP layer: attention mass beyond the dense part captured by the
+    classifier's top-ℓ buckets vs centroid probing at the same selectivity
+    (`indexer._saap_train.bucket_mass_eval`);
+  - attention level (`decoder.fidelity.selection_recall`, last 16 tokens as queries, all 30
+    layers): recall of the exact top-5%, KV touched, relative L2 error of the attention output;
+  - model level: the 64 tokens after the context fed teacher-forced, top-1 agreement and
+    KL(full || method) (`teacher_forced_logits` + `fidelity`);
+  - decode: greedy generation, `--gen-tokens` tokens, EOS disabled, median tokens/s of
+    `--repeats` interleaved runs vs `full`; SAAP's per-step selectivity from its session.
+  Baselines in the same run: `full`, `streaming` and exact `topk` given SAAP's measured budget.
+
+    python benchmarks/bench_saap.py --json /tmp/bench_saap.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from decoder.fidelity import build_index, fidelity, selection_recall, teacher_forced_logits, truncate_capture  # noqa: E402
+from decoder.generate import ContextKV, generate  # noqa: E402
+from decoder.model import load_model  # noqa: E402
+from decoder.prefill import prefill  # noqa: E402
+from decoder.rope import undo_rope  # noqa: E402
+from indexer import _saap_train as tr  # noqa: E402
+from indexer.base import get_method  # noqa: E402
+from indexer.saap import SaapModel  # noqa: E402
+from tests.conftest import MODEL_CACHE, natural_document  # noqa: E402
+
+QUESTION = "Summarize what the engineer and the scheduler did, in detail."
+
+
+def machine() -> dict:
+    def sh(cmd):
+        try:
+            return subprocess.run(cmd, shell=True, capture_output=True, text=True, timeout=10).stdout.strip()
+        except Exception as e:  # noqa: BLE001 - informational only
+            return f"unavailable: {e}"
+
+    return {"lscpu_model": sh("lscpu | grep 'Model name'"), "nproc": sh("nproc"), "date": sh("date"),
+            "loadavg_start": sh("cat /proc/loadavg"), "python": platform.python_version(), "torch": torch.__version__,
+            "torch_threads": torch.get_num_threads()}
+
+
+def bench_train_small(lm, out: Path) -> dict:
+    t0 = time.perf_counter()
+    path = tr.train_saap(lm, tr.settings_from("small"), out_dir=out, progress=True)
+    wall = time.perf_counter() - t0
+    m = json.loads((path / "manifest.json").read_text())
+    layers = m["layers"].values()
+    res = {"wall_s": wall, "capture_s": m["timings"]["capture_s"],
+           "kmeans_s": sum(x.get("kmeans_s", 0) for x in layers), "classifier_s": sum(x.get("train_s", 0) for x in layers),
+           "layers": len(m["layers"]), "kl_first_mean": statistics.mean(x["kl_first"] for x in layers),
+           "kl_last_mean": statistics.mean(x["kl_last"] for x in layers),
+           "balance_train_mean": statistics.mean(b for x in layers for b in x["balance_train"]),
+           "resumed": any(x.get("resumed") for x in layers), "digest": m["digest"], "corpus_tokens": m["corpus"]["tokens"]}
+    print(json.dumps(res), flush=True)
+    return res
+
+
+def bench_full_estimate(lm, steps_timed: int) -> dict:
+    """Time the pieces of the `full` preset at their real sizes and extrapolate (an estimate)."""
+    s = tr.settings_from("full")
+    spec = lm.spec
+    n = min(s.doc_tokens, spec.max_positions)
+    from indexer._saap_corpus import builtin_corpus
+
+    text = builtin_corpus(1, int(n * 0.75) + 50, seed=777)[0][1]
+    ids = lm.context_ids(text)[:n]
+    t0 = time.perf_counter()
+    cap = tr.capture_first_layers(lm, ids, 2)
+    capture_2l = time.perf_counter() - t0
+    q, k = cap.q[1].float(), cap.k[1].float()
+    pos = torch.arange(len(ids))
+    qd, kd = undo_rope(q, pos, spec.rope_theta), undo_rope(k, pos, spec.rope_theta)
+    # one k-means at full size: 40 windows' worth of keys (this window's keys + small noise, x40)
+    g = torch.Generator().manual_seed(0)
+    x = torch.cat([kd[0, 1:] + 0.01 * torch.randn(kd.shape[1] - 1, kd.shape[2], generator=g) for _ in range(s.n_docs)])
+    t0 = time.perf_counter()
+    tr.kmeans(x, s.clusters, s.kmeans_iters, 0)
+    kmeans_1 = time.perf_counter() - t0
+    cent = torch.stack([tr.kmeans(kd[h, 1:], s.clusters, 2, h) for h in range(spec.num_kv_heads)])  # any centroids
+    timed = s.model_copy(update={"steps": steps_timed})
+    t0 = time.perf_counter()
+    tr._train_layer([q], [k], [kd], [qd], cent, timed, s.min_distance_for(n), spec.group_size, g)
+    step_s = (time.perf_counter() - t0) / steps_timed
+    layers = spec.num_layers - 1
+    est = {
+        "window_tokens": len(ids), "capture_2_layers_s": capture_2l, "kmeans_one_head_s": kmeans_1,
+        "step_s": step_s, "steps_timed": steps_timed,
+        "est_capture_s": capture_2l * spec.num_layers / 2 * s.n_docs,
+        "est_kmeans_s": kmeans_1 * layers * spec.num_kv_heads,
+        "est_classifier_s": step_s * s.steps * layers,
+    }
+    est["est_total_h"] = (est["est_capture_s"] + est["est_kmeans_s"] + est["est_classifier_s"]) / 3600
+    print(json.dumps(est), flush=True)
+    return est
+
+
+def bench_buckets(model: SaapModel, cap, ells: list[int], recent: int) -> list[dict]:
+    n = cap.n_tokens
+    qpos = torch.arange(n // 2, n, 16)
+    rows = []
+    for ell in ells:
+        per = [tr.bucket_mass_eval(model, layer, cap.q[layer], cap.k[layer], qpos, ell, recent) for layer in sorted(model.layers)]
+        row = {"nprobe": ell, **{key: statistics.mean(r[key] for r in per) for key in ("classifier", "centroid", "oracle", "selectivity")},
+               "layers_classifier_wins": sum(r["classifier"] > r["centroid"] for r in per), "layers": len(per)}
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    return rows
+
+
+def configs(model_dir: str, ells: list[int]) -> list[tuple[str, str, dict]]:
+    out = []
+    for ell in ells:
+        out.append((f"saap ℓ={ell}", "saap", {"model_dir": model_dir, "nprobe": ell}))
+        out.append((f"k-means probe ℓ={ell}", "saap", {"model_dir": model_dir, "nprobe": ell, "probe": "centroid"}))
+    return out
+
+
+def baselines(budget: float, n: int) -> list[tuple[str, str, dict]]:
+    return [(f"topk {budget:.1%}", "topk", {"ratio": budget}),
+            (f"streaming ({budget:.1%})", "streaming", {"sink": 1, "window": max(1, round(budget * n) - 1)})]
+
+
+def bench_recall(cap, todo, n_queries: int) -> list[dict]:
+    rows = []
+    for label, name, kw in todo:
+        m = get_method(name)
+        params = m.Params(**kw)
+        t0 = time.perf_counter()
+        s = selection_recall(m, params, cap, n_queries=n_queries, ratio=0.05).summary()
+        rows.append({"config": label, "recall_top5pct": s["recall"], "kv_touched": s["kv_touched"],
+                     "rel_l2_err": s["rel_l2_err"], "recall_min_layer": min(s["recall_per_layer"]),
+                     "wall_s": time.perf_counter() - t0})
+        print(json.dumps(rows[-1]), flush=True)
+    return rows
+
+
+def bench_fidelity(lm, cap, ids, positions: int, todo) -> list[dict]:
+    n_ctx = cap.n_tokens
+    ctx = ContextKV(n_ctx, lambda name, layer: (cap.k if name == "kv/k" else cap.v)[layer])
+    cont = ids[n_ctx:n_ctx + positions]
+    full = get_method("full")
+    ref = teacher_forced_logits(lm, ctx, full.open(None, full.Params(), n_ctx), full.Params(), cont)
+    rows = []
+    for label, name, kw in todo:
+        m = get_method(name)
+        params = m.Params(**kw)
+        index = build_index(m, params, cap)
+        session = m.open(index, params, n_ctx)
+        t0 = time.perf_counter()
+        logits = teacher_forced_logits(lm, ctx, session, params, cont)
+        row = {"config": label, **fidelity(ref, logits), "wall_s": time.perf_counter() - t0}
+        if hasattr(session, "selectivity"):
+            row["selectivity_mean"] = statistics.mean(session.selectivity)
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    return rows
+
+
+def bench_decode(lm, cap, todo, gen_tokens: int, repeats: int) -> list[dict]:
+    n = cap.n_tokens
+    ctx = ContextKV(n, lambda name, layer: (cap.k if name == "kv/k" else cap.v)[layer])
+    lm_noeos = dataclasses.replace(lm, eos_token_ids=())
+    q_ids = lm.question_ids(QUESTION)
+    todo = [("full", "full", {})] + todo
+    built = {}
+    for label, name, kw in todo:
+        m = get_method(name)
+        params = m.Params(**kw)
+        t0 = time.perf_counter()
+        index = build_index(m, params, cap)
+        size = 0 if index is None else sum(index.layer(a, i).numel() * index.layer(a, i).element_size()
+                                           for a in index.names for i in range(lm.spec.num_layers))
+        built[label] = (m, params, index, time.perf_counter() - t0, size)
+    times: dict[str, list[float]] = {label: [] for label, _, _ in todo}
+    sel_ms: dict[str, list[float]] = {label: [] for label, _, _ in todo}
+    extra: dict[str, dict] = {}
+    for _ in range(repeats):  # interleaved: a neighbour's load spike hits every method alike
+        for label, _, _ in todo:
+            m, params, index, _, _ = built[label]
+            session = m.open(index, params, n)
+            res = generate(lm_noeos, ctx, session, params, q_ids, max_tokens=gen_tokens)
+            times[label].append((res.stats.steps - 1) / res.decode_s)
+            sel_ms[label].append(res.stats.select_s / res.stats.steps * 1e3)
+            extra[label] = {"kv_fraction_all_layers": res.stats.kv_fraction, "first_tokens": res.token_ids[:8]}
+            if hasattr(session, "selectivity"):
+                extra[label]["selectivity_per_step"] = [round(x, 4) for x in session.selectivity]
+    full_tps = statistics.median(times["full"])
+    rows = []
+    for label, _, _ in todo:
+        tps = statistics.median(times[label])
+        rows.append({"config": label, "tokens_per_s": tps, "vs_full": tps / full_tps, "runs_tps": times[label],
+                     "select_ms_per_token": statistics.median(sel_ms[label]), "build_s": built[label][3],
+                     "index_mb": built[label][4] / 2**20, **extra[label]})
+        print(json.dumps({k: v for k, v in rows[-1].items() if k != "selectivity_per_step"}), flush=True)
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", type=Path, default=Path("/tmp/ctxcache-bench-saap"), help="trained small model goes here")
+    ap.add_argument("--n-ctx", type=int, default=2048)
+    ap.add_argument("--ells", type=int, nargs="+", default=[1, 2, 4])
+    ap.add_argument("--n-queries", type=int, default=16)
+    ap.add_argument("--positions", type=int, default=64)
+    ap.add_argument("--gen-tokens", type=int, default=32)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--full-steps-timed", type=int, default=5)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--json", type=Path, default=None)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    out = {"machine": machine(), "args": {k: str(v) for k, v in vars(args).items()}}
+    lm = load_model("smollm2-135m", MODEL_CACHE)
+
+    out["train_small"] = bench_train_small(lm, args.out)
+    out["train_full_estimate"] = bench_full_estimate(lm, args.full_steps_timed)
+
+    ids = lm.context_ids(natural_document(1900))
+    assert len(ids) >= args.n_ctx + args.positions, len(ids)
+    t0 = time.perf_counter()
+    cap = prefill(lm, ids[:args.n_ctx])
+    out["prefill_s"] = time.perf_counter() - t0
+    model = SaapModel.open(args.out)
+    recent = get_method("saap").Params().recent_for(args.n_ctx)
+    out["buckets"] = bench_buckets(model, cap, sorted(set(args.ells + [8])), recent)
+
+    saap_cfgs = configs(str(args.out), args.ells)
+    out["recall"] = bench_recall(cap, saap_cfgs, args.n_queries)
+    out["fidelity"] = bench_fidelity(lm, cap, ids, args.positions, saap_cfgs)
+    # baselines at the budget SAAP measured at the middle ℓ (teacher-forced mean selectivity)
+    mid = f"saap ℓ={args.ells[len(args.ells) // 2]}"
+    budget = next(r["selectivity_mean"] for r in out["fidelity"] if r["config"] == mid)
+    base = baselines(budget, args.n_ctx)
+    out["recall"] += bench_recall(cap, base, args.n_queries)
+    out["fidelity"] += bench_fidelity(lm, cap, ids, args.positions, base)
+    dec = [c for c in saap_cfgs if c[0] == mid or c[0] == f"saap ℓ={args.ells[0]}"]
+    out["decode"] = bench_decode(lm, cap, dec + base, args.gen_tokens, args.repeats)
+    out["machine"]["loadavg_end"] = open("/proc/loadavg").read().strip()
+    if args.json:
+        args.json.write_text(json.dumps(out, indent=1))
+    print(json.dumps(out["machine"], indent=1))
+
+
+if __name__ == "__main__":
+    main()
