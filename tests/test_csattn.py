@@ -322,7 +322,10 @@ def test_params_validation():
     p = CSAttnParams(schedule="0.15-step-4").with_overrides({"rho": 0.1})
     assert (p.keep_ratio, p.search_period) == (0.1, 4)
     assert CSAttnParams().build_params() == {"m": 8, "n_centroids": 64, "alpha": 0.2, "list_len": None,
-                                             "iterations": 10, "seed": 0, "train_queries": 32768}
+                                             "min_list_len": 256, "iterations": 10, "seed": 0,
+                                             "train_queries": 32768}
+    # alpha * N with a floor for short contexts, never more than N
+    assert [CSAttnParams().list_size(n) for n in (100, 560, 2048)] == [100, 256, 410]
     method = get_method("csattn")
     assert method.index_id(CSAttnParams(rho=0.2)) == method.index_id(CSAttnParams())
     assert method.index_id(CSAttnParams(m=4)) != method.index_id(CSAttnParams())
