@@ -123,18 +123,19 @@ def init_tables(q: torch.Tensor, k: torch.Tensor, steps: int, gamma: float, tabl
     """One layer, one KV head. q [G, N, D], k [N, D] -> vertical [N], slash [N] (offsets 0..N-1)."""
     g, n, d = q.shape
     r = min(steps, n)
-    p = torch.arange(n - r, n)  # positions of the queries used
+    dev = k.device
+    p = torch.arange(n - r, n, device=dev)  # positions of the queries used
     s = torch.einsum("grd,nd->grn", q[:, n - r:].float(), k.float()) * d ** -0.5
-    s = s.masked_fill(torch.arange(n)[None, None, :] > p[None, :, None], float("-inf"))
+    s = s.masked_fill(torch.arange(n, device=dev)[None, None, :] > p[None, :, None], float("-inf"))
     w = torch.softmax(s, dim=-1).mean(0)  # [r, N] group mean
     w[:, :table_sink] = 0
     w = w / w.sum(-1, keepdim=True).clamp_min(1e-30)
-    coef = 0.5 * gamma ** torch.arange(r - 1, -1, -1, dtype=torch.float64) / (1 - gamma ** r)  # [r]
+    coef = 0.5 * gamma ** torch.arange(r - 1, -1, -1, dtype=torch.float64, device=dev) / (1 - gamma ** r)  # [r]
     wc = w * coef.float()[:, None]
     vertical = wc.sum(0)
-    off = p[:, None] - torch.arange(n)[None, :]  # [r, N]
+    off = p[:, None] - torch.arange(n, device=dev)[None, :]  # [r, N]
     ok = off >= 0
-    slash = torch.zeros(n + 1).index_add_(0, torch.where(ok, off, n).reshape(-1), wc.reshape(-1))[:n]
+    slash = torch.zeros(n + 1, device=dev).index_add_(0, torch.where(ok, off, n).reshape(-1), wc.reshape(-1))[:n]
     return vertical, slash
 
 
@@ -446,9 +447,9 @@ class LFPS(SparseMethod):
         kvh = k.shape[1]
         g = h // kvh
         ts = min(params.table_sink, n - 1)
-        vert = torch.zeros(nl, kvh, n)
-        slash = torch.zeros(nl, kvh, n)
-        var_ratio = torch.zeros(nl, h)
+        vert = torch.zeros(nl, kvh, n, device=k.device)
+        slash = torch.zeros(nl, kvh, n, device=k.device)
+        var_ratio = torch.zeros(nl, h, device=k.device)
         for layer in range(nl):
             for kh in range(kvh):
                 qg = q[layer, kh * g:(kh + 1) * g]  # [G, N, D]

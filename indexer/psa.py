@@ -105,7 +105,7 @@ def block_metadata(k: torch.Tensor, block_size: int) -> torch.Tensor:
     kf = k.float()
     kmin = F.pad(kf, (0, 0, 0, pad), value=float("inf")).view(kvh, nb, block_size, d).amin(2)
     kmax = F.pad(kf, (0, 0, 0, pad), value=float("-inf")).view(kvh, nb, block_size, d).amax(2)
-    cnt = torch.full((nb,), float(block_size))
+    cnt = torch.full((nb,), float(block_size), device=k.device)
     cnt[-1] = n - (nb - 1) * block_size
     mean = F.pad(kf, (0, 0, 0, pad)).view(kvh, nb, block_size, d).sum(2) / cnt[None, :, None]
     return torch.stack([kmin, kmax, mean], dim=2)
