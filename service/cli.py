@@ -224,5 +224,85 @@ def delete(cid: str = typer.Argument(..., metavar="ID"), url: str = UrlOpt):
     typer.echo(f"deleted {cid}")
 
 
+
+# ---- offline training ------------------------------------------------------------------------
+
+train_app = typer.Typer(help="offline, once per model: train what a sparse method needs (SAAP's classifier)",
+                        no_args_is_help=True)
+app.add_typer(train_app, name="train")
+
+
+@train_app.command("saap")
+def train_saap(
+    model: Optional[str] = typer.Option(None, help="smollm2-135m (default), a .gguf file or an HF model directory"),
+    corpus: Optional[Path] = typer.Option(None, help="directory of .txt files [built-in seeded corpus]"),
+    out: Optional[Path] = typer.Option(None, help="output directory [<data-dir>/saap/<model fingerprint[:16]>]"),
+    data_dir: Optional[Path] = typer.Option(None, help="data directory (model cache, default output) [./data]"),
+    preset: str = typer.Option("full", help="full (the paper's sizes) or small (a few minutes on 2 CPU cores)"),
+    clusters: Optional[int] = typer.Option(None, help="C, k-means buckets per layer and KV head [full 1024, small 32]"),
+    steps: Optional[int] = typer.Option(None, help="Adam steps per layer [full 40000, small 300]"),
+    hidden: Optional[int] = typer.Option(None, help="classifier hidden width [full 1024, small 128]"),
+    docs: Optional[int] = typer.Option(None, help="training windows [full 40, small 4]"),
+    doc_tokens: Optional[int] = typer.Option(None, help="tokens per window [full 8192, small 1024]"),
+    layers: Optional[str] = typer.Option(None, help="layers to train, e.g. '1-5' or '1,3,7' [1..L-1]; others run full attention"),
+    seed: int = typer.Option(0, help="seed of k-means, initialization and sampling"),
+    keep_cache: bool = typer.Option(False, help="keep the captured corpus Q/K after training"),
+    threads: Optional[int] = typer.Option(None, help="torch threads [torch's default; 1 was fastest on 2 shared cores]"),
+):
+    """Train SAAP (key k-means + query classifier) for a model. Resumable: rerun the same command."""
+    from decoder.model import load_model
+    from indexer._saap_train import settings_from, train_saap as _train
+
+    _logging()
+    s = _settings(data_dir=data_dir, model=model)
+    layer_list = None
+    try:
+        if layers:
+            layer_list = []
+            for part in layers.split(","):
+                a, _, b = part.strip().partition("-")
+                layer_list += list(range(int(a), int(b) + 1)) if b else [int(a)]
+        ts = settings_from(preset, clusters=clusters, steps=steps, hidden=hidden, n_docs=docs, doc_tokens=doc_tokens,
+                           layers=tuple(layer_list) if layer_list else None, seed=seed)
+    except ValueError as e:
+        typer.echo(f"invalid settings: {e}", err=True)
+        raise typer.Exit(2)
+    if threads:
+        import torch
+
+        torch.set_num_threads(threads)
+    lm = load_model(s.model, s.data_dir)
+    t0 = time.perf_counter()
+    path = _train(lm, ts, out_dir=out, data_dir=s.data_dir, corpus_dir=corpus, keep_cache=keep_cache)
+    manifest = json.loads((path / "manifest.json").read_text())
+    typer.echo(f"saap model for {lm.spec.name} in {path} ({len(manifest['layers'])} layers, C={ts.clusters}, "
+               f"digest {manifest['digest'][:16]}, {time.perf_counter() - t0:.0f} s)")
+
+
+# ---- evaluation ------------------------------------------------------------------------------
+
+
+@app.command("eval")
+def eval_(
+    config: Path = typer.Argument(..., exists=True, dir_okay=False, help="evaluation config (.toml or .json)"),
+    out: Path = typer.Option(..., "--out", "-o", help="output directory: results.json, results.md, plots"),
+):
+    """Compare sparse methods on the same stored artifacts (fidelity, attention recall, RULER-style tasks)."""
+    from pydantic import ValidationError
+
+    from service.evaluation.harness import load_config, run_eval
+
+    _logging()
+    try:
+        cfg = load_config(config)
+    except (ValidationError, ValueError) as e:
+        typer.echo(f"invalid config {config}: {e}", err=True)
+        raise typer.Exit(2)
+    t0 = time.perf_counter()
+    results = run_eval(cfg, out)
+    typer.echo(f"eval {cfg.name}: {time.perf_counter() - t0:.0f} s; results in {out}/results.json, results.md "
+               f"and {len(list(out.glob('*.png')))} plots")
+
+
 if __name__ == "__main__":
     app()
