@@ -1,0 +1,741 @@
+"""`ctxcache eval`: compare sparse methods on the same stored artifacts, through the service's code path.
+
+Per document (a fidelity document or a task sample):
+
+1. *prefill worker path* (`Artifacts.ensure`, as `service/workers.py::PrefillWorker._build`): prompt
+   hash over (model, tokenizer, token ids); if the context is not in the store yet, prefill once,
+   `method.build` every index the config needs, `ContextStore.publish`; if it is, build only the
+   missing indexes (`add_indexes`). A data dir is reused across runs: nothing already published is
+   recomputed.
+2. *decode worker path* (`ContextReader`, as `DecodeWorker._answer`): `ContextStore.open`, per-layer
+   arrays through a `DramTier`, `IndexReader` for the method's index, `method.open`, and
+   `decoder.generate` / `decoder.fidelity.teacher_forced_logits` on a `ContextKV`.
+
+Measurements:
+
+* model level (any length): a continuation of the document is teacher-forced after the stored
+  context with `full` (the reference) and with every method run; `decoder.fidelity.fidelity` gives
+  top-1 agreement and KL(full || method) per position (mean and max reported).
+* attention level (any length): the reference run records every layer's real decode queries and the
+  keys/values the continuation appends. Each method run replays the first `queries` of them through a
+  fresh session (select -> sink + window + selection -> exact attention, then append, as the decoder
+  does) and is compared with exact attention, per layer and KV head: recall of the exact top-K (K =
+  `recall_ratio` of the visible tokens, the group attention mass of `indexer/topk.py`), the share
+  of the exact attention mass the attended set covers, relative L2 error of the attention output vs
+  dense, and the fraction of the visible KV attended. Steps where a method computes the output
+  itself (`session.attend`, e.g. LFPS's bypass) have no token set: their recall is left out of the
+  means and counted in `custom_output_fraction`; their error and KV fraction count.
+* task accuracy (short lengths): RULER-style samples (`service/evaluation/tasks.py`), greedy
+  `generate`, scored by RULER's substring match.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import logging
+import math
+import os
+import platform
+import re
+import subprocess
+import time
+import tomllib
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from decoder.attention import dense_attention, merge_selection, sparse_attention
+from decoder.fidelity import fidelity, teacher_forced_logits
+from decoder.generate import ContextKV, generate
+from decoder.model import DEFAULT_MODEL
+from decoder.prefill import prefill
+from indexer.base import IndexReader, KVView, MethodParams, MethodSession, PrefillCapture, SparseMethod, get_method, method_names
+from service.evaluation import tasks as T
+from storage.artifacts import ContextStore, IndexArrays
+from storage.keys import PromptHash
+from storage.tier import DramTier
+
+log = logging.getLogger("ctxcache.eval")
+
+_FRACTION_OF_N = re.compile(r"^\s*(\d+(?:\.\d+)?|\.\d+)\s*n\s*$")
+
+
+# ---------------------------------------------------------------------------------------------
+# Config
+
+
+class MethodSpec(BaseModel):
+    """One method and its parameter grid: every combination of `grid` values, on top of `params`.
+
+    An int parameter may be given relative to the context length as a string "0.05n"
+    (= ceil(0.05 * n_ctx)), e.g. a streaming window matching a 5% budget at every length.
+    """
+
+    model_config = ConfigDict(extra="forbid")
+
+    name: str
+    label: str | None = Field(None, description="label prefix [method name]")
+    params: dict[str, Any] = Field(default_factory=dict)
+    grid: dict[str, list[Any]] = Field(default_factory=dict)
+
+
+class FidelityConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    lengths: list[int] = Field(default_factory=lambda: [2048], description="stored context lengths (tokens)")
+    positions: int = Field(32, ge=1, le=4096, description="teacher-forced continuation tokens")
+    queries: int = Field(8, ge=0, le=4096, description="continuation steps replayed at the attention level")
+    recall_ratio: float = Field(0.05, gt=0.0, le=1.0, description="K of the exact top-K: ratio of the visible tokens")
+    source: Literal["natural", "noise"] = Field("natural", description="document text: stdlib prose or RULER's noise")
+    seed: int = Field(0, ge=0)
+
+    @model_validator(mode="after")
+    def _check(self):
+        if self.queries > self.positions:
+            raise ValueError("fidelity.queries must be <= fidelity.positions (queries come from the reference run)")
+        if any(n < 16 for n in self.lengths):
+            raise ValueError("fidelity.lengths must be >= 16 tokens")
+        return self
+
+
+class TaskConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    names: list[str] = Field(default_factory=lambda: ["niah_single_1"])
+    lengths: list[int] = Field(default_factory=lambda: [512])
+    samples: int = Field(2, ge=1, le=1000, description="samples per task and length; depths evenly spaced in [0, 1]")
+    depths: list[float] | None = Field(None, description="explicit needle depths (overrides the even spacing)")
+    seed: int = Field(0, ge=0)
+    answer_prefix: bool = Field(True, description="start the answer with RULER's answer prefix")
+    max_tokens: int | None = Field(None, ge=1, le=4096, description="override each task's generation length")
+
+    @model_validator(mode="after")
+    def _check(self):
+        unknown = [n for n in self.names if n not in T.TASKS]
+        if unknown:
+            raise ValueError(f"unknown tasks {unknown}; known: {', '.join(T.TASKS)}")
+        if self.depths is not None and not all(0.0 <= d <= 1.0 for d in self.depths):
+            raise ValueError("tasks.depths must lie in [0, 1]")
+        return self
+
+    def sample_depths(self) -> list[float]:
+        return list(self.depths) if self.depths is not None else T.sample_depths(self.samples)
+
+
+class EvalConfig(BaseModel):
+    """One evaluation: model, where artifacts live, methods and their grids, what to measure.
+    Relative paths are relative to the working directory."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    name: str = "eval"
+    model: str = Field(DEFAULT_MODEL, description="smollm2-135m, a .gguf file or an HF model directory")
+    data_dir: Path = Field(Path("data/eval"), description="context store (data_dir/contexts), reused across runs")
+    model_cache: Path | None = Field(None, description="where a GGUF model is converted once [data_dir]")
+    torch_threads: int | None = Field(None, ge=1)
+    prefill_chunk_tokens: int = Field(512, ge=16)
+    dram_tier_bytes: int = Field(2 * 1024**3, ge=0)
+    prompt_format: Literal["chat", "raw"] = "chat"
+    methods: list[MethodSpec]
+    fidelity: FidelityConfig | None = None
+    tasks: TaskConfig | None = None
+
+    @model_validator(mode="after")
+    def _check(self):
+        known = method_names()
+        for m in self.methods:
+            if m.name not in known:
+                raise ValueError(f"unknown method {m.name!r}; known: {', '.join(known)}")
+        runs = expand_runs(self.methods)
+        labels = [r.label for r in runs]
+        dup = sorted({x for x in labels if labels.count(x) > 1})
+        if dup:
+            raise ValueError(f"two runs share the label(s) {dup}; give them a distinct `label`")
+        for r in runs:  # reject bad parameters before any work starts
+            r.params_for(1024)
+        return self
+
+
+def load_config(path: Path | str) -> EvalConfig:
+    path = Path(path)
+    raw = path.read_text()
+    data = json.loads(raw) if path.suffix == ".json" else tomllib.loads(raw)
+    return EvalConfig.model_validate(data)
+
+
+@dataclass(frozen=True)
+class Run:
+    """One method with concrete (possibly length-relative) parameters."""
+
+    label: str
+    method: str
+    raw_params: tuple[tuple[str, Any], ...]
+
+    def params_for(self, n_ctx: int) -> MethodParams:
+        method = get_method(self.method)
+        resolved = {}
+        for k, v in self.raw_params:
+            m = _FRACTION_OF_N.match(v) if isinstance(v, str) else None
+            resolved[k] = max(0, math.ceil(float(m.group(1)) * n_ctx)) if m else v
+        try:
+            return method.Params.model_validate(resolved)
+        except ValidationError as e:
+            raise ValueError(f"{self.label}: invalid parameters {resolved}: {e}") from None
+
+
+def expand_runs(specs: list[MethodSpec]) -> list[Run]:
+    runs = []
+    for spec in specs:
+        keys = sorted(spec.grid)
+        for combo in itertools.product(*(spec.grid[k] for k in keys)) if keys else [()]:
+            chosen = dict(zip(keys, combo))
+            params = {**spec.params, **chosen}
+            tag = ",".join(f"{k}={_fmt(v)}" for k, v in chosen.items())
+            label = (spec.label or spec.name) + (f"[{tag}]" if tag else "")
+            runs.append(Run(label, spec.name, tuple(sorted(params.items()))))
+    return runs
+
+
+def _fmt(v: Any) -> str:
+    return v if isinstance(v, str) else json.dumps(v)
+
+
+# ---------------------------------------------------------------------------------------------
+# Artifacts: the prefill worker's path (build + publish once) and the decode worker's (read via DRAM tier)
+
+
+@dataclass
+class Published:
+    key: PromptHash
+    n_tokens: int
+    reused: bool  # the context was already in the store
+    prefill_s: float  # 0 when nothing had to be prefilled
+    built: dict[str, float]  # index_id -> build seconds (this run)
+    failed: dict[str, str]  # index_id -> error of its build
+
+
+class Artifacts:
+    """Publishes contexts into a ContextStore and opens them for decoding, like the two workers."""
+
+    def __init__(self, lm, store: ContextStore, *, tier_bytes: int, chunk_tokens: int, prompt_format: str = "chat"):
+        self.lm = lm
+        self.store = store
+        self.tier = DramTier(tier_bytes)
+        self.chunk_tokens = chunk_tokens
+        self.prompt_format = prompt_format
+
+    def key(self, ids: list[int]) -> PromptHash:
+        spec = self.lm.spec
+        return PromptHash.compute(spec.fingerprint, spec.tokenizer_fingerprint, ids)
+
+    def ensure(self, ids: list[int], wanted: dict[str, tuple[SparseMethod, MethodParams]]) -> Published:
+        """wanted: index_id -> (method, params) of every index-bearing run that can run."""
+        spec = self.lm.spec
+        key = self.key(ids)
+        reused = self.store.exists(spec.slug, key)
+        have = set(self.store.read_manifest(spec.slug, key)["indexes"]) if reused else set()
+        todo = {i: mp for i, mp in wanted.items() if i not in have}
+        if reused and not todo:
+            return Published(key, len(ids), True, 0.0, {}, {})
+        t0 = time.perf_counter()
+        cap = prefill(self.lm, ids, chunk_tokens=self.chunk_tokens, keep_q=bool(todo))
+        t_prefill = time.perf_counter() - t0
+        builds, failed = [], {}
+        for index_id, (method, params) in sorted(todo.items()):
+            t1 = time.perf_counter()
+            try:
+                arrays = method.build(cap, params)
+            except Exception as e:  # noqa: BLE001 - one method's broken build must not stop the comparison
+                log.exception("building %s failed", index_id)
+                failed[index_id] = f"{type(e).__name__}: {e}"[:500]
+                continue
+            builds.append(IndexArrays(method.name, method.version, params.build_params(), index_id.split("-", 1)[1],
+                                      {k: v.cpu() for k, v in arrays.items()}, time.perf_counter() - t1))
+        timings = {"prefill_s": round(t_prefill, 4), "prefill_tokens_per_s": round(len(ids) / max(t_prefill, 1e-9), 1),
+                   "index_s": {b.method: round(b.build_s, 4) for b in builds}}
+        if reused:
+            self.store.add_indexes(spec.slug, key, builds)
+        else:
+            self.store.publish(key, spec, ids, cap.k, cap.v, builds,
+                               {"timings": timings, "prompt_format": self.prompt_format, "display_name": "ctxcache eval"})
+        return Published(key, len(ids), reused, t_prefill, {b.index_id: b.build_s for b in builds}, failed)
+
+    def reader(self, key: PromptHash) -> "ContextReader":
+        return ContextReader(self.store.open(self.lm.spec.slug, key), key.hex, self.tier)
+
+
+class ContextReader:
+    """Decode side of one stored context (the DecodeWorker's path: artifacts -> DRAM tier -> session)."""
+
+    def __init__(self, art, cid: str, tier: DramTier, device: str = "cpu"):
+        self.art = art
+        self.cid = cid
+        self.tier = tier
+        self.device = device
+        self.n_tokens = art.n_tokens
+
+    def load_layer(self, name: str, layer: int) -> torch.Tensor:
+        t, _ = self.tier.get((self.cid, name, layer), lambda: self.art.read(name, layer))
+        return t
+
+    def context_kv(self) -> ContextKV:
+        return ContextKV(self.n_tokens, self.load_layer, self.device)
+
+    def session(self, method: SparseMethod, params: MethodParams) -> MethodSession:
+        index = None
+        if method.has_index:
+            index_id = method.index_id(params)
+            prefix = f"indexes/{index_id}/"
+            index = IndexReader(lambda name, layer: self.load_layer(prefix + name, layer).to(self.device),
+                                self.art.index_arrays(index_id))
+        return method.open(index, params, self.n_tokens)
+
+
+# ---------------------------------------------------------------------------------------------
+# Sessions observed from outside (the method never knows)
+
+
+class ObservedSession(MethodSession):
+    """Delegates to a method session; records the fraction of visible KV each (layer, step) attended
+    and, when `record` is set, the queries and the appended keys/values (the reference trace)."""
+
+    def __init__(self, inner: MethodSession, params: MethodParams, record: bool = False):
+        self.inner = inner
+        self.params = params
+        self.record = record
+        self.q: dict[int, list[torch.Tensor]] = {}  # layer -> per step [KVH, G, 1, D]
+        self.k: dict[int, list[torch.Tensor]] = {}  # layer -> per step [KVH, 1, D]
+        self.v: dict[int, list[torch.Tensor]] = {}
+        self.touched_sum = 0.0
+        self.touched_n = 0
+        self._custom_frac: torch.Tensor | None = None
+
+    def attend(self, layer, q, kv):
+        if self.record:
+            self.q.setdefault(layer, []).append(q.detach().clone())
+        out = self.inner.attend(layer, q, kv)
+        self._custom_frac = None if out is None else out[1]
+        if out is not None:
+            self._count(out[1])
+        return out
+
+    def select(self, layer, q, kv):
+        sel = self.inner.select(layer, q, kv)
+        if sel is None:
+            self._count(torch.ones(q.shape[0], q.shape[2]))
+        else:
+            idx = merge_selection(sel, kv.q_pos, self.params.sink, self.params.window)
+            self._count((idx >= 0).sum(-1).double() / (kv.q_pos[None, :].double() + 1))
+        return sel
+
+    def append(self, layer, k, v, positions):
+        if self.record:
+            self.k.setdefault(layer, []).append(k.detach().clone())
+            self.v.setdefault(layer, []).append(v.detach().clone())
+        self.inner.append(layer, k, v, positions)
+
+    def _count(self, frac: torch.Tensor) -> None:
+        self.touched_sum += float(frac.double().sum())
+        self.touched_n += frac.numel()
+
+    @property
+    def kv_fraction(self) -> float:
+        return self.touched_sum / max(self.touched_n, 1)
+
+    def trace(self, n_ctx: int, steps: int) -> "QueryTrace":
+        layers = sorted(self.q)
+        return QueryTrace(
+            q=torch.stack([torch.cat(self.q[l][:steps], dim=2) for l in layers]),
+            k=torch.stack([torch.cat(self.k[l][:steps], dim=1) for l in layers]),
+            v=torch.stack([torch.cat(self.v[l][:steps], dim=1) for l in layers]),
+            n_ctx=n_ctx,
+        )
+
+
+@dataclass
+class QueryTrace:
+    """Real decode queries after a context, and the keys/values they append.
+
+    q: [L, KVH, G, T, D]; k, v: [L, KVH, T, D]; step t sits at absolute position n_ctx + t.
+    """
+
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    n_ctx: int
+
+    @property
+    def steps(self) -> int:
+        return self.q.shape[3]
+
+    @classmethod
+    def from_capture(cls, cap: PrefillCapture, n_ctx: int) -> "QueryTrace":
+        """The last tokens of a prefill capture as decode steps (what selection_recall replays)."""
+        spec = cap.spec
+        l, h, n, d = cap.q.shape
+        q = cap.q[:, :, n_ctx:].reshape(l, spec.num_kv_heads, spec.group_size, n - n_ctx, d)
+        return cls(q=q, k=cap.k[:, :, n_ctx:], v=cap.v[:, :, n_ctx:], n_ctx=n_ctx)
+
+
+# ---------------------------------------------------------------------------------------------
+# Attention level, per layer and KV head
+
+
+@dataclass
+class AttentionReport:
+    recall: torch.Tensor  # [L, KVH] mean recall of the exact top-K (NaN where every step was custom)
+    mass: torch.Tensor  # [L, KVH] mean share of the exact group attention mass in the attended set
+    rel_err: torch.Tensor  # [L, KVH] mean ||out - dense|| / ||dense|| over the head's query group
+    touched: torch.Tensor  # [L, KVH] mean fraction of the visible KV attended
+    layer_rel_err: torch.Tensor  # [L] mean over steps of the error over all heads (decoder.fidelity's definition)
+    custom: torch.Tensor  # [L] fraction of steps whose output the method computed itself
+    k_last: int  # K at the last query
+
+    def summary(self) -> dict:
+        per_layer_recall = _nanmean(self.recall, dim=1)
+        return {
+            "recall": _nan_to_none(float(_nanmean(self.recall.flatten(), dim=0))),
+            "mass_recall": _nan_to_none(float(_nanmean(self.mass.flatten(), dim=0))),
+            "rel_l2_err": float(self.layer_rel_err.mean()),
+            "kv_touched": float(self.touched.mean()),
+            "custom_output_fraction": float(self.custom.mean()),
+            "k": self.k_last,
+            "recall_per_layer": [_nan_to_none(round(float(x), 4)) for x in per_layer_recall],
+            "rel_err_per_layer": [round(float(x), 4) for x in self.layer_rel_err],
+            "touched_per_layer": [round(float(x), 4) for x in self.touched.mean(1)],
+            "recall_per_head": [[_nan_to_none(round(float(x), 4)) for x in row] for row in self.recall],
+            "mass_per_head": [[_nan_to_none(round(float(x), 4)) for x in row] for row in self.mass],
+            "rel_err_per_head": [[round(float(x), 4) for x in row] for row in self.rel_err],
+            "touched_per_head": [[round(float(x), 4) for x in row] for row in self.touched],
+        }
+
+
+def _nanmean(x: torch.Tensor, dim: int) -> torch.Tensor:
+    ok = ~torch.isnan(x)
+    cnt = ok.sum(dim)
+    s = torch.where(ok, x, torch.zeros_like(x)).sum(dim)
+    return torch.where(cnt > 0, s / cnt.clamp_min(1), torch.full_like(s, float("nan")))
+
+
+def _nan_to_none(x: float):
+    return None if isinstance(x, float) and math.isnan(x) else x
+
+
+def exact_topk_k(ratio: float, visible: int) -> int:
+    """K of the exact top-K reference (the same rounding as decoder.fidelity.selection_recall)."""
+    return min(visible, max(1, int(round(ratio * visible))))
+
+
+@torch.inference_mode()
+def attention_metrics(
+    session: MethodSession,
+    params: MethodParams,
+    ctx_layer: Callable[[int], tuple[torch.Tensor, torch.Tensor]],
+    trace: QueryTrace,
+    *,
+    recall_ratio: float = 0.05,
+    steps: int | None = None,
+) -> AttentionReport:
+    """Replay `trace` through `session` step by step (all layers per step, as the decoder runs) and
+    compare each layer's attention with exact attention, per KV head."""
+    from indexer.topk import group_attention_mass
+
+    n_layers, kvh, g, t_all, d = trace.q.shape
+    steps = t_all if steps is None else min(steps, t_all)
+    scale = d ** -0.5
+    nan = float("nan")
+    rec_sum = torch.zeros(n_layers, kvh, dtype=torch.float64)
+    rec_n = torch.zeros(n_layers, kvh, dtype=torch.float64)
+    mass_sum = torch.zeros(n_layers, kvh, dtype=torch.float64)
+    err_sum = torch.zeros(n_layers, kvh, dtype=torch.float64)
+    tch_sum = torch.zeros(n_layers, kvh, dtype=torch.float64)
+    lerr_sum = torch.zeros(n_layers, dtype=torch.float64)
+    custom_n = torch.zeros(n_layers, dtype=torch.float64)
+    kk = 1
+    for i in range(steps):
+        p = trace.n_ctx + i
+        q_pos = torch.tensor([p])
+        for layer in range(n_layers):
+            ctx_k, ctx_v = ctx_layer(layer)
+            q = trace.q[layer, :, :, i:i + 1].to(ctx_k.dtype)  # [KVH, G, 1, D]
+            loc_k, loc_v = trace.k[layer, :, :i + 1].to(ctx_k.dtype), trace.v[layer, :, :i + 1].to(ctx_k.dtype)
+            kv = KVView(ctx_k, ctx_v, loc_k, loc_v, q_pos)
+            custom = session.attend(layer, q, kv)
+            sel = session.select(layer, q, kv) if custom is None else None
+            dense = dense_attention(q, ctx_k, ctx_v, loc_k, loc_v, scale)
+            gm = group_attention_mass(q, kv)  # [KVH, 1, p + 1], sums to G per head
+            kk = exact_topk_k(recall_ratio, p + 1)
+            exact = torch.topk(gm, kk, dim=-1).indices  # [KVH, 1, K]
+            if custom is not None:
+                out, frac = custom
+                frac = frac.double().reshape(kvh, -1).mean(-1)
+                custom_n[layer] += 1
+            else:
+                if sel is None:
+                    idx = torch.arange(p + 1).expand(kvh, 1, p + 1)
+                    out = dense
+                else:
+                    idx = merge_selection(sel, q_pos, params.sink, params.window)
+                    out = sparse_attention(q, idx, ctx_k, ctx_v, loc_k, loc_v, scale)
+                hit = (exact[..., :, None] == idx[..., None, :]).any(-1).double().mean((-1, -2))  # [KVH]
+                rec_sum[layer] += hit
+                rec_n[layer] += 1
+                safe = idx.clamp_min(0)
+                covered = torch.gather(gm, -1, safe).masked_fill(idx < 0, 0).sum(-1).double()  # [KVH, 1]
+                mass_sum[layer] += (covered[:, 0] / g).clamp(max=1.0)
+                frac = (idx >= 0).sum(-1).double()[:, 0] / (p + 1)
+            diff = (out - dense).double()
+            err_sum[layer] += diff.flatten(1).norm(dim=1) / dense.double().flatten(1).norm(dim=1).clamp_min(1e-12)
+            lerr_sum[layer] += diff.norm() / dense.double().norm().clamp_min(1e-12)
+            tch_sum[layer] += frac
+            session.append(layer, trace.k[layer, :, i:i + 1].to(ctx_k.dtype), trace.v[layer, :, i:i + 1].to(ctx_k.dtype), q_pos)
+    recall = torch.where(rec_n > 0, rec_sum / rec_n.clamp_min(1), nan).float()
+    mass = torch.where(rec_n > 0, mass_sum / rec_n.clamp_min(1), nan).float()
+    return AttentionReport(recall=recall, mass=mass, rel_err=(err_sum / steps).float(), touched=(tch_sum / steps).float(),
+                           layer_rel_err=(lerr_sum / steps).float(), custom=(custom_n / steps).float(), k_last=kk)
+
+
+# ---------------------------------------------------------------------------------------------
+# The evaluation
+
+
+@dataclass
+class Evaluation:
+    config: EvalConfig
+    lm: Any
+    artifacts: Artifacts
+    runs: list[Run]
+    results: dict = field(default_factory=dict)
+    on_progress: Callable[[dict], None] | None = None  # called with the partial results after each document
+
+    @classmethod
+    def create(cls, config: EvalConfig, lm=None) -> "Evaluation":
+        from decoder.model import load_model
+
+        if config.torch_threads:
+            torch.set_num_threads(config.torch_threads)
+        if lm is None:
+            lm = load_model(config.model, config.model_cache or config.data_dir)
+        store = ContextStore(Path(config.data_dir) / "contexts")
+        arts = Artifacts(lm, store, tier_bytes=config.dram_tier_bytes, chunk_tokens=config.prefill_chunk_tokens,
+                         prompt_format=config.prompt_format)
+        return cls(config, lm, arts, expand_runs(config.methods))
+
+    # -- helpers --------------------------------------------------------------------------------
+
+    def _resolve(self, n_ctx: int) -> dict[str, dict]:
+        """Per run: method, concrete params, and the reasons it cannot run (empty = it can)."""
+        out = {}
+        for r in self.runs:
+            method = get_method(r.method)
+            params = r.params_for(n_ctx)
+            out[r.label] = {"run": r, "method": method, "params": params,
+                            "reasons": method.validate_configuration(self.lm.spec, params)}
+        return out
+
+    def _publish(self, ids: list[int], resolved: dict[str, dict]) -> Published:
+        wanted = {}
+        for e in resolved.values():
+            if e["method"].has_index and not e["reasons"]:
+                wanted[e["method"].index_id(e["params"])] = (e["method"], e["params"])
+        return self.artifacts.ensure(ids, wanted)
+
+    def _unavailable(self, e: dict, pub: Published) -> dict | None:
+        if e["reasons"]:
+            return {"status": "skipped", "reason": "; ".join(e["reasons"])}
+        if e["method"].has_index:
+            index_id = e["method"].index_id(e["params"])
+            if index_id in pub.failed:
+                return {"status": "failed", "reason": f"index build: {pub.failed[index_id]}"}
+        return None
+
+    def _doc_info(self, pub: Published) -> dict:
+        return {"prompt_hash": pub.key.hex, "n_tokens": pub.n_tokens, "reused": pub.reused,
+                "prefill_s": round(pub.prefill_s, 3), "index_build_s": {k: round(v, 3) for k, v in pub.built.items()}}
+
+    def _emit(self) -> None:
+        if self.on_progress is not None:
+            self.on_progress(self.results)
+
+    def fmt_ids(self, text: str) -> list[int]:
+        return self.lm.context_ids(text, self.config.prompt_format)
+
+    # -- fidelity + attention ---------------------------------------------------------------------
+
+    def fidelity_document(self, n: int) -> tuple[list[int], list[int]]:
+        """Token ids of a context of exactly n tokens and of its `positions`-token continuation."""
+        fc = self.config.fidelity
+        need = n + fc.positions
+        rng_off = 97 * fc.seed
+        words = 1.0
+        while True:
+            if fc.source == "natural":
+                text = T.natural_text(max(8, int(need * words / 12)), offset=rng_off)
+            else:
+                text = " ".join([T.NOISE] * max(4, int(need * words / 20)))
+            ids = self.fmt_ids(text)
+            if len(ids) >= need:
+                return ids[:n], ids[n:need]
+            words *= 1.5
+
+    def run_fidelity(self) -> list[dict]:
+        fc = self.config.fidelity
+        out = self.results.setdefault("fidelity", [])
+        full = get_method("full")
+        full_params = full.Params()
+        for n in fc.lengths:
+            t_doc = time.perf_counter()
+            ctx_ids, cont = self.fidelity_document(n)
+            resolved = self._resolve(n)
+            pub = self._publish(ctx_ids, resolved)
+            reader = self.artifacts.reader(pub.key)
+            ctx = reader.context_kv()
+            t0 = time.perf_counter()
+            ref_session = ObservedSession(reader.session(full, full_params), full_params, record=True)
+            ref = teacher_forced_logits(self.lm, ctx, ref_session, full_params, cont)
+            ref_s = time.perf_counter() - t0
+            trace = ref_session.trace(n, fc.queries) if fc.queries else None
+            entry = {"length": n, "document": self._doc_info(pub), "reference_s": round(ref_s, 3), "results": {}}
+            out.append(entry)
+            log.info("fidelity n=%d: %s, prefill %.1fs, reference %.1fs", n, "reused" if pub.reused else "published",
+                     pub.prefill_s, ref_s)
+            for label, e in resolved.items():
+                res = self._unavailable(e, pub)
+                if res is None:
+                    res = self._fidelity_one(e, reader, ctx, cont, ref, trace)
+                entry["results"][label] = res
+                log.info("  %-28s %s", label, _short(res))
+                self._emit()
+            entry["wall_s"] = round(time.perf_counter() - t_doc, 2)
+        return out
+
+    def _fidelity_one(self, e: dict, reader: ContextReader, ctx: ContextKV, cont: list[int], ref: torch.Tensor,
+                      trace: QueryTrace | None) -> dict:
+        method, params = e["method"], e["params"]
+        res: dict = {"status": "ok", "method": method.name, "params": params.model_dump()}
+        try:
+            t0 = time.perf_counter()
+            sess = ObservedSession(reader.session(method, params), params)
+            logits = teacher_forced_logits(self.lm, ctx, sess, params, cont)
+            res.update(fidelity(ref, logits))
+            res["kv_touched_decode"] = sess.kv_fraction
+            res["teacher_forced_s"] = round(time.perf_counter() - t0, 3)
+            if trace is not None:
+                t1 = time.perf_counter()
+                rep = attention_metrics(reader.session(method, params), params, ctx.layer, trace,
+                                        recall_ratio=self.config.fidelity.recall_ratio)
+                res["attention"] = rep.summary()
+                res["attention"]["queries"] = trace.steps
+                res["attention_s"] = round(time.perf_counter() - t1, 3)
+        except Exception as ex:  # noqa: BLE001 - a broken method is reported, the comparison goes on
+            log.exception("%s failed", e["run"].label)
+            return {"status": "failed", "method": method.name, "reason": f"{type(ex).__name__}: {ex}"[:500]}
+        return res
+
+    # -- tasks ------------------------------------------------------------------------------------
+
+    def run_tasks(self) -> list[dict]:
+        tc = self.config.tasks
+        out = self.results.setdefault("tasks", [])
+        tok = self.lm.tokenizer
+        count = lambda text: len(self.fmt_ids(text))  # noqa: E731
+        for n in tc.lengths:
+            for name in tc.names:
+                entry = {"task": name, "length": n, "samples": [], "accuracy": {}}
+                out.append(entry)
+                for i, depth in enumerate(tc.sample_depths()):
+                    s = T.make_sample(name, count, n, seed=tc.seed + i, depth=depth)
+                    ids = self.fmt_ids(s.context)
+                    resolved = self._resolve(len(ids))
+                    pub = self._publish(ids, resolved)
+                    reader = self.artifacts.reader(pub.key)
+                    q_ids = self.lm.question_ids(s.question, self.config.prompt_format)
+                    if tc.answer_prefix and s.answer_prefix:
+                        q_ids = q_ids + tok(s.answer_prefix, add_special_tokens=False)["input_ids"]
+                    rec = {"seed": s.seed, "depth": s.depth, "n_tokens": len(ids), "answers": s.answers,
+                           "metric": s.metric, "document": self._doc_info(pub), "results": {}}
+                    entry["samples"].append(rec)
+                    for label, e in resolved.items():
+                        res = self._unavailable(e, pub)
+                        if res is None:
+                            res = self._task_one(e, reader, s, q_ids, tc.max_tokens or s.max_tokens)
+                        rec["results"][label] = res
+                    log.info("task %s n=%d depth=%s: %s", name, len(ids), s.depth,
+                             " ".join(f"{k}={v.get('score', v['status'])}" for k, v in rec["results"].items()))
+                    self._emit()
+                for label in resolved:
+                    scores = [r["results"][label]["score"] for r in entry["samples"] if r["results"][label]["status"] == "ok"]
+                    entry["accuracy"][label] = sum(scores) / len(scores) if scores else None
+        return out
+
+    def _task_one(self, e: dict, reader: ContextReader, s: T.TaskSample, q_ids: list[int], max_tokens: int) -> dict:
+        method, params = e["method"], e["params"]
+        try:
+            t0 = time.perf_counter()
+            res = generate(self.lm, reader.context_kv(), reader.session(method, params), params, q_ids,
+                           max_tokens=max_tokens, temperature=0.0)
+            text = self.lm.tokenizer.decode(res.token_ids, skip_special_tokens=True)
+        except Exception as ex:  # noqa: BLE001
+            log.exception("%s failed", e["run"].label)
+            return {"status": "failed", "reason": f"{type(ex).__name__}: {ex}"[:500]}
+        return {"status": "ok", "prediction": text, "score": s.score(text), "kv_fraction": res.stats.kv_fraction,
+                "tokens": len(res.token_ids), "wall_s": round(time.perf_counter() - t0, 3)}
+
+    # -- all --------------------------------------------------------------------------------------
+
+    def run(self) -> dict:
+        t0 = time.perf_counter()
+        spec = self.lm.spec
+        self.results.update({
+            "name": self.config.name,
+            "started_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+            "config": json.loads(self.config.model_dump_json()),
+            "machine": machine_info(),
+            "model": {"name": spec.name, "fingerprint": spec.fingerprint[:16], "layers": spec.num_layers,
+                      "heads": spec.num_heads, "kv_heads": spec.num_kv_heads, "head_dim": spec.head_dim},
+            "natural_source": T.natural_source(),
+            "runs": [{"label": r.label, "method": r.method, "params": dict(r.raw_params)} for r in self.runs],
+        })
+        if self.config.fidelity is not None:
+            self.run_fidelity()
+        if self.config.tasks is not None:
+            self.run_tasks()
+        self.results["runtime_s"] = round(time.perf_counter() - t0, 1)
+        self.results["finished"] = True
+        return self.results
+
+
+def _short(res: dict) -> str:
+    if res["status"] != "ok":
+        return f"{res['status']}: {res.get('reason', '')[:120]}"
+    a = res.get("attention", {})
+    return (f"agree={res['top1_agreement']:.3f} kl={res['kl_mean']:.4f} touched={res['kv_touched_decode']:.3f} "
+            f"recall={a.get('recall')} err={a.get('rel_l2_err', float('nan')):.3f}")
+
+
+def machine_info() -> dict:
+    info = {"nproc": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version(),
+            "torch": torch.__version__, "torch_threads": torch.get_num_threads()}
+    try:
+        info["lscpu"] = subprocess.run(["lscpu"], capture_output=True, text=True, timeout=5).stdout.splitlines()[:15]
+    except (OSError, subprocess.SubprocessError):
+        pass
+    return info
+
+
+def run_eval(config: EvalConfig, out_dir: Path | str, lm=None) -> dict:
+    """Run a config and write results.json, results.md and the plots into out_dir."""
+    from service.evaluation import report
+
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    ev = Evaluation.create(config, lm=lm)
+    ev.on_progress = lambda res: report.write_json(res, out_dir / "results.json")
+    results = ev.run()
+    report.write_all(results, out_dir)
+    return results
