@@ -1,4 +1,4 @@
-"""Typed keys. Every key is a sha256 digest; Python's `hash()` (salted per process) is never used."""
+"""Typed keys. Every key is a sha256 digest; the built-in, per-process salted hash is never used."""
 
 from __future__ import annotations
 
