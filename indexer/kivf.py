@@ -134,9 +134,11 @@ def expand_clusters(probe: torch.Tensor, order: torch.Tensor, offsets: torch.Ten
     start = offsets.gather(1, flat).view(kvh, t, p)
     size = offsets.gather(1, flat + 1).view(kvh, t, p) - start
     end = size.cumsum(-1)  # [KVH, T, P] end of each probed cluster in the concatenation
-    u = int(end[..., -1].max())
+    u = int(end[..., -1].max()) if end.numel() else 0
+    if u == 0:
+        return torch.empty(kvh, t, 0, dtype=torch.int64, device=probe.device)
     j = torch.arange(u, device=probe.device).expand(kvh, t, u).contiguous()
-    which = torch.searchsorted(end, j, right=True).clamp(max=p - 1)  # probed cluster holding slot j
+    which = torch.searchsorted(end.contiguous(), j, right=True).clamp(max=p - 1)  # probed cluster holding slot j
     src = start.gather(-1, which) + j - (end - size).gather(-1, which)
     valid = j < end[..., -1:]
     n = order.shape[1]

@@ -72,6 +72,7 @@ import torch
 from pydantic import Field
 
 from decoder.rope import undo_rope
+from indexer.kivf import expand_clusters
 from indexer.base import MethodParams, MethodSession, PrefillCapture, SparseMethod, register
 
 MODEL_FORMAT = "ctxcache-saap-model/1"
@@ -251,27 +252,8 @@ def csr_partition(assign: torch.Tensor, c: int) -> tuple[torch.Tensor, torch.Ten
     return order, offsets
 
 
-def expand_buckets(probe: torch.Tensor, order: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
-    """Key ids of the probed buckets, read as contiguous CSR slices, in one padded block.
-
-    probe [KVH, T, P] bucket ids; order [KVH, N]; offsets [KVH, C + 1] -> [KVH, T, U] key ids
-    (-1 = padding), U = the largest total size of a row's probed buckets.
-    """
-    kvh, t, p = probe.shape
-    flat = probe.reshape(kvh, t * p)
-    start = offsets.gather(1, flat).view(kvh, t, p)
-    size = offsets.gather(1, flat + 1).view(kvh, t, p) - start
-    end = size.cumsum(-1)  # [KVH, T, P] end of each probed bucket in the concatenation
-    u = int(end[..., -1].max()) if end.numel() else 0
-    if u == 0:
-        return torch.empty(kvh, t, 0, dtype=torch.int64, device=probe.device)
-    j = torch.arange(u, device=probe.device).expand(kvh, t, u).contiguous()
-    which = torch.searchsorted(end.contiguous(), j, right=True).clamp(max=p - 1)  # bucket holding slot j
-    src = start.gather(-1, which) + j - (end - size).gather(-1, which)
-    valid = j < end[..., -1:]
-    n = order.shape[1]
-    ids = order.gather(1, src.clamp(0, max(n - 1, 0)).reshape(kvh, t * u)).view(kvh, t, u).long()
-    return torch.where(valid, ids, -1)
+# Buckets are stored like kivf's clusters (key ids sorted by bucket + CSR offsets): same reader.
+expand_buckets = expand_clusters
 
 
 # ---------------------------------------------------------------------------------------------
