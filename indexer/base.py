@@ -4,10 +4,10 @@ by name, so adding a method is adding a file.
 
 Life cycle, in faiss terms (`train/add/search`):
 
-* `build(prefill, params) -> {name: tensor}`: prefill worker, once per context. Input: the
+* `build(prefill, params, env) -> {name: tensor}`: prefill worker, once per context. Input: the
   captured post-RoPE Q/K/V of every layer. Output: arrays with a leading layer dimension, persisted
   with the context (`storage/artifacts.py`), loaded lazily per layer by the decode worker.
-* `open(index, params, ctx) -> MethodSession`: decode worker, once per request. The session holds
+* `open(index, params, n_ctx, env) -> MethodSession`: decode worker, once per request. The session holds
   the request's private state; the persisted arrays (shared by all requests, cached in DRAM) are
   never mutated.
 * `session.select(layer, q, kv) -> positions`: once per layer and decode step ("plan"); the
@@ -25,15 +25,36 @@ from __future__ import annotations
 
 import importlib
 import logging
+import os
 import pkgutil
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
+from pathlib import Path
 from typing import ClassVar
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
 from storage.keys import params_hash
+
+
+class MethodUnavailable(ValueError):
+    """A method cannot serve this context as it stands (e.g. the trained model its index was built
+    with is gone or was replaced). The service answers 409 `method_unavailable` with the message,
+    which should say what to do."""
+
+
+@dataclass(frozen=True)
+class MethodEnv:
+    """Where a method finds what lives outside a context: per-model resources trained offline
+    (SAAP's classifier under `<data_dir>/saap/`). The service passes its own (`--data-dir`); library
+    callers that pass none get `MethodEnv.default()`, the service's default location."""
+
+    data_dir: Path
+
+    @classmethod
+    def default(cls) -> "MethodEnv":
+        return cls(Path(os.environ.get("CTXCACHE_DATA_DIR", "data")))
 
 
 class MethodParams(BaseModel):
@@ -124,6 +145,15 @@ class MethodSession(ABC):
         (out [KVH, G, T, D], fraction of visible KV read [KVH, T]) or None to use select()."""
         return None
 
+    def close(self) -> None:
+        """Optional: release what the session holds besides memory (csattn's worker thread) when
+        the request ends; `decoder.generate.generate` calls it. Idempotent."""
+
+    def stats(self) -> dict:
+        """Method-specific numbers of this request (JSON-able), returned in the completion's
+        `stats.method_stats` (e.g. SAAP's selectivity per step). Empty by default."""
+        return {}
+
 
 class SparseMethod(ABC):
     name: ClassVar[str]
@@ -131,15 +161,16 @@ class SparseMethod(ABC):
     version: ClassVar[int] = 1  # bump when the persisted layout of `build` changes
     has_index: ClassVar[bool] = False  # True when `build` persists arrays
 
-    def validate_configuration(self, spec, params: MethodParams) -> list[str]:
+    def validate_configuration(self, spec, params: MethodParams, env: MethodEnv | None = None) -> list[str]:
         """Reasons this method cannot run for this model/params (empty = fine)."""
         return []
 
-    def build(self, prefill: PrefillCapture, params: MethodParams) -> dict[str, torch.Tensor]:
+    def build(self, prefill: PrefillCapture, params: MethodParams, env: MethodEnv | None = None) -> dict[str, torch.Tensor]:
         return {}
 
     @abstractmethod
-    def open(self, index: IndexReader | None, params: MethodParams, n_ctx: int) -> MethodSession: ...
+    def open(self, index: IndexReader | None, params: MethodParams, n_ctx: int,
+             env: MethodEnv | None = None) -> MethodSession: ...
 
     def index_id(self, params: MethodParams) -> str:
         return f"{self.name}-{params_hash(self.name, self.version, params.build_params())}"

@@ -273,7 +273,7 @@ class CTkvr(SparseMethod):
     Params = CTkvrParams
     has_index = True
 
-    def build(self, prefill: PrefillCapture, params: CTkvrParams) -> dict[str, torch.Tensor]:
+    def build(self, prefill: PrefillCapture, params: CTkvrParams, env=None) -> dict[str, torch.Tensor]:
         if prefill.q is None:
             raise ValueError("ctkvr builds from the prefill queries: capture them (prefill(keep_q=True))")
         q, k = prefill.q, prefill.k  # [L, H, N, D], [L, KVH, N, D]
@@ -289,5 +289,5 @@ class CTkvr(SparseMethod):
             lists[layer] = centroid_lists(qc[layer], k[layer], rho).cpu()
         return {"centroids": centroids.cpu(), "lists": lists}
 
-    def open(self, index, params, n_ctx):
+    def open(self, index, params, n_ctx, env=None):
         return _CTkvrSession(index, params, n_ctx)

@@ -15,5 +15,5 @@ class Full(SparseMethod):
     name = "full"
     Params = MethodParams
 
-    def open(self, index, params, n_ctx):
+    def open(self, index, params, n_ctx, env=None):
         return _Dense()

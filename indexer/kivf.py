@@ -211,12 +211,12 @@ class KIVF(SparseMethod):
     Params = KIVFParams
     has_index = True
 
-    def validate_configuration(self, spec, params) -> list[str]:
+    def validate_configuration(self, spec, params, env=None) -> list[str]:
         import importlib.util
 
         return [] if importlib.util.find_spec("faiss") else ["kivf builds with faiss k-means: pip install faiss-cpu"]
 
-    def build(self, prefill: PrefillCapture, params: KIVFParams) -> dict[str, torch.Tensor]:
+    def build(self, prefill: PrefillCapture, params: KIVFParams, env=None) -> dict[str, torch.Tensor]:
         k = prefill.k  # [L, KVH, N, D]
         n_layers, kvh, n, d = k.shape
         c = params.n_clusters_for(n)
@@ -230,5 +230,5 @@ class KIVF(SparseMethod):
                 )
         return {"centroids": cent, "order": order, "offsets": offsets}
 
-    def open(self, index, params, n_ctx):
+    def open(self, index, params, n_ctx, env=None):
         return _KIVFSession(index, params, n_ctx)

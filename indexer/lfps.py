@@ -437,11 +437,11 @@ class LFPS(SparseMethod):
     Params = LFPSParams
     has_index = True
 
-    def validate_configuration(self, spec, params):
+    def validate_configuration(self, spec, params, env=None):
         return [] if spec.num_heads % spec.num_kv_heads == 0 else ["query heads must be a multiple of KV heads"]
 
     @torch.no_grad()
-    def build(self, prefill, params):
+    def build(self, prefill, params, env=None):
         q, k, v = prefill.q, prefill.k, prefill.v  # [L, H, N, D], [L, KVH, N, D]
         nl, h, n, d = q.shape
         kvh = k.shape[1]
@@ -461,7 +461,7 @@ class LFPS(SparseMethod):
         mean_v = v[:, :, ts:].float().mean(2)
         return {"vertical": vert, "slash": slash, "mean_k": mean_k, "mean_v": mean_v, "var_ratio": var_ratio}
 
-    def open(self, index, params, n_ctx):
+    def open(self, index, params, n_ctx, env=None):
         if index is None:
             raise ValueError("lfps needs its index (score tables); build it at prefill")
         return _LFPSSession(index, params, n_ctx)

@@ -338,7 +338,7 @@ class PSA(SparseMethod):
     Params = PSAParams
     has_index = True
 
-    def build(self, prefill, params):
+    def build(self, prefill, params, env=None):
         k = prefill.k  # [L, KVH, N, D]
         metas = []
         for layer in range(k.shape[0]):  # per layer: bounded temporary memory
@@ -350,7 +350,7 @@ class PSA(SparseMethod):
             ], dim=2))
         return {"block_meta": torch.stack(metas)}  # [L, KVH, blocks, 3, D] fp16
 
-    def open(self, index, params, n_ctx):
+    def open(self, index, params, n_ctx, env=None):
         if index is None:
             raise ValueError("psa needs its index (block metadata); build it at prefill")
         return _PSASession(index, params, n_ctx)

@@ -23,5 +23,5 @@ class Streaming(SparseMethod):
     name = "streaming"
     Params = StreamingParams
 
-    def open(self, index, params, n_ctx):
+    def open(self, index, params, n_ctx, env=None):
         return _SinkWindow()

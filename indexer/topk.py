@@ -50,5 +50,5 @@ class TopK(SparseMethod):
     name = "topk"
     Params = TopKParams
 
-    def open(self, index, params, n_ctx):
+    def open(self, index, params, n_ctx, env=None):
         return _ExactTopK(params)

@@ -1,5 +1,5 @@
 """The FastAPI application. `create_app(settings)` wires the runtime and, in embedded mode (no
-Redis URL), runs the prefill and decode workers and the janitor as threads of this process."""
+Redis URL), runs the prefill, decode and train workers and the janitor as threads of this process."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from contextlib import asynccontextmanager
 
 from fastapi import FastAPI
 
-from service.api.routes import contexts, health
+from service.api.routes import contexts, health, training
 from service.errors import error_body, install_error_handlers
 from service.runtime import Runtime
 from service.settings import Settings, get_settings
@@ -73,7 +73,7 @@ def create_app(settings: Settings | None = None, *, lm=None) -> FastAPI:
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
-        from service.workers import DecodeWorker, Janitor, PrefillWorker
+        from service.workers import DecodeWorker, Janitor, PrefillWorker, TrainWorker
 
         rt = Runtime.create(settings, lm=lm)
         app.state.runtime = rt
@@ -82,7 +82,7 @@ def create_app(settings: Settings | None = None, *, lm=None) -> FastAPI:
         if settings.workers_in_process:
             decode = DecodeWorker(rt)
             app.state.on_delete.append(decode.forget)
-            workers = [PrefillWorker(rt), decode, Janitor(rt, on_delete=decode.forget)]
+            workers = [PrefillWorker(rt), decode, TrainWorker(rt), Janitor(rt, on_delete=decode.forget)]
         else:
             workers = [Janitor(rt)]
         _rebuild_catalog(rt)
@@ -105,6 +105,7 @@ def create_app(settings: Settings | None = None, *, lm=None) -> FastAPI:
     install_error_handlers(app)
     app.include_router(health.router)
     app.include_router(contexts.router)
+    app.include_router(training.router)
     app.add_middleware(RequestGuard, max_bytes=settings.max_request_bytes)
     return app
 

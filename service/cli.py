@@ -60,7 +60,7 @@ def serve(
 
 def _run_worker(kind: str, redis_url: Optional[str], data_dir: Optional[Path], model: Optional[str]) -> None:
     from service.runtime import Runtime
-    from service.workers import DecodeWorker, Janitor, PrefillWorker
+    from service.workers import DecodeWorker, Janitor, PrefillWorker, TrainWorker
 
     _logging()
     s = _settings(redis_url=redis_url, data_dir=data_dir, model=model)
@@ -69,7 +69,8 @@ def _run_worker(kind: str, redis_url: Optional[str], data_dir: Optional[Path], m
         raise typer.Exit(2)
     rt = Runtime.create(s)
     rt.ensure_weights()
-    loops = [PrefillWorker(rt) if kind == "prefill" else DecodeWorker(rt), Janitor(rt)]
+    worker = {"prefill": PrefillWorker, "decode": DecodeWorker, "train": TrainWorker}[kind](rt)
+    loops = [worker, Janitor(rt)]
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     signal.signal(signal.SIGINT, lambda *_: stop.set())
@@ -100,6 +101,16 @@ def worker_decode(
 ):
     """Answer questions over stored contexts (GPU if present)."""
     _run_worker("decode", redis_url, data_dir, model)
+
+
+@worker_app.command("train")
+def worker_train(
+    redis_url: Optional[str] = typer.Option(None, envvar="CTXCACHE_REDIS_URL"),
+    data_dir: Optional[Path] = typer.Option(None),
+    model: Optional[str] = typer.Option(None),
+):
+    """Run offline training jobs (POST /v1/methods/saap/train); shares the data dir with the prefill workers."""
+    _run_worker("train", redis_url, data_dir, model)
 
 
 # ---- client commands -------------------------------------------------------------------------

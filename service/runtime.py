@@ -68,6 +68,13 @@ class Runtime:
             return self.lm
 
     @property
+    def method_env(self):
+        """What sparse methods may read outside a context (SAAP's trained model): this service's data dir."""
+        from indexer.base import MethodEnv
+
+        return MethodEnv(self.settings.data_dir)
+
+    @property
     def max_context_tokens(self) -> int:
         return self.lm.spec.max_positions - self.settings.reserve_tokens
 

@@ -135,7 +135,8 @@ class CompletionResponse(BaseModel):
     token_ids: list[int]
     finish_reason: Literal["stop", "length", "cancelled"]
     usage: Usage
-    stats: dict[str, Any] = Field(description="method, ttft_ms, cache (cold/warm), load_ms, decode_tokens_per_s, kv_fraction, ...")
+    stats: dict[str, Any] = Field(description="method, ttft_ms, cache (cold/warm), load_ms, decode_tokens_per_s, kv_fraction, "
+                                              "method_stats (method-specific, e.g. saap's selectivity per step), ...")
 
 
 class MethodDescription(BaseModel):
@@ -143,3 +144,55 @@ class MethodDescription(BaseModel):
     has_index: bool
     params_schema: dict[str, Any]
     build_fields: list[str]
+
+
+class TrainRequest(BaseModel):
+    """An offline training job for a method that needs a per-model trained component (SAAP's key
+    k-means + query classifier). Unset fields take the preset's value."""
+
+    model_config = ConfigDict(
+        extra="forbid",
+        json_schema_extra={"examples": [{"preset": "small"}, {"preset": "small", "layers": [1, 2, 3, 4], "steps": 100, "seed": 1}]},
+    )
+
+    preset: Literal["small", "full"] = Field(
+        description="small: a few minutes on 2 CPU cores (C=32); full: the paper's sizes (C=1024), meant for a GPU"
+    )
+    clusters: int | None = Field(None, description="C, k-means buckets per layer and KV head")
+    steps: int | None = Field(None, description="Adam steps per layer")
+    hidden: int | None = Field(None, description="classifier hidden width")
+    docs: int | None = Field(None, description="training windows (at most)")
+    doc_tokens: int | None = Field(None, description="tokens per training window")
+    layers: list[int] | None = Field(None, max_length=4096, description="layers to train (>= 1); others run full attention")
+    seed: int = Field(0, ge=0, le=2**31 - 1)
+    corpus: str | None = Field(
+        None, pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$",
+        description="a directory of .txt files under <data_dir>/corpora/; unset = the built-in seeded corpus",
+    )
+    replace: bool = Field(
+        False, description="retrain although a trained model for this LLM exists (contexts indexed with the old one must be re-registered)"
+    )
+
+
+class TrainJob(BaseModel):
+    id: str = Field(description="sha256 of what the job trains: the same request is the same job")
+    method: str
+    model: str
+    status: Literal["queued", "running", "done", "failed"]
+    progress: float = Field(description="0..1")
+    phase: str = Field(description="queued, starting, capture, layer N, done, failed")
+    layers_done: int = 0
+    layers_total: int = 0
+    settings: dict[str, Any] = Field(default_factory=dict, description="resolved training settings")
+    corpus: str | None = None
+    model_dir: str | None = Field(None, description="where the trained model was written (status done)")
+    digest: str | None = Field(None, description="the trained model's identity (status done)")
+    train_s: float | None = None
+    attempts: int = 0
+    created_at: float
+    updated_at: float | None = None
+    error: dict[str, str] | None = Field(None, description="code + message when status is failed")
+
+
+class TrainJobCreated(TrainJob):
+    created: bool = Field(description="true if this call queued the job; false if it was already queued, running or done")

@@ -1,11 +1,13 @@
-"""Workers: prefill (build + persist), decode (answer questions), janitor (expiry, stale jobs).
+"""Workers: prefill (build + persist), decode (answer questions), train (offline SAAP training jobs),
+janitor (expiry, stale jobs).
 
-Each runs as a loop over Redis queues, in its own process (`ctxcache worker prefill|decode`) or as
+Each runs as a loop over Redis queues, in its own process (`ctxcache worker prefill|decode|train`) or as
 a thread of the API process in embedded mode: the same code either way.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import threading
 import time
@@ -16,7 +18,7 @@ import torch
 
 from decoder.generate import ContextKV, generate
 from decoder.prefill import prefill
-from indexer.base import IndexReader, get_method
+from indexer.base import IndexReader, MethodUnavailable, get_method
 from service.runtime import Runtime, resolve_device
 from storage.artifacts import ArtifactCorrupt, ArtifactError, ArtifactMissing, IndexArrays
 from storage.keys import PromptHash
@@ -68,15 +70,18 @@ def _is_redis_down(e: Exception) -> bool:
     return isinstance(e, (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError))
 
 
-class PrefillWorker(_Loop):
-    """Claims a prefill job, runs the model over the context, builds the requested indexes and
-    publishes everything atomically. A crash leaves the job in the active list; once its lease
-    expires the janitor requeues it."""
+class _LeasedLoop(_Loop):
+    """Claims one leased job at a time and keeps its lease alive while `process` runs. A crash leaves
+    the job in the active list; once its lease expires the janitor requeues it."""
 
-    kind = "prefill"
+    def claim(self) -> dict | None:
+        raise NotImplementedError
+
+    def process(self, job: dict) -> None:
+        raise NotImplementedError
 
     def tick(self) -> None:
-        job = self.rt.catalog.claim_prefill(timeout_s=1.0, lease_s=self.rt.settings.job_lease_seconds)
+        job = self.claim()
         if job is None:
             return
         beat_stop = threading.Event()
@@ -87,7 +92,7 @@ class PrefillWorker(_Loop):
         finally:
             beat_stop.set()
             beat.join()
-            self.rt.catalog.finish_prefill(job)
+            self.rt.catalog.finish_job(job)
 
     def _heartbeat(self, job: dict, stop: threading.Event) -> None:
         lease = self.rt.settings.job_lease_seconds
@@ -96,6 +101,16 @@ class PrefillWorker(_Loop):
                 self.rt.catalog.heartbeat(job, lease)
             except Exception:  # noqa: BLE001
                 log.warning("heartbeat failed for job %s", job["id"])
+
+
+class PrefillWorker(_LeasedLoop):
+    """Claims a prefill job, runs the model over the context, builds the requested indexes and
+    publishes everything atomically."""
+
+    kind = "prefill"
+
+    def claim(self) -> dict | None:
+        return self.rt.catalog.claim_prefill(timeout_s=1.0, lease_s=self.rt.settings.job_lease_seconds)
 
     def process(self, job: dict) -> None:
         rt, cat, cid = self.rt, self.rt.catalog, job["id"]
@@ -147,7 +162,7 @@ class PrefillWorker(_Loop):
             method = get_method(name)
             params = method.Params.model_validate(entry["params"])
             t1 = time.perf_counter()
-            arrays = method.build(cap, params)
+            arrays = method.build(cap, params, rt.method_env)
             builds.append(IndexArrays(name, method.version, params.build_params(), entry["index_id"].split("-", 1)[1],
                                       {k: v.cpu() for k, v in arrays.items()}, time.perf_counter() - t1))
             cat.update(cid, progress=round(0.8 + 0.15 * (i + 1) / len(todo), 3))
@@ -212,6 +227,8 @@ class DecodeWorker(_Loop):
             self.forget(cid)
             cat.update(cid, status="failed", error_code=code, error_message=str(e)[:2000])
             cat.emit(rid, "error", {"code": code, "message": f"stored artifacts of this context are unusable: {e}"})
+        except MethodUnavailable as e:
+            cat.emit(rid, "error", {"code": "method_unavailable", "message": str(e)[:2000]})
         except Exception as e:  # noqa: BLE001
             log.exception("completion %s on %s failed", rid, cid)
             cat.emit(rid, "error", {"code": "internal_error", "message": f"{type(e).__name__}: {e}"[:500]})
@@ -245,7 +262,7 @@ class DecodeWorker(_Loop):
             index_id = method.index_id(params)
             prefix = f"indexes/{index_id}/"
             index = IndexReader(lambda name, layer: load_layer(prefix + name, layer).to(self.device), art.index_arrays(index_id))
-        session = method.open(index, params, n)
+        session = method.open(index, params, n, rt.method_env)
         ctx = ContextKV(n, load_layer, self.device)
         tok = lm.tokenizer
         emitted: list[int] = []
@@ -287,8 +304,57 @@ class DecodeWorker(_Loop):
                 "attend_ms": round(1000 * res.stats.attend_s, 2),
                 "steps": res.stats.steps,
                 "device": self.device,
+                "method_stats": session.stats(),
             },
         })
+
+
+class TrainWorker(_LeasedLoop):
+    """Runs offline training jobs (`POST /v1/methods/saap/train`): the same `train_saap` as
+    `ctxcache train saap`, with the service's model and data dir, reporting progress into the job
+    record. Training is resumable (finished layers are checkpointed), so a job requeued after a
+    crash continues where it stopped."""
+
+    kind = "train"
+
+    def claim(self) -> dict | None:
+        return self.rt.catalog.claim_train(timeout_s=1.0, lease_s=self.rt.settings.job_lease_seconds)
+
+    def process(self, job: dict) -> None:
+        from indexer._saap_train import TrainSettings, train_saap
+
+        cat, jid = self.rt.catalog, job["id"]
+        rec = cat.get_train(jid)
+        if rec is None or rec["status"] in ("done", "failed"):
+            return
+        fp = rec["fingerprint"]
+        cat.update_train(jid, status="running", phase="starting", attempts=int(rec.get("attempts") or 0) + 1)
+        t0 = time.perf_counter()
+
+        def on_progress(ev: dict) -> None:
+            done, total = ev["layers_done"], max(1, ev["layers_total"])
+            # corpus capture is ~15% of a small run's time; layers share the rest
+            cat.update_train(jid, phase=ev["phase"] if ev["phase"] == "capture" else f"layer {ev['layer']}",
+                             layers_done=done, layers_total=ev["layers_total"],
+                             progress=round(0.15 + 0.85 * done / total, 4))
+
+        try:
+            lm = self.rt.ensure_weights()
+            if lm.spec.fingerprint != fp:
+                raise ValueError(f"job is for model {fp[:16]}, this worker serves {lm.spec.fingerprint[:16]}")
+            settings = TrainSettings.model_validate(rec["settings"])
+            corpus = self.rt.settings.data_dir / "corpora" / rec["corpus"] if rec.get("corpus") else None
+            out = train_saap(lm, settings, data_dir=self.rt.settings.data_dir, corpus_dir=corpus, progress=False,
+                             on_progress=on_progress)
+            manifest = json.loads((out / "manifest.json").read_text())
+        except Exception as e:  # noqa: BLE001 - a failed job becomes the job's status, never a lost job
+            log.exception("training job %s failed", jid)
+            cat.end_train(jid, fp, status="failed", phase="failed", error_code="train_failed",
+                          error_message=f"{type(e).__name__}: {e}"[:2000])
+            return
+        cat.end_train(jid, fp, status="done", phase="done", progress=1.0, model_dir=str(out),
+                      digest=manifest["digest"], layers_done=len(manifest["layers"]),
+                      layers_total=len(manifest["layers"]), train_s=round(time.perf_counter() - t0, 2))
 
 
 class Janitor(_Loop):

@@ -16,6 +16,12 @@ Keys (all under one configurable prefix, so tests and deployments can share a se
     {p}out:{rid}           stream of a decode request's events (token / done / error)
     {p}cancel:{rid}        set when the client went away
     {p}worker:{kind}:{wid} heartbeat of a live worker (expires)
+    {p}train:{jid}         hash: an offline training job (SAAP): status, progress, phase, layers_done,
+                           layers_total, method, model, fingerprint, settings (json), corpus, model_dir,
+                           digest, created_at, updated_at, error_code, error_message, attempts
+    {p}trains              zset jid -> created_at (listing)
+    {p}train:running:{fp}  the one active (queued/running) training job of a model fingerprint
+    {p}q:train             list of training jobs (json); {p}q:train:active the ones being worked on
 
 Registration is single-flight: a WATCH/MULTI transaction creates the record and enqueues the job
 only if no live record exists, so concurrent registrations of one document build it once.
@@ -32,6 +38,15 @@ import redis
 
 STATUSES = ("queued", "prefilling", "indexing", "ready", "failed")
 ACTIVE = ("queued", "prefilling", "indexing")
+TRAIN_STATUSES = ("queued", "running", "done", "failed")
+
+
+class TrainConflict(Exception):
+    """Another training job of the same model is queued or running."""
+
+    def __init__(self, other: str):
+        super().__init__(f"training job {other} of this model is queued or running")
+        self.other = other
 
 
 @dataclass
@@ -43,15 +58,15 @@ class Registration:
 
 def _decode(h: dict) -> dict:
     out = {(k.decode() if isinstance(k, bytes) else k): (v.decode() if isinstance(v, bytes) else v) for k, v in h.items()}
-    for key in ("methods", "timings", "manifest"):
+    for key in ("methods", "timings", "manifest", "settings"):
         if key in out and out[key]:
             out[key] = json.loads(out[key])
-    for key in ("progress", "created_at", "updated_at", "expires_at"):
+    for key in ("progress", "created_at", "updated_at", "expires_at", "train_s"):
         if out.get(key) not in (None, ""):
             out[key] = float(out[key])
         elif key in out:
             out[key] = None
-    for key in ("n_tokens", "bytes", "attempts"):
+    for key in ("n_tokens", "bytes", "attempts", "layers_done", "layers_total"):
         if out.get(key) not in (None, ""):
             out[key] = int(out[key])
     return out
@@ -100,6 +115,24 @@ class Catalog:
 
     def k_worker(self, kind: str, wid: str) -> str:
         return f"{self.p}worker:{kind}:{wid}"
+
+    def k_train(self, jid: str) -> str:
+        return f"{self.p}train:{jid}"
+
+    def k_train_running(self, fingerprint: str) -> str:
+        return f"{self.p}train:running:{fingerprint}"
+
+    @property
+    def k_trains(self) -> str:
+        return f"{self.p}trains"
+
+    @property
+    def k_train_queue(self) -> str:
+        return f"{self.p}q:train"
+
+    @property
+    def k_train_active(self) -> str:
+        return f"{self.p}q:train:active"
 
     def ping(self) -> bool:
         return bool(self.r.ping())
@@ -252,39 +285,121 @@ class Catalog:
     def drop_tokens(self, cid: str) -> None:
         self.r.delete(self.k_tokens(cid))
 
-    # -- prefill jobs ---------------------------------------------------------------------------
-    def claim_prefill(self, timeout_s: float, lease_s: int) -> dict | None:
-        raw = self.r.blmove(self.k_prefill, self.k_prefill_active, timeout_s, "LEFT", "RIGHT")
+    # -- leased jobs (prefill, training) ---------------------------------------------------------
+    # A worker moves a job from the queue to the active list (BLMOVE) and keeps a lease on it alive;
+    # the janitor puts jobs whose lease expired (crashed worker) back on their queue.
+    def _claim(self, queue: str, active: str, timeout_s: float, lease_s: int) -> dict | None:
+        raw = self.r.blmove(queue, active, timeout_s, "LEFT", "RIGHT")
         if raw is None:
             return None
         job = json.loads(raw)
         job["_raw"] = raw.decode() if isinstance(raw, bytes) else raw
+        job["_active"] = active
         self.r.set(self.k_lease(job["id"]), "1", ex=lease_s)
         return job
+
+    def claim_prefill(self, timeout_s: float, lease_s: int) -> dict | None:
+        return self._claim(self.k_prefill, self.k_prefill_active, timeout_s, lease_s)
+
+    def claim_train(self, timeout_s: float, lease_s: int) -> dict | None:
+        return self._claim(self.k_train_queue, self.k_train_active, timeout_s, lease_s)
 
     def heartbeat(self, job: dict, lease_s: int) -> None:
         self.r.set(self.k_lease(job["id"]), "1", ex=lease_s)
 
-    def finish_prefill(self, job: dict) -> None:
+    def finish_job(self, job: dict) -> None:
         with self.r.pipeline() as pipe:
-            pipe.lrem(self.k_prefill_active, 1, job["_raw"])
+            pipe.lrem(job["_active"], 1, job["_raw"])
             pipe.delete(self.k_lease(job["id"]))
             pipe.execute()
 
+
     def requeue_stale(self) -> int:
-        """Jobs whose worker stopped heart-beating (crashed) go back to the queue."""
+        """Jobs whose worker stopped heart-beating (crashed) go back to their queue."""
         n = 0
-        for raw in self.r.lrange(self.k_prefill_active, 0, -1):
-            job = json.loads(raw)
-            if not self.r.exists(self.k_lease(job["id"])):
-                if self.r.lrem(self.k_prefill_active, 1, raw):
-                    self.r.lpush(self.k_prefill, raw)
-                    n += 1
+        for queue, active in ((self.k_prefill, self.k_prefill_active), (self.k_train_queue, self.k_train_active)):
+            for raw in self.r.lrange(active, 0, -1):
+                job = json.loads(raw)
+                if not self.r.exists(self.k_lease(job["id"])):
+                    if self.r.lrem(active, 1, raw):
+                        self.r.lpush(queue, raw)
+                        n += 1
         return n
 
     def queue_depth(self) -> dict:
         return {"prefill": self.r.llen(self.k_prefill), "prefill_active": self.r.llen(self.k_prefill_active),
-                "decode": self.r.llen(self.k_decode)}
+                "decode": self.r.llen(self.k_decode), "train": self.r.llen(self.k_train_queue),
+                "train_active": self.r.llen(self.k_train_active)}
+
+    # -- training jobs --------------------------------------------------------------------------
+    def submit_train(self, jid: str, record: dict) -> tuple[dict, bool]:
+        """Queue training job `jid` (its id is a digest of what it trains: equal requests are one job)
+        unless it exists and is queued, running or done; a failed one is queued again. At most one
+        job per model fingerprint is active: `TrainConflict` names the other one.
+
+        Returns (record, created)."""
+        key, fp = self.k_train(jid), record["fingerprint"]
+        running_key = self.k_train_running(fp)
+        now = time.time()
+        with self.r.pipeline() as pipe:
+            while True:
+                try:
+                    pipe.watch(key, running_key)
+                    existing = pipe.hgetall(key)
+                    cur = _decode(existing) if existing else None
+                    if cur and cur["status"] != "failed":
+                        pipe.reset()
+                        return cur, False
+                    other = pipe.get(running_key)
+                    other = other.decode() if isinstance(other, bytes) else other
+                    if other and other != jid:
+                        pipe.reset()
+                        raise TrainConflict(other)
+                    rec = {**record, "id": jid, "status": "queued", "progress": 0.0, "phase": "queued",
+                           "layers_done": 0, "layers_total": record.get("layers_total", 0),
+                           "settings": json.dumps(record["settings"]), "created_at": now, "updated_at": now,
+                           "model_dir": "", "digest": "", "error_code": "", "error_message": "",
+                           "attempts": int(cur.get("attempts", 0)) if cur else 0}
+                    pipe.multi()
+                    pipe.delete(key)
+                    pipe.hset(key, mapping={k: ("" if v is None else v) for k, v in rec.items()})
+                    pipe.zadd(self.k_trains, {jid: now})
+                    pipe.set(running_key, jid)
+                    pipe.rpush(self.k_train_queue, json.dumps({"id": jid, "queued_at": now}))
+                    pipe.execute()
+                    return _decode(rec), True
+                except redis.WatchError:
+                    continue
+
+    def get_train(self, jid: str) -> dict | None:
+        h = self.r.hgetall(self.k_train(jid))
+        return _decode(h) if h else None
+
+    def update_train(self, jid: str, **fields) -> None:
+        enc = {k: (json.dumps(v) if isinstance(v, (dict, list)) else "" if v is None else v) for k, v in fields.items()}
+        enc["updated_at"] = time.time()
+        self.r.hset(self.k_train(jid), mapping=enc)
+
+    def end_train(self, jid: str, fingerprint: str, **fields) -> None:
+        """Final status of a job (done / failed); frees the model's training slot."""
+        self.update_train(jid, **fields)
+        running_key = self.k_train_running(fingerprint)
+        with self.r.pipeline() as pipe:
+            while True:
+                try:
+                    pipe.watch(running_key)
+                    cur = pipe.get(running_key)
+                    pipe.multi()
+                    if (cur.decode() if isinstance(cur, bytes) else cur) == jid:
+                        pipe.delete(running_key)
+                    pipe.execute()
+                    return
+                except redis.WatchError:
+                    continue
+
+    def list_train(self, limit: int = 100) -> list[dict]:
+        ids = [x.decode() if isinstance(x, bytes) else x for x in self.r.zrevrange(self.k_trains, 0, limit - 1)]
+        return [rec for jid in ids if (rec := self.get_train(jid)) is not None]
 
     # -- decode requests ------------------------------------------------------------------------
     def submit_decode(self, request: dict) -> str:

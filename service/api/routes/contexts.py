@@ -31,7 +31,7 @@ REGISTRATIONS = Counter("ctxcache_registrations_total", "context registrations",
 COMPLETIONS = Counter("ctxcache_completions_total", "completions", ["method", "outcome"])
 TTFT = Histogram("ctxcache_ttft_seconds", "time to first token", ["cache"])
 
-_ERROR_STATUS = {"not_found": 404, "context_not_ready": 409, "artifact_corrupt": 500, "artifact_missing": 500,
+_ERROR_STATUS = {"not_found": 404, "context_not_ready": 409, "method_unavailable": 409, "artifact_corrupt": 500, "artifact_missing": 500,
                  "internal_error": 500}
 
 
@@ -104,7 +104,7 @@ def create_context(body: ContextCreate, rt: RuntimeDep, response: Response):
     for name in dict.fromkeys(body.methods):
         method = _method(name)
         params = _validate_params(method, body.params.get(name, {}), f"params.{name}")
-        reasons = method.validate_configuration(spec, params)
+        reasons = method.validate_configuration(spec, params, rt.method_env)
         if reasons:
             raise ApiError(422, "unsupported_configuration", f"{name}: " + "; ".join(reasons))
         wanted[name] = {"params": params.model_dump(), "index_id": method.index_id(params) if method.has_index else None}

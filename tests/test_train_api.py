@@ -1,0 +1,142 @@
+"""SAAP training over REST (`/v1/methods/saap/train`) and the data dir reaching the method: a job
+trains into the service's data dir, registrations find the model there, a retrained model makes
+old indexes answer 409 instead of reading them with the wrong classifier."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+from fastapi.testclient import TestClient
+
+from conftest import PASSKEY_QUESTION, passkey_document
+from indexer.base import MethodEnv, get_method
+from indexer.saap import default_model_dir
+from service.app import create_app
+from test_api import _settings, wait_ready
+
+pytestmark = pytest.mark.slow
+
+# Tiny: 2 layers, 2 windows of 256 tokens, 20 steps (~10-20 s here); the rest runs full attention.
+TINY = {"preset": "small", "layers": [1, 2], "docs": 2, "doc_tokens": 256, "steps": 20}
+
+
+@pytest.fixture
+def client(tmp_path, redis_prefix, lm):
+    with TestClient(create_app(_settings(tmp_path, redis_prefix), lm=lm)) as c:
+        yield c
+
+
+def wait_job(c: TestClient, jid: str, timeout: float = 300.0) -> dict:
+    end = time.time() + timeout
+    while time.time() < end:
+        job = c.get(f"/v1/methods/saap/train/{jid}").json()
+        if job["status"] in ("done", "failed"):
+            return job
+        time.sleep(0.2)
+    raise AssertionError(f"training job {jid} not finished after {timeout}s: {job}")
+
+
+def _code(r) -> str:
+    return r.json()["error"]["code"]
+
+
+def test_method_env_decides_where_saap_looks(lm, tmp_path, monkeypatch):
+    """The caller's data dir (the service's --data-dir), not the process environment, locates the model."""
+    m = get_method("saap")
+    monkeypatch.setenv("CTXCACHE_DATA_DIR", str(tmp_path / "from-env"))
+    (reason,) = m.validate_configuration(lm.spec, m.Params(), MethodEnv(tmp_path / "mine"))
+    assert str(default_model_dir(lm.spec.fingerprint, tmp_path / "mine")) in reason
+    assert "POST /v1/methods/saap/train" in reason
+    (reason,) = m.validate_configuration(lm.spec, m.Params())  # no env: the service's default location
+    assert str(tmp_path / "from-env" / "saap") in reason
+
+
+def test_bad_training_requests_are_4xx_and_queue_nothing(client):
+    cases = [
+        ({}, 422, "validation_error"),  # preset is required: the default would be a ~551 h CPU job
+        ({"preset": "medium"}, 422, "validation_error"),
+        ({"preset": "small", "steps": 0}, 422, "invalid_parameter"),
+        ({"preset": "small", "clusters": 1}, 422, "invalid_parameter"),
+        ({"preset": "small", "layers": [0, 1]}, 422, "invalid_parameter"),
+        ({"preset": "small", "layers": [30]}, 422, "invalid_parameter"),
+        ({"preset": "small", "corpus": "../etc"}, 422, "validation_error"),
+        ({"preset": "small", "corpus": "missing"}, 422, "unknown_corpus"),
+        ({"preset": "small", "surprise": 1}, 422, "validation_error"),
+    ]
+    for body, status, code in cases:
+        r = client.post("/v1/methods/saap/train", json=body)
+        assert (r.status_code, _code(r)) == (status, code), (body, r.text)
+    r = client.post("/v1/methods/topk/train", json={"preset": "small"})
+    assert (r.status_code, _code(r)) == (422, "not_trainable")
+    r = client.post("/v1/methods/nope/train", json={"preset": "small"})
+    assert (r.status_code, _code(r)) == (404, "not_found")
+    r = client.get("/v1/methods/saap/train/" + "0" * 64)
+    assert (r.status_code, _code(r)) == (404, "not_found")
+    assert client.get("/v1/methods/saap/train").json() == []
+    assert client.app.state.runtime.catalog.queue_depth()["train"] == 0
+
+
+def test_train_over_rest_then_register_and_ask(client, lm):
+    rt = client.app.state.runtime
+    model_dir = default_model_dir(lm.spec.fingerprint, rt.settings.data_dir)
+    doc = passkey_document(52817, depth=0.5)
+
+    # before training, a saap registration is refused and says how to train (REST included)
+    r = client.post("/v1/contexts", json={"text": doc, "methods": ["saap"]})
+    assert (r.status_code, _code(r)) == (422, "unsupported_configuration")
+    assert "POST /v1/methods/saap/train" in r.json()["error"]["message"]
+
+    r = client.post("/v1/methods/saap/train", json=TINY)
+    assert r.status_code == 202, r.text
+    job = r.json()
+    assert job["created"] is True and job["status"] in ("queued", "running") and job["layers_total"] == 2
+    again = client.post("/v1/methods/saap/train", json=TINY)  # the same request is the same job
+    assert again.status_code == 200 and again.json()["id"] == job["id"] and again.json()["created"] is False
+    other = client.post("/v1/methods/saap/train", json={**TINY, "seed": 7})  # one job per model at a time
+    assert (other.status_code, _code(other)) == (409, "training_in_progress")
+    assert other.json()["error"]["details"]["job_id"] == job["id"]
+
+    done = wait_job(client, job["id"])
+    assert done["status"] == "done", done
+    assert done["progress"] == 1.0 and done["layers_done"] == 2 and done["attempts"] == 1
+    manifest = json.loads((model_dir / "manifest.json").read_text())
+    assert done["digest"] == manifest["digest"] and done["model_dir"] == str(model_dir)
+    assert sorted(manifest["layers"]) == ["1", "2"] and manifest["settings"]["steps"] == 20
+    assert [j["id"] for j in client.get("/v1/methods/saap/train").json()] == [job["id"]]
+
+    r = client.post("/v1/methods/saap/train", json=TINY)  # done and its model in place: nothing to do
+    assert r.status_code == 200 and r.json()["status"] == "done" and r.json()["created"] is False
+    r = client.post("/v1/methods/saap/train", json={**TINY, "seed": 7})  # would replace a model in use
+    assert (r.status_code, _code(r)) == (409, "model_exists")
+    assert json.loads((model_dir / "manifest.json").read_text())["digest"] == manifest["digest"]  # unchanged
+
+    # the service's data dir reaches the method: register (validate + build) and ask (open)
+    cid = client.post("/v1/contexts", json={"text": doc, "methods": ["saap"]}).json()["id"]
+    rec = wait_ready(client, cid)
+    assert rec["status"] == "ready", rec
+    r = client.post(f"/v1/contexts/{cid}/completions",
+                    json={"question": PASSKEY_QUESTION, "method": "saap", "params": {"nprobe": 2}, "max_tokens": 4})
+    assert r.status_code == 200, r.text
+    assert r.json()["stats"]["method"] == "saap" and r.json()["stats"]["kv_fraction"] < 1.0
+
+    # retrain (replace) with a custom corpus from <data_dir>/corpora/<name>
+    corpus = rt.settings.data_dir / "corpora" / "mine"
+    corpus.mkdir(parents=True)
+    (corpus / "a.txt").write_text(passkey_document(11111, n_rep=30))
+    r = client.post("/v1/methods/saap/train", json={**TINY, "layers": [1], "corpus": "mine", "replace": True})
+    assert r.status_code == 202, r.text
+    second = wait_job(client, r.json()["id"])
+    assert second["status"] == "done" and second["corpus"] == "mine", second
+    manifest2 = json.loads((model_dir / "manifest.json").read_text())
+    assert manifest2["digest"] == second["digest"] != manifest["digest"]
+    assert manifest2["corpus"]["path"] == str(corpus.resolve())
+
+    # the old index names the old model's digest: it is never read with the new classifier
+    r = client.post(f"/v1/contexts/{cid}/completions",
+                    json={"question": PASSKEY_QUESTION, "method": "saap", "params": {"nprobe": 2}, "max_tokens": 4})
+    assert (r.status_code, _code(r)) == (409, "method_unavailable"), r.text
+    assert "register it again" in r.json()["error"]["message"]
+    full = client.post(f"/v1/contexts/{cid}/completions", json={"question": PASSKEY_QUESTION, "max_tokens": 4})
+    assert full.status_code == 200  # the context itself is intact
