@@ -49,12 +49,12 @@ from typing import Any, Literal
 import torch
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from decoder.attention import dense_attention, merge_selection, sparse_attention
-from decoder.fidelity import fidelity, teacher_forced_logits
+from decoder.attention import merge_selection
+from decoder.fidelity import QueryTrace, attention_metrics, fidelity, teacher_forced_logits
 from decoder.generate import ContextKV, generate
 from decoder.model import DEFAULT_MODEL
 from decoder.prefill import prefill
-from indexer.base import IndexReader, KVView, MethodParams, MethodSession, PrefillCapture, SparseMethod, get_method, method_names
+from indexer.base import IndexReader, MethodParams, MethodSession, SparseMethod, get_method, method_names
 from service.evaluation import tasks as T
 from storage.artifacts import ContextStore, IndexArrays
 from storage.keys import PromptHash
@@ -355,149 +355,6 @@ class ObservedSession(MethodSession):
             v=torch.stack([torch.cat(self.v[l][:steps], dim=1) for l in layers]),
             n_ctx=n_ctx,
         )
-
-
-@dataclass
-class QueryTrace:
-    """Real decode queries after a context, and the keys/values they append.
-
-    q: [L, KVH, G, T, D]; k, v: [L, KVH, T, D]; step t sits at absolute position n_ctx + t.
-    """
-
-    q: torch.Tensor
-    k: torch.Tensor
-    v: torch.Tensor
-    n_ctx: int
-
-    @property
-    def steps(self) -> int:
-        return self.q.shape[3]
-
-    @classmethod
-    def from_capture(cls, cap: PrefillCapture, n_ctx: int) -> "QueryTrace":
-        """The last tokens of a prefill capture as decode steps (what selection_recall replays)."""
-        spec = cap.spec
-        l, h, n, d = cap.q.shape
-        q = cap.q[:, :, n_ctx:].reshape(l, spec.num_kv_heads, spec.group_size, n - n_ctx, d)
-        return cls(q=q, k=cap.k[:, :, n_ctx:], v=cap.v[:, :, n_ctx:], n_ctx=n_ctx)
-
-
-# ---------------------------------------------------------------------------------------------
-# Attention level, per layer and KV head
-
-
-@dataclass
-class AttentionReport:
-    recall: torch.Tensor  # [L, KVH] mean recall of the exact top-K (NaN where every step was custom)
-    mass: torch.Tensor  # [L, KVH] mean share of the exact group attention mass in the attended set
-    rel_err: torch.Tensor  # [L, KVH] mean ||out - dense|| / ||dense|| over the head's query group
-    touched: torch.Tensor  # [L, KVH] mean fraction of the visible KV attended
-    layer_rel_err: torch.Tensor  # [L] mean over steps of the error over all heads (decoder.fidelity's definition)
-    custom: torch.Tensor  # [L] fraction of steps whose output the method computed itself
-    k_last: int  # K at the last query
-
-    def summary(self) -> dict:
-        per_layer_recall = _nanmean(self.recall, dim=1)
-        return {
-            "recall": _nan_to_none(float(_nanmean(self.recall.flatten(), dim=0))),
-            "mass_recall": _nan_to_none(float(_nanmean(self.mass.flatten(), dim=0))),
-            "rel_l2_err": float(self.layer_rel_err.mean()),
-            "kv_touched": float(self.touched.mean()),
-            "custom_output_fraction": float(self.custom.mean()),
-            "k": self.k_last,
-            "recall_per_layer": [_nan_to_none(round(float(x), 4)) for x in per_layer_recall],
-            "rel_err_per_layer": [round(float(x), 4) for x in self.layer_rel_err],
-            "touched_per_layer": [round(float(x), 4) for x in self.touched.mean(1)],
-            "recall_per_head": [[_nan_to_none(round(float(x), 4)) for x in row] for row in self.recall],
-            "mass_per_head": [[_nan_to_none(round(float(x), 4)) for x in row] for row in self.mass],
-            "rel_err_per_head": [[round(float(x), 4) for x in row] for row in self.rel_err],
-            "touched_per_head": [[round(float(x), 4) for x in row] for row in self.touched],
-        }
-
-
-def _nanmean(x: torch.Tensor, dim: int) -> torch.Tensor:
-    ok = ~torch.isnan(x)
-    cnt = ok.sum(dim)
-    s = torch.where(ok, x, torch.zeros_like(x)).sum(dim)
-    return torch.where(cnt > 0, s / cnt.clamp_min(1), torch.full_like(s, float("nan")))
-
-
-def _nan_to_none(x: float):
-    return None if isinstance(x, float) and math.isnan(x) else x
-
-
-def exact_topk_k(ratio: float, visible: int) -> int:
-    """K of the exact top-K reference (the same rounding as decoder.fidelity.selection_recall)."""
-    return min(visible, max(1, int(round(ratio * visible))))
-
-
-@torch.inference_mode()
-def attention_metrics(
-    session: MethodSession,
-    params: MethodParams,
-    ctx_layer: Callable[[int], tuple[torch.Tensor, torch.Tensor]],
-    trace: QueryTrace,
-    *,
-    recall_ratio: float = 0.05,
-    steps: int | None = None,
-) -> AttentionReport:
-    """Replay `trace` through `session` step by step (all layers per step, as the decoder runs) and
-    compare each layer's attention with exact attention, per KV head."""
-    from indexer.topk import group_attention_mass
-
-    n_layers, kvh, g, t_all, d = trace.q.shape
-    steps = t_all if steps is None else min(steps, t_all)
-    scale = d ** -0.5
-    nan = float("nan")
-    rec_sum = torch.zeros(n_layers, kvh, dtype=torch.float64)
-    rec_n = torch.zeros(n_layers, kvh, dtype=torch.float64)
-    mass_sum = torch.zeros(n_layers, kvh, dtype=torch.float64)
-    err_sum = torch.zeros(n_layers, kvh, dtype=torch.float64)
-    tch_sum = torch.zeros(n_layers, kvh, dtype=torch.float64)
-    lerr_sum = torch.zeros(n_layers, dtype=torch.float64)
-    custom_n = torch.zeros(n_layers, dtype=torch.float64)
-    kk = 1
-    for i in range(steps):
-        p = trace.n_ctx + i
-        q_pos = torch.tensor([p])
-        for layer in range(n_layers):
-            ctx_k, ctx_v = ctx_layer(layer)
-            q = trace.q[layer, :, :, i:i + 1].to(ctx_k.dtype)  # [KVH, G, 1, D]
-            loc_k, loc_v = trace.k[layer, :, :i + 1].to(ctx_k.dtype), trace.v[layer, :, :i + 1].to(ctx_k.dtype)
-            kv = KVView(ctx_k, ctx_v, loc_k, loc_v, q_pos)
-            custom = session.attend(layer, q, kv)
-            sel = session.select(layer, q, kv) if custom is None else None
-            dense = dense_attention(q, ctx_k, ctx_v, loc_k, loc_v, scale)
-            gm = group_attention_mass(q, kv)  # [KVH, 1, p + 1], sums to G per head
-            kk = exact_topk_k(recall_ratio, p + 1)
-            exact = torch.topk(gm, kk, dim=-1).indices  # [KVH, 1, K]
-            if custom is not None:
-                out, frac = custom
-                frac = frac.double().reshape(kvh, -1).mean(-1)
-                custom_n[layer] += 1
-            else:
-                if sel is None:
-                    idx = torch.arange(p + 1).expand(kvh, 1, p + 1)
-                    out = dense
-                else:
-                    idx = merge_selection(sel, q_pos, params.sink, params.window)
-                    out = sparse_attention(q, idx, ctx_k, ctx_v, loc_k, loc_v, scale)
-                hit = (exact[..., :, None] == idx[..., None, :]).any(-1).double().mean((-1, -2))  # [KVH]
-                rec_sum[layer] += hit
-                rec_n[layer] += 1
-                safe = idx.clamp_min(0)
-                covered = torch.gather(gm, -1, safe).masked_fill(idx < 0, 0).sum(-1).double()  # [KVH, 1]
-                mass_sum[layer] += (covered[:, 0] / g).clamp(max=1.0)
-                frac = (idx >= 0).sum(-1).double()[:, 0] / (p + 1)
-            diff = (out - dense).double()
-            err_sum[layer] += diff.flatten(1).norm(dim=1) / dense.double().flatten(1).norm(dim=1).clamp_min(1e-12)
-            lerr_sum[layer] += diff.norm() / dense.double().norm().clamp_min(1e-12)
-            tch_sum[layer] += frac
-            session.append(layer, trace.k[layer, :, i:i + 1].to(ctx_k.dtype), trace.v[layer, :, i:i + 1].to(ctx_k.dtype), q_pos)
-    recall = torch.where(rec_n > 0, rec_sum / rec_n.clamp_min(1), nan).float()
-    mass = torch.where(rec_n > 0, mass_sum / rec_n.clamp_min(1), nan).float()
-    return AttentionReport(recall=recall, mass=mass, rel_err=(err_sum / steps).float(), touched=(tch_sum / steps).float(),
-                           layer_rel_err=(lerr_sum / steps).float(), custom=(custom_n / steps).float(), k_last=kk)
 
 
 # ---------------------------------------------------------------------------------------------
