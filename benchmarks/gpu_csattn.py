@@ -220,7 +220,7 @@ def run(n: int, alpha: float) -> dict:
         res[f"schedule_{sched}_eager_ms_per_step"] = cuda_median_ms(timed(run_p), reps=20) / period
 
     # CPU<->GPU: host tables and K/V, host search, only selected rows go to the GPU
-    off = session(p.with_overrides({"mode": "offload"}), reader_cpu, "cpu")
+    off = session(p.with_overrides({"mode": "offload", "overlap": "off"}), reader_cpu, "cpu")
     kv_off = KVView(k.cpu(), v.cpu(), loc_k, loc_v, q_pos)
     res["offload_step_ms"] = host_median_ms(timed(lambda: off.attend(0, q, kv_off)))
     res["offload_select_ms"] = host_median_ms(timed(lambda: off.select(0, q, kv_off)))

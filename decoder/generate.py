@@ -158,4 +158,5 @@ def generate(
             break
         inp = torch.tensor([[tok]], dtype=torch.long, device=device)
     res.decode_s = time.perf_counter() - (t_first or t_start)
+    session.close()  # the request ends here (a session dropped on an error is released when collected)
     return res

@@ -161,6 +161,11 @@ class SparseMethod(ABC):
     version: ClassVar[int] = 1  # bump when the persisted layout of `build` changes
     has_index: ClassVar[bool] = False  # True when `build` persists arrays
 
+    def host_resident(self, params: MethodParams) -> bool:
+        """True: the decoder keeps this request's context K/V and index arrays in host memory even
+        when the model runs on a GPU; the session ships what attention needs (csattn's offload mode)."""
+        return False
+
     def validate_configuration(self, spec, params: MethodParams, env: MethodEnv | None = None) -> list[str]:
         """Reasons this method cannot run for this model/params (empty = fine)."""
         return []

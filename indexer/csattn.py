@@ -66,19 +66,54 @@ materialises a request's effective lists (sorted, bounded) for inspection.
 Execution modes (`mode`): "auto" searches where the query lives; "gpu" (All-GPU) moves the tables
 to the query's device (cached in the session, per layer); "offload" (CPU<->GPU) searches on the
 CPU over host tables, and when the context K/V also stay on the host (ContextKV(device="cpu"))
-while the model runs on a GPU, `attend` gathers only the selected K/V rows on the host, ships them
-to the GPU and runs exact attention there. Without a GPU every mode runs on the CPU. Not done: the
-paper's overlap of the CPU search for step t+1 with GPU attention for step t, and fused kernels
-(this is plain torch: on an H100 it is slower than SDPA full attention, see the results file).
+while the model runs on a GPU, `attend` gathers only the selected K/V rows on the host (straight
+into pinned buffers), ships them to the GPU with non_blocking copies and runs exact attention
+there over the shipped rows + the request's own rows. Without a GPU every mode runs on the CPU.
+
+Overlap (`overlap`, offload mode only; papers/csattention.txt §3.4: "GPU attention at step t
+overlaps with CPU search and updates for step t+1"). Host work goes to the session's worker
+threads (`ThreadPoolExecutor`s of one thread each; a layer's tasks always go to worker
+layer % `host_workers`, so they run in order); the caller waits on futures only where it needs a
+result. Device tensors reach the workers as pinned host copies made on a side stream, with an
+event the worker waits on, so the caller never blocks on the GPU for them.
+* "updates" (default in offload mode; exact): `append` queues the streaming update (scoring the
+  new keys against every centroid into the request's overlay) instead of running it; a layer's
+  next search, `lists`, first waits for that layer's queued tasks. Selections are identical to "off".
+* "lookahead": one-step lookahead. A step's query for layer l is the newest query that exists
+  while the GPU runs that step, so `append` (after the update) also queues the search for layer l
+  of the next one-token step with this step's last query, at the next step's position (its
+  allowed range and budget): the exact search the synchronous path would run there if given the
+  previous query. The worker then gathers the frame's rows (merge_selection at the next position)
+  into pinned buffers and copies them on a second side stream, recording an event; the next step
+  makes its compute stream wait on that event and attends. The window (R = 32 newest tokens, on
+  the GPU) covers what the stale selection cannot know. The question chunk (T > 1) and a step with
+  no matching plan search synchronously. With a search period P only the step before a search
+  step plans a search; the reuse steps in between still get their rows shipped ahead.
+  Cost, measured on SmolLM2 (2K document, rho 5%): recall of the exact top-K 0.554 vs 0.629 with
+  the current query, teacher-forced top-1 agreement 0.52 vs 0.83 (KL 1.64 vs 0.29), hence not the
+  default. Likely cause: copy-like heads want the key after the one the previous token wanted
+  (spending half the budget on the +1 neighbours of the stale selection gave top-1 0.67; not
+  implemented). Speed (H200 + 16 host cores, 8 Llama-8B layers): "updates" is within run-to-run
+  noise of "off"; "lookahead" with one worker is no faster than "off" (the plain-torch host
+  search, 4-13 ms per layer, dwarfs the GPU work it could hide behind: a whole layer with full
+  attention takes ~0.5 ms there); with
+  `host_workers` 4-8 [4], which plan several layers at once, it is 1.5-2.6x faster than "off".
+  Numbers: benchmarks/RESULTS_csattn.md.
+Not done: fused kernels (this is plain torch: on an H100 and H200 it is slower than SDPA full
+attention, and the offload path is host-bound; see the results file).
 """
 
 from __future__ import annotations
 
 import math
+import threading
+import weakref
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import ClassVar, Literal
 
 import torch
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from indexer.base import MethodParams, MethodSession, SparseMethod, register
 
@@ -119,9 +154,27 @@ class CSAttnParams(MethodParams):
         "list_min", description="score of a key absent from a gathered list: 'zero' (paper) or the list's minimum")
     mode: Literal["auto", "gpu", "offload"] = Field(
         "auto", description="where the search runs: with the query, All-GPU, or CPU<->GPU")
+    overlap: Literal["off", "updates", "lookahead"] | None = Field(
+        None, description="offload only: host work on background threads; 'updates' = streaming updates (exact), "
+                          "'lookahead' = also the next step's search with this step's query (one step stale: "
+                          "costs quality, see the results file); default 'updates' in offload mode, else 'off'")
+    host_workers: int = Field(
+        4, ge=1, le=16, description="lookahead: worker threads per session; layer l's tasks run on worker l % n")
 
     build_fields: ClassVar[frozenset[str]] = frozenset(
         {"m", "n_centroids", "alpha", "list_len", "min_list_len", "iterations", "seed", "train_queries"})
+
+    @model_validator(mode="after")
+    def _overlap_needs_offload(self):
+        if self.overlap not in (None, "off") and self.mode != "offload":
+            raise ValueError(f"overlap={self.overlap!r} needs mode='offload' (it overlaps the host search)")
+        return self
+
+    @property
+    def overlap_level(self) -> str:
+        if self.overlap is not None:
+            return self.overlap
+        return "updates" if self.mode == "offload" else "off"
 
     def list_size(self, n_prefill: int) -> int:
         # The paper's alpha = 0.2 is for 8K-128K prompts. At ~500 tokens it keeps ~110 keys per list,
@@ -343,14 +396,126 @@ class _AppendLog:
         return self.score[..., : self.n], self.pos[: self.n]
 
 
+# ---------------------------------------------------------------------------------------------
+# CPU<->GPU (offload): ship the selected rows; plan the next step on a background thread
+
+
+def rows_attention(
+    q: torch.Tensor,  # [KVH, G, T, D]
+    idx: torch.Tensor,  # [KVH, T, K'] rows of k/v, -1 = empty
+    k: torch.Tensor,  # [KVH, R, D]
+    v: torch.Tensor,
+    scaling: float,
+) -> torch.Tensor:  # [KVH, G, T, D]
+    """Exact attention over the given rows of one compact K/V set: `decoder.attention.sparse_attention`
+    without its host-side check for request-local rows (a device sync per layer, which would stop
+    the host from running ahead of the GPU)."""
+    heads = torch.arange(idx.shape[0], device=idx.device)[:, None, None]
+    j = idx.clamp_min(0)
+    k_sel, v_sel = k[heads, j], v[heads, j]  # [KVH, T, K', D]
+    s = torch.einsum("hgtd,htkd->hgtk", q, k_sel) * scaling
+    s = s.masked_fill(~(idx >= 0)[:, None], float("-inf"))
+    p = torch.softmax(s.float(), dim=-1).to(q.dtype)
+    return torch.einsum("hgtk,htkd->hgtd", p, v_sel)
+
+
+def ship_rows(
+    sel: torch.Tensor,  # [KVH, T, K] host positions, -1 = empty
+    q_pos: torch.Tensor,  # [T] host
+    ctx_k: torch.Tensor,  # [KVH, N, D] host context K (contiguous)
+    ctx_v: torch.Tensor,  # [KVH, N, D]
+    sink: int,
+    window: int,
+    device: torch.device,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """CPU<->GPU: the rows one step attends, gathered on the host and copied to `device`.
+
+    Returns k_rows, v_rows [KVH, T*K', D] and remap [KVH, T, K'] on `device` (slot of each frame
+    position: compact row for a context position, T*K' + offset for a request-local one, -1 empty;
+    the caller appends the request-local K/V to the rows) and frac [KVH, T] (host). The context rows
+    are gathered straight into pinned buffers and copied with non_blocking on the caller's current
+    stream: the caller records an event there (the pinned blocks are not reused before the copy)."""
+    from decoder.attention import merge_selection
+
+    idx = merge_selection(sel, q_pos, sink, window)  # [KVH, T, K']
+    kvh, t, kp = idx.shape
+    n, d = ctx_k.shape[1], ctx_k.shape[2]
+    in_ctx = (idx >= 0) & (idx < n)
+    flat = (torch.where(in_ctx, idx, 0) + n * torch.arange(kvh)[:, None, None]).reshape(-1)
+    pin = device.type == "cuda"
+    rows = []
+    for src in (ctx_k, ctx_v):
+        buf = torch.empty(kvh * t * kp, d, dtype=src.dtype, pin_memory=pin)
+        torch.index_select(src.reshape(kvh * n, d), 0, flat, out=buf)
+        rows.append(buf.view(kvh, t * kp, d).to(device, non_blocking=True))
+    slot = torch.arange(t * kp).view(1, t, kp)
+    remap = torch.where(in_ctx, slot, torch.where(idx >= n, idx - n + t * kp, -1))
+    remap = (remap.pin_memory() if pin else remap).to(device, non_blocking=True)
+    frac = (idx >= 0).sum(-1).double() / (q_pos[None, :].double() + 1)
+    return rows[0], rows[1], remap, frac
+
+
+def _host_q_pos(kv, t: int) -> torch.Tensor:
+    """[T] query positions on the host without a device sync: KVView's convention is that the
+    request's last T tokens are the queries, so they sit at N + M - T .. N + M - 1."""
+    if kv.q_pos.device.type == "cpu":
+        return kv.q_pos
+    n_vis = kv.n_ctx + kv.n_local
+    return torch.arange(n_vis - t, n_vis)
+
+
+@dataclass
+class _Ahead:
+    """What a step leaves for the worker to plan the layer's next one-token step with."""
+
+    q: torch.Tensor  # [KVH, G, 1, D] host copy of this step's last query
+    ready: object  # torch.cuda.Event marking that the host copy landed, or None
+    q_pos: torch.Tensor  # [1] the next step's query position
+    n_visible: int  # the next step's N + M
+    search: bool  # the next step searches (else it keeps `sel`: search period)
+    sel: torch.Tensor  # this step's selection [KVH, T, K] (host)
+    tables: tuple  # the layer's host tables (centroids, idx, score)
+    ship: tuple | None  # (ctx_k, ctx_v, device, h2d stream): also ship the rows to the GPU
+
+
+@dataclass
+class _Plan:
+    """A layer's selection for one step, made on the worker during the previous step."""
+
+    n_visible: int  # the step it was made for (its query position is n_visible - 1)
+    searched: bool
+    sel: torch.Tensor  # [KVH, 1, K] host
+    rows: tuple | None  # ship_rows' output on the GPU + the event that marks the copies done
+
+
+def _intra_op_threads(n: int) -> None:
+    torch.set_num_threads(n)
+    torch.get_num_threads()  # fixes this thread's count now (it would otherwise be read on first use)
+
+
+def _shutdown(pools: list[ThreadPoolExecutor], wait: bool) -> None:
+    for pool in pools:
+        pool.shutdown(wait=wait, cancel_futures=True)
+
+
 class CSAttnSession(MethodSession):
     def __init__(self, index, params: CSAttnParams, n_ctx: int):
         self.index = index
         self.params = params
         self.n_ctx = n_ctx
+        self.overlap = params.overlap_level
         self._tables: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
         self._log: dict[int, _AppendLog] = {}
         self._last: dict[int, list] = {}  # layer -> [selection, steps since search]
+        self._on_q: dict[int, tuple] = {}  # layer -> (host selection, its copy on the query's device)
+        # overlap (see the module docstring): worker threads (1; `host_workers` for lookahead),
+        # started on first use; each layer's tasks run in order on one of them
+        self._pools: list[ThreadPoolExecutor] = []
+        self._finalizer = None
+        self._queued: dict[int, Future] = {}  # layer -> the last task submitted for it
+        self._next: dict[int, Future] = {}  # layer -> Future[_Plan] for its next step
+        self._ahead: dict[int, _Ahead] = {}  # left by select/attend, submitted by append
+        self._streams: dict[torch.device, tuple] = {}  # device -> (D2H stream, H2D stream)
 
     def _search_device(self, q_device: torch.device) -> torch.device:
         return torch.device("cpu") if self.params.mode == "offload" else q_device
@@ -369,62 +534,197 @@ class CSAttnSession(MethodSession):
     def lists(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """This request's effective lists (persisted ∪ its appended keys): idx int64, score float,
         [KVH, m, C, Lk], each sorted by score descending."""
+        self._settle(layer)
         log = self._log.get(layer)
         dev = log.pos.device if log is not None else torch.device("cpu")
         _, idx, score = self.tables(layer, dev)
         app = log.view() if log is not None else (None, None)
         return effective_lists(idx, score.float(), *app)[:2]
 
-    def select(self, layer, q, kv):
+    # -- background worker ----------------------------------------------------------------------
+
+    def _submit(self, layer: int, fn, *args) -> Future:
+        if not self._pools:
+            self._start_workers()
+        fut = self._pools[layer % len(self._pools)].submit(fn, *args)  # one layer, one worker: in order
+        self._queued[layer] = fut
+        return fut
+
+    def _start_workers(self) -> None:
+        # Intra-op threads are kept per OS thread (OpenMP). A worker that only scores appended keys
+        # runs its ops on one thread (its own OpenMP team would compete with the caller's search);
+        # lookahead workers, which search, split the caller's count. torch.set_num_threads also
+        # sets the default that threads started later read: once the workers have set theirs, a
+        # throwaway thread restores it, leaving the caller's own OpenMP/MKL settings untouched.
+        n_caller = torch.get_num_threads()
+        n = self.params.host_workers if self.overlap == "lookahead" else 1
+        per = 1 if self.overlap == "updates" else max(1, n_caller // n)
+        self._pools = [ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"csattn-host-{i}",
+                                          initializer=_intra_op_threads, initargs=(per,))
+                       for i in range(n)]
+        for pool in self._pools:
+            pool.submit(int).result()  # its initializer has run
+        restore = threading.Thread(target=torch.set_num_threads, args=(n_caller,), name="csattn-threads")
+        restore.start()
+        restore.join()
+        # a session dropped without close(): its threads exit once the session is collected
+        self._finalizer = weakref.finalize(self, _shutdown, self._pools, False)
+
+    def _settle(self, layer: int) -> None:
+        """Wait for the layer's background tasks (its worker runs them in order: the last implies the rest)."""
+        fut = self._queued.pop(layer, None)
+        if fut is not None:
+            fut.result()
+
+    def close(self) -> None:
+        """Stop the worker threads (queued tasks are cancelled, a running one finishes). Idempotent;
+        a closed session that is used again starts new workers."""
+        pools, self._pools = self._pools, []
+        self._queued.clear()
+        self._next.clear()
+        self._ahead.clear()
+        if pools:
+            self._finalizer.detach()
+            _shutdown(pools, True)
+
+    def _copy_streams(self, device: torch.device) -> tuple:
+        got = self._streams.get(device)
+        if got is None:
+            got = self._streams[device] = (torch.cuda.Stream(device), torch.cuda.Stream(device))
+        return got
+
+    def _to_host(self, *xs: torch.Tensor) -> tuple[list[torch.Tensor], object]:
+        """Host copies of device tensors without blocking the caller: pinned buffers filled on a
+        side stream once the compute stream has produced them; returns (copies, event | None)."""
+        if all(x.device.type == "cpu" for x in xs):
+            return [x.clone() for x in xs], None
+        dev = next(x.device for x in xs if x.device.type == "cuda")
+        d2h = self._copy_streams(dev)[0]
+        d2h.wait_stream(torch.cuda.current_stream(dev))
+        out = []
+        with torch.cuda.stream(d2h):
+            for x in xs:
+                h = torch.empty(x.shape, dtype=x.dtype, pin_memory=True)
+                h.copy_(x, non_blocking=True)
+                if x.device.type == "cuda":
+                    x.record_stream(d2h)  # x's memory is not reused before the copy has run
+                out.append(h)
+            done = torch.cuda.Event()
+            done.record(d2h)
+        return out, done
+
+    @staticmethod
+    def _update(log: _AppendLog, cent: torch.Tensor, k: torch.Tensor, pos: torch.Tensor, ready) -> None:
+        """Streaming update: score the appended keys k [KVH, T, D] against every centroid."""
+        if ready is not None:
+            ready.synchronize()
+        kvh, t, d = k.shape
+        m = cent.shape[1]
+        s = torch.einsum("hmcd,htmd->hmct", cent.float(), k.float().reshape(kvh, t, m, d // m))  # [KVH, m, C, T]
+        log.add(pos, s)
+
+    def _plan_ahead(self, layer: int, a: _Ahead) -> _Plan:
+        """Worker: the layer's next step, planned with this step's query (and its rows shipped)."""
+        if a.ready is not None:
+            a.ready.synchronize()
+        sel = a.sel
+        if a.search:
+            log = self._log.get(layer)
+            app = log.view() if log is not None and log.n else (None, None)
+            sel = search(*a.tables, a.q, a.q_pos, a.n_visible, self.params.budget(a.n_visible), self.params, *app)
+        rows = None
+        if a.ship is not None:
+            ctx_k, ctx_v, dev, h2d = a.ship
+            with torch.cuda.device(dev), torch.cuda.stream(h2d):
+                rows = ship_rows(sel, a.q_pos, ctx_k, ctx_v, self.params.sink, self.params.window, dev)
+                done = torch.cuda.Event()
+                done.record(h2d)
+            rows = (*rows, done)
+        return _Plan(a.n_visible, a.search, sel, rows)
+
+    # -- decode ---------------------------------------------------------------------------------
+
+    def _plan(self, layer: int, q: torch.Tensor, kv, ship: tuple | None) -> tuple[torch.Tensor, _Plan | None]:
+        """This step's selection (on the search device) and the _Plan it came from, if made ahead."""
         t = q.shape[2]
-        last = self._last.get(layer)
-        if t == 1 and last is not None and last[0].shape[1] == 1 and last[1] + 1 < self.params.search_period:
-            last[1] += 1
-            return last[0]
-        dev = self._search_device(q.device)
-        cent, idx, score = self.tables(layer, dev)
         n_vis = kv.n_ctx + kv.n_local
-        log = self._log.get(layer)
-        app = log.view() if log is not None and log.n else (None, None)
-        sel = search(cent, idx, score, q, kv.q_pos, n_vis, self.params.budget(n_vis), self.params, *app)
-        sel = sel.to(q.device, non_blocking=True)
-        self._last[layer] = [sel, 0]
-        return sel
+        period = self.params.search_period
+        fut = self._next.pop(layer, None)
+        plan = fut.result() if fut is not None else None
+        last = self._last.get(layer)
+        reuse = t == 1 and last is not None and last[0].shape[1] == 1 and last[1] + 1 < period
+        if plan is not None and (t != 1 or plan.n_visible != n_vis or plan.searched == reuse):
+            plan = None  # made for another step than this one
+        if reuse:
+            last[1] += 1
+            sel = last[0]
+        elif plan is not None:
+            sel = plan.sel
+            self._last[layer] = [sel, 0]
+        else:  # search now, with this step's query
+            self._settle(layer)
+            dev = self._search_device(q.device)
+            cent, idx, score = self.tables(layer, dev)
+            log = self._log.get(layer)
+            app = log.view() if log is not None and log.n else (None, None)
+            q_pos = _host_q_pos(kv, t) if dev.type == "cpu" else kv.q_pos
+            sel = search(cent, idx, score, q, q_pos, n_vis, self.params.budget(n_vis), self.params, *app)
+            self._last[layer] = [sel, 0]
+        if self.overlap == "lookahead":
+            searches_next = not (sel.shape[1] == 1 and self._last[layer][1] + 1 < period)
+            if searches_next or ship is not None:
+                (q_last,), ready = self._to_host(q[:, :, -1:])
+                q_next = _host_q_pos(kv, t)[-1:] + 1
+                self._ahead[layer] = _Ahead(q_last, ready, q_next, n_vis + 1, searches_next, sel,
+                                            self.tables(layer, "cpu"), ship)
+        return sel, plan
+
+    def select(self, layer, q, kv):
+        sel, _ = self._plan(layer, q, kv, None)
+        if sel.device == q.device:
+            return sel
+        got = self._on_q.get(layer)
+        if got is None or got[0] is not sel:  # one copy per selection (kept over the search period)
+            got = self._on_q[layer] = (sel, (sel.pin_memory() if q.device.type == "cuda" else sel).to(
+                q.device, non_blocking=True))
+        return got[1]
 
     def append(self, layer, k, v, positions):
         dev = self._search_device(k.device)
         cent = self.tables(layer, dev)[0]  # [KVH, m, C, ds]
-        kvh, t, d = k.shape
-        m = cent.shape[1]
-        ks = k.to(dev).float().reshape(kvh, t, m, d // m)
-        s = torch.einsum("hmcd,htmd->hmct", cent.float(), ks)  # [KVH, m, C, T]
         log = self._log.get(layer)
         if log is None:
-            log = self._log[layer] = _AppendLog(kvh, m, cent.shape[2], dev)
-        log.add(positions.to(dev), s)
+            log = self._log[layer] = _AppendLog(k.shape[0], cent.shape[1], cent.shape[2], dev)
+        if self.overlap == "off":
+            self._update(log, cent, k.to(dev), positions.to(dev), None)
+            return
+        (k_host, pos_host), ready = self._to_host(k, positions)
+        self._submit(layer, self._update, log, cent, k_host, pos_host, ready)
+        ahead = self._ahead.pop(layer, None)
+        if ahead is not None:  # after the update: the next step's search sees this step's keys
+            self._next[layer] = self._submit(layer, self._plan_ahead, layer, ahead)
 
     def attend(self, layer, q, kv):
         """CPU<->GPU: context K/V on the host, queries on a GPU -> ship only the selected rows."""
         if self.params.mode != "offload" or q.device.type == "cpu" or kv.ctx_k.device.type != "cpu":
             return None
-        from decoder.attention import merge_selection, sparse_attention
-
-        sel = self.select(layer, q, kv).cpu()
-        q_pos = kv.q_pos.cpu()
-        idx = merge_selection(sel, q_pos, self.params.sink, self.params.window)  # [KVH, T, K']
-        kvh, t, kp = idx.shape
-        n, d = kv.n_ctx, q.shape[-1]
-        in_ctx = (idx >= 0) & (idx < n)
-        rows = torch.where(in_ctx, idx, 0).reshape(kvh, t * kp, 1).expand(-1, -1, d)
-        k_rows = torch.gather(kv.ctx_k, 1, rows).pin_memory().to(q.device, non_blocking=True)
-        v_rows = torch.gather(kv.ctx_v, 1, rows).pin_memory().to(q.device, non_blocking=True)
-        # the gathered rows form a compact "context" of T*K' rows; request-local positions follow it
-        slot = torch.arange(t * kp).view(1, t, kp)
-        remap = torch.where(in_ctx, slot, torch.where(idx >= n, idx - n + t * kp, -1)).to(q.device)
-        out = sparse_attention(q, remap, k_rows.to(q.dtype), v_rows.to(q.dtype), kv.loc_k, kv.loc_v,
-                               q.shape[-1] ** -0.5)
-        frac = (idx >= 0).sum(-1).double() / (q_pos[None, :].double() + 1)
-        return out, frac
+        dev = q.device if q.device.index is not None else torch.device("cuda", torch.cuda.current_device())
+        h2d = self._copy_streams(dev)[1]
+        t = q.shape[2]
+        sel, plan = self._plan(layer, q, kv, (kv.ctx_k, kv.ctx_v, dev, h2d))
+        if plan is not None and plan.rows is not None:  # shipped during the previous step
+            k_rows, v_rows, remap, frac, done = plan.rows
+            cur = torch.cuda.current_stream(dev)
+            cur.wait_event(done)
+            for x in (k_rows, v_rows, remap):
+                x.record_stream(cur)  # made on the H2D stream, used (and freed) on this one
+        else:
+            k_rows, v_rows, remap, frac = ship_rows(sel, _host_q_pos(kv, t), kv.ctx_k, kv.ctx_v,
+                                                    self.params.sink, self.params.window, dev)
+        # compact context rows, then the request's own rows (remap points past the context rows)
+        k_all = torch.cat([k_rows.to(q.dtype), kv.loc_k.to(q.dtype)], dim=1)
+        v_all = torch.cat([v_rows.to(q.dtype), kv.loc_v.to(q.dtype)], dim=1)
+        return rows_attention(q, remap, k_all, v_all, q.shape[-1] ** -0.5), frac
 
 
 @register
@@ -433,7 +733,7 @@ class CSAttention(SparseMethod):
     Params = CSAttnParams
     has_index = True
 
-    def validate_configuration(self, spec, params: CSAttnParams) -> list[str]:
+    def validate_configuration(self, spec, params: CSAttnParams, env=None) -> list[str]:
         reasons = []
         if spec.head_dim % params.m:
             reasons.append(f"m={params.m} subspaces do not divide head_dim {spec.head_dim}")
@@ -442,7 +742,7 @@ class CSAttention(SparseMethod):
         return reasons
 
     @torch.inference_mode()
-    def build(self, prefill, params: CSAttnParams) -> dict[str, torch.Tensor]:
+    def build(self, prefill, params: CSAttnParams, env=None) -> dict[str, torch.Tensor]:
         reasons = self.validate_configuration(prefill.spec, params)
         if reasons:
             raise ValueError("; ".join(reasons))
@@ -452,7 +752,10 @@ class CSAttention(SparseMethod):
         layers = [build_layer(prefill.q[i], prefill.k[i], params, gen) for i in range(prefill.q.shape[0])]
         return {name: torch.stack([lay[j] for lay in layers]) for j, name in enumerate(("centroids", "idx", "score"))}
 
-    def open(self, index, params, n_ctx):
+    def host_resident(self, params: CSAttnParams) -> bool:
+        return params.mode == "offload"  # CPU<->GPU: tables and context K/V stay in host memory
+
+    def open(self, index, params, n_ctx, env=None):
         if index is None:
             raise ValueError("csattn needs its built index")
         return CSAttnSession(index, params, n_ctx)

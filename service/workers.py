@@ -258,12 +258,14 @@ class DecodeWorker(_Loop):
             return t
 
         index = None
+        # host-resident methods (csattn offload) keep K/V and index in DRAM and ship rows themselves
+        kv_device = "cpu" if method.host_resident(params) else self.device
         if method.has_index:
             index_id = method.index_id(params)
             prefix = f"indexes/{index_id}/"
-            index = IndexReader(lambda name, layer: load_layer(prefix + name, layer).to(self.device), art.index_arrays(index_id))
+            index = IndexReader(lambda name, layer: load_layer(prefix + name, layer).to(kv_device), art.index_arrays(index_id))
         session = method.open(index, params, n, rt.method_env)
-        ctx = ContextKV(n, load_layer, self.device)
+        ctx = ContextKV(n, load_layer, kv_device)
         tok = lm.tokenizer
         emitted: list[int] = []
         text_so_far = [""]
@@ -304,6 +306,7 @@ class DecodeWorker(_Loop):
                 "attend_ms": round(1000 * res.stats.attend_s, 2),
                 "steps": res.stats.steps,
                 "device": self.device,
+                "kv_device": kv_device,
                 "method_stats": session.stats(),
             },
         })
