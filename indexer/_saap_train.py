@@ -327,8 +327,14 @@ def train_saap(
     corpus_dir: Path | None = None,
     keep_cache: bool = False,
     progress: bool = True,
+    on_progress: Callable[[dict], None] | None = None,
 ) -> Path:
-    """Train (or resume training) a SAAP model for `lm`; return the directory holding its manifest."""
+    """Train (or resume training) a SAAP model for `lm`; return the directory holding its manifest.
+
+    `on_progress(event)` is called after the corpus capture and after each layer, with `phase`
+    ("capture" / "layer"), `layers_done`, `layers_total` and, for a layer, `layer` and its stats (the
+    service's training jobs report these)."""
+    report = on_progress or (lambda event: None)
     from tqdm import tqdm
 
     spec = lm.spec
@@ -370,6 +376,7 @@ def train_saap(
     cache = out / ".captures"
     captures = capture_corpus(lm, windows, max(layers) + 1, cache, settings.capture_dtype, progress)
     capture_s = time.perf_counter() - t0
+    report({"phase": "capture", "windows": len(windows), "layers_done": 0, "layers_total": len(layers)})
 
     d, kvh, group = spec.head_dim, spec.num_kv_heads, spec.group_size
     layer_meta: dict[str, dict] = {}
@@ -382,6 +389,8 @@ def train_saap(
 
             layer_meta[str(layer)] = {**json.loads(meta["stats"]), "file": path.name, "sha256": sha256_file(path),
                                       "content_sha256": tensors_sha256(load_file(str(path))), "resumed": True}
+            report({"phase": "layer", "layer": layer, "layers_done": len(layer_meta), "layers_total": len(layers),
+                    "resumed": True})
             continue
         t_layer = time.perf_counter()
         qs, ks, qds, kds = [], [], [], []
@@ -418,6 +427,8 @@ def train_saap(
                                   "train_s": round(time.perf_counter() - t_layer - kmeans_s, 3),
                                   "file": path.name, "sha256": sha256_file(path), "content_sha256": tensors_sha256(tensors)}
         del qs, ks, qds, kds
+        report({"phase": "layer", "layer": layer, "layers_done": len(layer_meta), "layers_total": len(layers),
+                "kl_first": stats["kl_first"], "kl_last": stats["kl_last"]})
 
     manifest = {
         "format": MODEL_FORMAT,

@@ -7,8 +7,9 @@ query, how its attention mass spreads over the key buckets. Training lives in
 `indexer/_saap_train.py` (`ctxcache train saap`); this module holds the trained-model format, the
 per-context build and the decode-time selection.
 
-Trained model (one directory per LLM, default `<data_dir>/saap/<model fingerprint[:16]>/`,
-`data_dir` = `$CTXCACHE_DATA_DIR` or `data`, the service's default; `model_dir` overrides it):
+Trained model (one directory per LLM, default `<data_dir>/saap/<model fingerprint[:16]>/`, where
+`data_dir` is the caller's `MethodEnv` (the service passes its `--data-dir`; without one,
+`$CTXCACHE_DATA_DIR` or `data`); the `model_dir` parameter overrides it):
   * `manifest.json`: format, the LLM's fingerprint and shape, training settings, corpus provenance,
     per-layer file sha256 (checked at load) and tensor-content sha256, and `digest` = sha256 over
     (settings hash, fingerprint, per-layer content sha256): equal for equal training results.
@@ -63,7 +64,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import threading
 from pathlib import Path
 from typing import Literal
@@ -73,12 +73,13 @@ from pydantic import Field
 
 from decoder.rope import undo_rope
 from indexer.kivf import expand_clusters
-from indexer.base import MethodParams, MethodSession, PrefillCapture, SparseMethod, register
+from indexer.base import MethodEnv, MethodParams, MethodSession, MethodUnavailable, PrefillCapture, SparseMethod, register
 
 MODEL_FORMAT = "ctxcache-saap-model/1"
 MANIFEST = "manifest.json"
 BN_EPS = 1e-5
-TRAIN_HINT = "ctxcache train saap --model {model} (add --preset small for a few-minute CPU model)"
+TRAIN_HINT = ("ctxcache train saap --model {model} (add --preset small for a few-minute CPU model), "
+              "or over REST: POST /v1/methods/saap/train {{\"preset\": \"small\"}}")
 
 
 class SaapParams(MethodParams):
@@ -106,13 +107,16 @@ class SaapParams(MethodParams):
 
 
 def default_model_dir(fingerprint: str, data_dir: Path | str | None = None) -> Path:
-    """`<data_dir>/saap/<fingerprint[:16]>`; data_dir defaults like the service's (`CTXCACHE_DATA_DIR`)."""
-    root = Path(data_dir) if data_dir is not None else Path(os.environ.get("CTXCACHE_DATA_DIR", "data"))
+    """`<data_dir>/saap/<fingerprint[:16]>`; data_dir defaults like the service's (`MethodEnv.default()`)."""
+    root = Path(data_dir) if data_dir is not None else MethodEnv.default().data_dir
     return root / "saap" / fingerprint[:16]
 
 
-def model_dir_for(params: SaapParams, fingerprint: str) -> Path:
-    return Path(params.model_dir) if params.model_dir else default_model_dir(fingerprint)
+def model_dir_for(params: SaapParams, fingerprint: str, env: MethodEnv | None = None) -> Path:
+    """`params.model_dir`, else the default location under the caller's data directory."""
+    if params.model_dir:
+        return Path(params.model_dir)
+    return default_model_dir(fingerprint, (env or MethodEnv.default()).data_dir)
 
 
 def sha256_file(path: Path) -> str:
@@ -276,6 +280,12 @@ class _SaapSession(MethodSession):
         """Per decode step: mean fraction of visible keys read by the SAAP layers (dense part included)."""
         return [sum(v) / len(v) for v in self._sel.values()]
 
+    def stats(self) -> dict:
+        sel = self.selectivity
+        return {"selectivity_mean": round(sum(sel) / len(sel), 5) if sel else None,
+                "selectivity_per_step": [round(x, 5) for x in sel],
+                "largest_probed_bucket": max((d["largest_bucket"] for d in self.selectivity_detail), default=0)}
+
     def _assign_local(self, layer: int, k: torch.Tensor, pos: torch.Tensor) -> None:
         """Bucket of request keys k [KVH, T, D] (post-RoPE) at absolute positions pos [T] (idempotent)."""
         w = self.model.layer(layer, k.device)
@@ -386,16 +396,15 @@ class Saap(SparseMethod):
     Params = SaapParams
     has_index = True
 
-    def validate_configuration(self, spec, params) -> list[str]:
+    def validate_configuration(self, spec, params, env=None) -> list[str]:
         reasons = []
         if getattr(spec, "rope_type", "default") != "default":
             reasons.append(f"saap de-RoPEs keys and queries and supports only the default RoPE, not {spec.rope_type!r}")
-        where = model_dir_for(params, spec.fingerprint)
+        where = model_dir_for(params, spec.fingerprint, env)
         m = read_manifest(where)
         if m is None:
-            hint = TRAIN_HINT.format(model=spec.name)
-            if params.model_dir:
-                hint += f" --out {where}"
+            hint = (f"ctxcache train saap --model {spec.name} --out {where} (add --preset small for a few-minute CPU model)"
+                    if params.model_dir else TRAIN_HINT.format(model=spec.name))
             reasons.append(
                 f"no trained SAAP model for {spec.name} (fingerprint {spec.fingerprint[:16]}) under {where}: "
                 f"saap needs a per-model query classifier, trained offline once; train it with: {hint}"
@@ -409,18 +418,18 @@ class Saap(SparseMethod):
             reasons.append(f"the SAAP model under {where} does not match {spec.name}'s shape")
         return reasons
 
-    def load_model(self, params: SaapParams, fingerprint: str) -> SaapModel:
-        where = model_dir_for(params, fingerprint)
+    def load_model(self, params: SaapParams, fingerprint: str, env: MethodEnv | None = None) -> SaapModel:
+        where = model_dir_for(params, fingerprint, env)
         if read_manifest(where) is None:
-            raise ValueError(f"no trained SAAP model under {where}; train it with: {TRAIN_HINT.format(model='<model>')}")
+            raise MethodUnavailable(f"no trained SAAP model under {where}; train it with: {TRAIN_HINT.format(model='<model>')}")
         model = SaapModel.open(where)
         if model.fingerprint != fingerprint:
-            raise ValueError(f"the SAAP model under {where} was trained for another LLM ({model.fingerprint[:16]})")
+            raise MethodUnavailable(f"the SAAP model under {where} was trained for another LLM ({model.fingerprint[:16]})")
         return model
 
-    def build(self, prefill: PrefillCapture, params: SaapParams) -> dict[str, torch.Tensor]:
+    def build(self, prefill: PrefillCapture, params: SaapParams, env=None) -> dict[str, torch.Tensor]:
         spec = prefill.spec
-        model = self.load_model(params, spec.fingerprint)
+        model = self.load_model(params, spec.fingerprint, env)
         k = prefill.k  # [L, KVH, N, D] post-RoPE
         n_layers, kvh, n, _ = k.shape
         c = model.n_clusters
@@ -440,14 +449,14 @@ class Saap(SparseMethod):
         return {"assign": assign, "order": order, "offsets": offsets, "balance": balance,
                 "model_id": ident.expand(n_layers, 64).clone()}
 
-    def open(self, index, params, n_ctx):
+    def open(self, index, params, n_ctx, env=None):
         if index is None:
             raise ValueError("saap needs its built index (key buckets); build it at registration")
         ident = index.layer("model_id", 0).cpu()
         fingerprint, digest = bytes(ident[:32].tolist()).hex(), bytes(ident[32:].tolist()).hex()
-        model = self.load_model(params, fingerprint)
+        model = self.load_model(params, fingerprint, env)
         if model.digest != digest:
-            raise ValueError(f"this context's saap index was built with trained model {digest[:16]}, but "
+            raise MethodUnavailable(f"this context's saap index was built with trained model {digest[:16]}, but "
                              f"{model.dir} now holds {model.digest[:16]} (retrained?); delete the context and "
                              f"register it again to rebuild its index")
         return _SaapSession(index, params, n_ctx, model)
