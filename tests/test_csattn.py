@@ -22,19 +22,11 @@ from decoder.generate import ContextKV
 from indexer.base import IndexReader, KVView, MethodParams, PrefillCapture, get_method
 from indexer.csattn import CSAttention, CSAttnParams, build_layer, effective_lists
 
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
 N_CONT = 64  # teacher-forced fidelity positions after the 1984-token context
 N_RECALL = 16  # replayed decode queries for recall (tokens 1984..1999: the same index)
 PAPER = {"missing_score": "zero", "subspace_weights": "uniform"}  # the paper's reduce-by-key
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    """The model runs and searches here are many small ops: on 2 shared cores one intra-op thread
-    is several times faster than two (measured: the module took 11 min with 2 threads)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 class _Prebuilt(CSAttention):

@@ -15,17 +15,10 @@ from decoder.fidelity import build_index, selection_recall
 from indexer.base import KVView, PrefillCapture, get_method
 from indexer.topk import group_attention_mass
 
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
 L, H, KVH, N, D = 2, 6, 2, 96, 16
 G = H // KVH
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    # 2 shared cores: OpenMP spin-waiting on a busy second core makes these small ops ~10x slower
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 def synthetic(seed: int = 0, n: int = N) -> PrefillCapture:

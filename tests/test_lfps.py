@@ -14,15 +14,9 @@ from decoder.fidelity import build_index, selection_recall, truncate_capture
 from indexer.base import IndexReader, KVView, PrefillCapture, get_method
 from indexer.lfps import expand_candidates, init_tables, initial_candidates, mask_to_index
 
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
 ATOL, RTOL = 1e-5, 1e-4
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
 
 
 def _reader(arrays):

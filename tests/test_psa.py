@@ -12,16 +12,9 @@ from decoder.fidelity import build_index, selection_recall
 from indexer.base import IndexReader, KVView, PrefillCapture, get_method
 from indexer.psa import META_MAX, META_MEAN, META_MIN, block_criticality, progressive_attention
 
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
 ATOL, RTOL = 2e-5, 1e-4
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    # many small ops: on a shared 2-core machine one intra-op thread is several times faster
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
 
 
 def _random_kv(kvh=2, g=3, n=203, m=40, t=1, d=16, seed=0):
