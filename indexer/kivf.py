@@ -29,7 +29,7 @@ Decode (`select`, per layer and step; all KV heads and query tokens batched, no 
      (L2) centroid in the session's private state, on `append` (or at `select` for keys not
      appended yet, i.e. this step's); the persisted arrays are never written.
   3. exact rerank over the candidates by group mass (sum over the group of softmax(q·k / sqrt(D))
-     over the candidates, `indexer.ctkvr.candidate_mass`), top-K with K = `k` if set, else
+     over the candidates, `indexer._select.candidate_mass`), top-K with K = `k` if set, else
      ceil(`ratio` [0.05] x visible tokens) (the `topk` convention), capped by the number of
      candidates. The decode frame adds sink + recent window. With nprobe = C every key is a
      candidate and the selection is the exact oracle's.
@@ -45,8 +45,8 @@ import numpy as np
 import torch
 from pydantic import Field
 
+from indexer._select import candidate_mass, expand_clusters, nearest_centroid, top_positions
 from indexer.base import MethodParams, MethodSession, PrefillCapture, SparseMethod, register
-from indexer.ctkvr import candidate_mass, gather_rows, top_positions
 
 
 # Below this many keys one k-means is a few ms of work and OpenMP's thread start/spin costs more than it
@@ -114,36 +114,6 @@ def probe_scores(q: torch.Tensor, cent: torch.Tensor) -> torch.Tensor:
     """q [KVH, G, T, D], cent [KVH, C, D] -> [KVH, T, C]: sum over the group of softmax(q·c / sqrt(D))."""
     s = torch.einsum("hgtd,hcd->hgtc", q.float(), cent) * q.shape[-1] ** -0.5
     return torch.softmax(s, dim=-1).sum(1)
-
-
-def nearest_centroid(k: torch.Tensor, cent: torch.Tensor) -> torch.Tensor:
-    """k [KVH, T, D], cent [KVH, C, D] -> [KVH, T] index of the nearest (L2) centroid."""
-    # argmin |k - c|^2 = argmax k·c - |c|^2 / 2
-    s = torch.einsum("htd,hcd->htc", k.float(), cent) - 0.5 * (cent * cent).sum(-1)[:, None, :]
-    return s.argmax(-1)
-
-
-def expand_clusters(probe: torch.Tensor, order: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
-    """Key ids of the probed clusters as one padded block.
-
-    probe [KVH, T, P] cluster ids; order [KVH, N]; offsets [KVH, C + 1] -> [KVH, T, U] key ids
-    (-1 = padding), U = the largest total size of a row's probed clusters.
-    """
-    kvh, t, p = probe.shape
-    flat = probe.reshape(kvh, t * p)
-    start = offsets.gather(1, flat).view(kvh, t, p)
-    size = offsets.gather(1, flat + 1).view(kvh, t, p) - start
-    end = size.cumsum(-1)  # [KVH, T, P] end of each probed cluster in the concatenation
-    u = int(end[..., -1].max()) if end.numel() else 0
-    if u == 0:
-        return torch.empty(kvh, t, 0, dtype=torch.int64, device=probe.device)
-    j = torch.arange(u, device=probe.device).expand(kvh, t, u).contiguous()
-    which = torch.searchsorted(end.contiguous(), j, right=True).clamp(max=p - 1)  # probed cluster holding slot j
-    src = start.gather(-1, which) + j - (end - size).gather(-1, which)
-    valid = j < end[..., -1:]
-    n = order.shape[1]
-    ids = gather_rows(order, src.clamp(0, n - 1).reshape(kvh, t * u)).view(kvh, t, u).long()
-    return torch.where(valid, ids, -1)
 
 
 # ---------------------------------------------------------------------------------------------

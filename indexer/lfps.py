@@ -89,6 +89,7 @@ import torch
 import torch.nn.functional as F
 from pydantic import Field
 
+from indexer._select import gather_positions
 from indexer.base import MethodParams, MethodSession, SparseMethod, register
 
 OFFSETS = (-1, 0, 1, 2)
@@ -199,18 +200,6 @@ def mask_to_index(mask: torch.Tensor) -> torch.Tensor:
     return out[:, :c].reshape(*shape[:-1], c)
 
 
-def _gather(pos: torch.Tensor, ctx: torch.Tensor, loc: torch.Tensor) -> torch.Tensor:
-    """pos [KVH, T, P] absolute positions (-1 = none) -> rows [KVH, T, P, D] (invalid: arbitrary)."""
-    kvh, t, p = pos.shape
-    n, m = ctx.shape[1], loc.shape[1]
-    flat = pos.reshape(kvh, t * p)
-    head = torch.arange(kvh, device=pos.device)[:, None]
-    out = ctx[head, flat.clamp(0, n - 1)]
-    if m > 0 and bool((flat >= n).any()):
-        out = torch.where((flat >= n)[..., None], loc[head, (flat - n).clamp(0, m - 1)], out)
-    return out.view(kvh, t, p, -1)
-
-
 def _logsumexp_masked(s: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
     return torch.logsumexp(s.masked_fill(~valid, float("-inf")), dim=-1)
 
@@ -311,7 +300,7 @@ class _LFPSSession(MethodSession):
         lp = torch.where(lp >= n_sink, lp, -1)
         sw = torch.arange(n_sink, device=dev)[None, :].expand(t, n_sink)
         probe = torch.cat([sw, lp], dim=-1).expand(kvh, t, -1)  # sink, then local positions
-        s_probe = torch.einsum("hgtd,htpd->hgtp", q, _gather(probe, kv.ctx_k, kv.loc_k)).float() * scale
+        s_probe = torch.einsum("hgtd,htpd->hgtp", q, gather_positions(probe, kv.ctx_k, kv.loc_k)).float() * scale
         log_sink = _logsumexp_masked(s_probe[..., :n_sink], torch.ones_like(s_probe[..., :n_sink], dtype=torch.bool))
         log_local = _logsumexp_masked(s_probe[..., n_sink:], (lp >= 0)[None, None].expand_as(s_probe[..., n_sink:]))
         mu = torch.einsum("hgtd,hd->hgt", q, mean_k).float() * scale
@@ -342,7 +331,7 @@ class _LFPSSession(MethodSession):
         # 4) exact scores on the candidates -> top-K ---------------------------------------------
         idx = mask_to_index(cand)  # [KVH, T, C]
         ok = idx >= 0
-        kk = _gather(idx, kv.ctx_k, kv.loc_k)
+        kk = gather_positions(idx, kv.ctx_k, kv.loc_k)
         s = torch.einsum("hgtd,htcd->hgtc", q, kk).float() * scale
         s = s.masked_fill(~ok[:, None], float("-inf"))
         pc = idx.clamp(min=0)
@@ -369,7 +358,7 @@ class _LFPSSession(MethodSession):
         out = None
         frac = torch.where(group_active, attended.sum(-1).float(), n_sw[None] + 1) / vis[None]
         if want_output and bool(bypass.any()):
-            vv = _gather(idx, kv.ctx_v, kv.loc_v).float()  # [KVH, T, C, D]
+            vv = gather_positions(idx, kv.ctx_v, kv.loc_v).float()  # [KVH, T, C, D]
             out_sparse = torch.einsum("hgtc,htcd->hgtd", att, vv)  # = the frame's attention over the selection
             # bypass: sink + window exact, plus the mean pseudo-token for the n_rest other positions
             n_rest = vis[None] - fixed.sum(-1).float()  # [KVH, T]

@@ -64,6 +64,7 @@ import torch
 import torch.nn.functional as F
 from pydantic import Field
 
+from indexer._select import gather_positions
 from indexer.base import MethodParams, MethodSession, SparseMethod, register
 
 META_MIN, META_MAX, META_MEAN = 0, 1, 2
@@ -113,19 +114,6 @@ def block_metadata(k: torch.Tensor, block_size: int) -> torch.Tensor:
 
 # ---------------------------------------------------------------------------------------------
 # Decode: the progressive pass
-
-
-def _gather(pos: torch.Tensor, ctx: torch.Tensor, loc: torch.Tensor, maybe_local: bool = True) -> torch.Tensor:
-    """pos [KVH, T, P] absolute positions (-1 = none) -> rows [KVH, T, P, D] from ctx [KVH, N, D] or
-    loc [KVH, M, D] (positions >= N are request-local). Invalid slots get an arbitrary row (mask them)."""
-    kvh, t, p = pos.shape
-    n, m, d = ctx.shape[1], loc.shape[1], ctx.shape[2]
-    flat = pos.reshape(kvh, t * p)
-    head = torch.arange(kvh, device=pos.device)[:, None]
-    out = ctx[head, flat.clamp(0, n - 1)]  # [KVH, T*P, D] (advanced indexing: no copy of ctx)
-    if maybe_local and m > 0 and bool((flat >= n).any()):
-        out = torch.where((flat >= n)[..., None], loc[head, (flat - n).clamp(0, m - 1)], out)
-    return out.view(kvh, t, p, d)
 
 
 def block_criticality(q: torch.Tensor, meta: torch.Tensor, kind: str) -> torch.Tensor:
@@ -211,10 +199,10 @@ def progressive_attention(
     pos0 = torch.cat([f_pos, tail], dim=-1).expand(kvh, t, -1)  # [KVH, T, P0]
 
     def process(pos, maybe_local=True):  # pos [KVH, T, P] -> logits [KVH, G, T, P] (masked), values or None
-        kk = _gather(pos, ctx_k, loc_k, maybe_local)
+        kk = gather_positions(pos, ctx_k, loc_k, maybe_local)
         s = torch.einsum("hgtd,htpd->hgtp", q, kk).float() * scale
         s = s.masked_fill((pos < 0)[:, None], float("-inf"))
-        vv = _gather(pos, ctx_v, loc_v, maybe_local) if with_output else None
+        vv = gather_positions(pos, ctx_v, loc_v, maybe_local) if with_output else None
         return s, vv
 
     s0, v0 = process(pos0)
