@@ -111,19 +111,3 @@ def redis_prefix():
     if keys:
         r.delete(*keys)
 
-
-@pytest.fixture(scope="session")
-def saap_small(lm):
-    """The `small`-preset SAAP model for the default model, every layer, trained once into the
-    test-data cache (`MODEL_CACHE/saap/<fingerprint[:16]>`; a few minutes at 1 thread on a clean
-    checkout). Later runs reuse it: training returns at once when the manifest's settings match.
-    Returns the data dir holding it (a service whose data dir links `saap/` there finds it)."""
-    from indexer._saap_train import settings_from, train_saap
-
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)  # 2-4x faster than 2 threads on the shared 2-core CI box
-    try:
-        train_saap(lm, settings_from("small"), data_dir=MODEL_CACHE, progress=False)
-    finally:
-        torch.set_num_threads(n)
-    return MODEL_CACHE

@@ -119,7 +119,10 @@ def test_train_over_rest_then_register_and_ask(client, lm):
     r = client.post(f"/v1/contexts/{cid}/completions",
                     json={"question": PASSKEY_QUESTION, "method": "saap", "params": {"nprobe": 2}, "max_tokens": 4})
     assert r.status_code == 200, r.text
-    assert r.json()["stats"]["method"] == "saap" and r.json()["stats"]["kv_fraction"] < 1.0
+    stats = r.json()["stats"]
+    assert stats["method"] == "saap" and stats["kv_fraction"] < 1.0
+    sel = stats["method_stats"]["selectivity_per_step"]  # SAAP's own metric, one value per decode step
+    assert len(sel) == stats["steps"] and all(0 < x < 1 for x in sel), stats["method_stats"]
 
     # retrain (replace) with a custom corpus from <data_dir>/corpora/<name>
     corpus = rt.settings.data_dir / "corpora" / "mine"
