@@ -2,8 +2,11 @@
 
 Measured in one run (1 torch thread by default: on 2 shared cores it is the fastest setting):
 
-* training, `small` preset (C = 32, hidden 128, 300 steps x 256 queries, four 1,024-token windows
+* training, `small` preset (C = 32, hidden 128, 300 steps x 256 queries, four 2,048-token windows
   of the built-in corpus, every layer 1-29): wall time of capture, k-means and f_q per layer;
+  with `--paper-baseline` (default on) also the paper's f_q and Eq. 1 as the `small` preset had
+  them before (per-query targets, plain MLP, four 1,024-token windows, min_distance 128), so the
+  bucket-level table compares both in one run;
 * the `full` preset's training time, ESTIMATED (not run): one 8,192-token window is captured
   through 2 layers (x15 -> 30 layers, x40 windows), `--full-steps-timed` Adam steps of the full
   classifier (C = 1024, hidden 1024, batch 1000) are timed on it (x 40,000 steps x 29 layers), and
@@ -11,7 +14,7 @@ Measured in one run (1 torch thread by default: on 2 shared cores it is the fast
 * on a held-out ~2K-token document (`tests/conftest.py::natural_document`, not in the corpus):
   - bucket level, every SAAP layer: attention mass beyond the dense part captured by the
     classifier's top-ℓ buckets vs centroid probing at the same selectivity
-    (`indexer._saap_train.bucket_mass_eval`);
+    (`indexer._saap_train.bucket_mass_eval`), per layer and averaged;
   - attention level (`decoder.fidelity.selection_recall`, last 16 tokens as queries, all 30
     layers): recall of the exact top-5%, KV touched, relative L2 error of the attention output;
   - model level: the 64 tokens after the context fed teacher-forced, top-1 agreement and
@@ -65,15 +68,19 @@ def machine() -> dict:
             "torch_threads": torch.get_num_threads()}
 
 
-def bench_train_small(lm, out: Path) -> dict:
+# the `small` preset before the fix: the paper's f_q (plain MLP) and Eq. 1 (per-query targets)
+PAPER_SMALL = {**tr.PAPER, "doc_tokens": 1024, "min_distance": 128}
+
+
+def bench_train_small(lm, out: Path, **overrides) -> dict:
     t0 = time.perf_counter()
-    path = tr.train_saap(lm, tr.settings_from("small"), out_dir=out, progress=True)
+    path = tr.train_saap(lm, tr.settings_from("small", **overrides), out_dir=out, progress=True)
     wall = time.perf_counter() - t0
     m = json.loads((path / "manifest.json").read_text())
     layers = m["layers"].values()
     res = {"wall_s": wall, "capture_s": m["timings"]["capture_s"],
            "kmeans_s": sum(x.get("kmeans_s", 0) for x in layers), "classifier_s": sum(x.get("train_s", 0) for x in layers),
-           "layers": len(m["layers"]), "kl_first_mean": statistics.mean(x["kl_first"] for x in layers),
+           "layers": len(m["layers"]), "settings": m["settings"], "kl_first_mean": statistics.mean(x["kl_first"] for x in layers),
            "kl_last_mean": statistics.mean(x["kl_last"] for x in layers),
            "balance_train_mean": statistics.mean(b for x in layers for b in x["balance_train"]),
            "resumed": any(x.get("resumed") for x in layers), "digest": m["digest"], "corpus_tokens": m["corpus"]["tokens"]}
@@ -104,9 +111,15 @@ def bench_full_estimate(lm, steps_timed: int) -> dict:
     kmeans_1 = time.perf_counter() - t0
     cent = torch.stack([tr.kmeans(kd[h, 1:], s.clusters, 2, h) for h in range(spec.num_kv_heads)])  # any centroids
     timed = s.model_copy(update={"steps": steps_timed})
-    t0 = time.perf_counter()
-    tr._train_layer([q], [k], [kd], [qd], cent, timed, s.min_distance_for(n), spec.group_size, g)
-    step_s = (time.perf_counter() - t0) / steps_timed
+    # 40 windows' targets (40 x 8K positions x 3 heads x 1024 buckets, fp32: ~4 GB) exceed
+    # `_TABLE_BYTES`, so the full preset computes each step's targets for its batch: time that path
+    table_bytes, tr._TABLE_BYTES = tr._TABLE_BYTES, 0
+    try:
+        t0 = time.perf_counter()
+        tr._train_layer([q], [k], [kd], [qd], cent, timed, s.min_distance_for(n), spec.group_size, g)
+        step_s = (time.perf_counter() - t0) / steps_timed
+    finally:
+        tr._TABLE_BYTES = table_bytes
     layers = spec.num_layers - 1
     est = {
         "window_tokens": len(ids), "capture_2_layers_s": capture_2l, "kmeans_one_head_s": kmeans_1,
@@ -120,17 +133,36 @@ def bench_full_estimate(lm, steps_timed: int) -> dict:
     return est
 
 
-def bench_buckets(model: SaapModel, cap, ells: list[int], recent: int) -> list[dict]:
+def bench_buckets(model: SaapModel, cap, ells: list[int], recent: int, label: str = "") -> list[dict]:
+    """Per ℓ: means over the SAAP layers, the number of layers the classifier wins, and `per_layer`."""
     n = cap.n_tokens
     qpos = torch.arange(n // 2, n, 16)
     rows = []
     for ell in ells:
-        per = [tr.bucket_mass_eval(model, layer, cap.q[layer], cap.k[layer], qpos, ell, recent) for layer in sorted(model.layers)]
-        row = {"nprobe": ell, **{key: statistics.mean(r[key] for r in per) for key in ("classifier", "centroid", "oracle", "selectivity")},
+        layers = sorted(model.layers)
+        per = [tr.bucket_mass_eval(model, layer, cap.q[layer], cap.k[layer], qpos, ell, recent) for layer in layers]
+        row = {"model": label, "nprobe": ell,
+               **{key: statistics.mean(r[key] for r in per) for key in ("classifier", "centroid", "oracle", "selectivity")},
                "layers_classifier_wins": sum(r["classifier"] > r["centroid"] for r in per), "layers": len(per)}
-        rows.append(row)
         print(json.dumps(row), flush=True)
+        row["per_layer"] = [{"layer": layer, **{k: r[k] for k in ("classifier", "centroid", "oracle", "selectivity")}}
+                            for layer, r in zip(layers, per)]
+        rows.append(row)
     return rows
+
+
+def print_per_layer(rows: list[dict], baseline: list[dict] | None, ell: int) -> None:
+    """Markdown table, one line per layer at ℓ = `ell`: classifier vs centroid (and the baseline's)."""
+    cur = next(r for r in rows if r["nprobe"] == ell)["per_layer"]
+    base = {x["layer"]: x for x in next(r for r in baseline if r["nprobe"] == ell)["per_layer"]} if baseline else {}
+    print("| layer | classifier | centroid | Δ | selectivity | oracle |" + (" paper f_q | its centroid | Δ |" if base else ""))
+    for x in cur:
+        line = (f"| {x['layer']} | {x['classifier']:.3f} | {x['centroid']:.3f} | {x['classifier'] - x['centroid']:+.3f} | "
+                f"{x['selectivity']:.3f} | {x['oracle']:.3f} |")
+        if x["layer"] in base:
+            b = base[x["layer"]]
+            line += f" {b['classifier']:.3f} | {b['centroid']:.3f} | {b['classifier'] - b['centroid']:+.3f} |"
+        print(line)
 
 
 def configs(model_dir: str, ells: list[int]) -> list[tuple[str, str, dict]]:
@@ -232,6 +264,8 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--full-steps-timed", type=int, default=5)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--paper-baseline", action=argparse.BooleanOptionalAction, default=True,
+                    help="also train and evaluate the paper's f_q / Eq. 1 (the former small preset) into OUT-paper")
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -239,6 +273,9 @@ def main() -> None:
     lm = load_model("smollm2-135m", MODEL_CACHE)
 
     out["train_small"] = bench_train_small(lm, args.out)
+    paper_dir = args.out.with_name(args.out.name + "-paper")
+    if args.paper_baseline:
+        out["train_small_paper"] = bench_train_small(lm, paper_dir, **PAPER_SMALL)
     out["train_full_estimate"] = bench_full_estimate(lm, args.full_steps_timed)
 
     ids = lm.context_ids(natural_document(1900))
@@ -248,7 +285,11 @@ def main() -> None:
     out["prefill_s"] = time.perf_counter() - t0
     model = SaapModel.open(args.out)
     recent = get_method("saap").Params().recent_for(args.n_ctx)
-    out["buckets"] = bench_buckets(model, cap, sorted(set(args.ells + [8])), recent)
+    ells_b = sorted(set(args.ells + [8]))
+    out["buckets"] = bench_buckets(model, cap, ells_b, recent, "small")
+    if args.paper_baseline:
+        out["buckets_paper"] = bench_buckets(SaapModel.open(paper_dir), cap, ells_b, recent, "small, paper's f_q")
+    print_per_layer(out["buckets"], out.get("buckets_paper"), 2)
 
     saap_cfgs = configs(str(args.out), args.ells)
     out["recall"] = bench_recall(cap, saap_cfgs, args.n_queries)

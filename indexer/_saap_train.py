@@ -13,29 +13,55 @@ Pipeline (papers/saap.txt §4, App. A):
   3. per layer (layer 0 is never trained: full attention) and KV head:
      * k-means (faiss.Kmeans, L2, `kmeans_iters` [10] iterations, seeded) over the de-RoPE'd keys of
        every window, the attention sink(s) (`sink_exclude` first tokens) left out;
-     * f_q: Linear(D, hidden) -> BatchNorm -> ReLU -> Linear(hidden, C), trained with Adam on
-       KL(A·H_k || f_q(Q)) -- torch's `KLDiv(input=log f_q(Q), target=A·H_k)`, the paper's Eq. 1 in
-       torch's argument order: target A·H_k = the attention mass a query puts on each key bucket.
-       Each step samples `batch` queries (any head of the GQA group, any eligible position) of one
-       random window. Only long-range pairs count: a query at position p is trained on the softmax
-       of its post-RoPE logits over keys j in [sink_exclude, p - min_distance] (the pairs closer
-       than that are the decode's dense part), so only positions p >= sink_exclude + min_distance
-       are sampled. The classifier's input is the de-RoPE'd query.
-       `min_distance` is the paper's 1024 for windows of 8K tokens and more, scaled down for short
-       corpora: min(1024, max(32, doc_tokens // 8)) -> 128 for 1K-token windows, 256 for 2K.
+     * f_q: Linear(D, hidden) -> BatchNorm -> ReLU -> Linear(hidden, C), plus (`residual`, default)
+       the centroid-similarity logits q'·c / sqrt(D), trained with Adam on KL(target || f_q(Q)) --
+       torch's `KLDiv(input=log f_q(Q), target)`, the paper's Eq. 1 in torch's argument order. The
+       classifier's input q' is the de-RoPE'd query. Only long-range pairs count: keys j in
+       [sink_exclude, p - min_distance] for a query at position p (the pairs closer than that are
+       the decode's dense part), so only positions p >= sink_exclude + min_distance are sampled.
+       Each step samples `batch` queries of one random window (`long_range_target` has the targets;
+       `_train_layer` computes them once per layer when they fit in memory).
      * every KV head of a layer is trained at once (stacked weights, `bmm`), deterministic in `seed`
        (per-layer generators, so a resumed run equals an uninterrupted one).
      Each finished layer is checkpointed (`layer_XX.safetensors`, written to a temp name and renamed;
      its metadata holds the settings hash); a rerun with the same settings skips finished layers.
   4. `manifest.json` is written last (atomically): a model without it is "not trained".
 
+Deviations from the paper (defaults; `settings_from(preset, **PAPER)` trains the paper's form:
+`target="query_mass", residual=False`). They came from measuring why the paper's form lost to
+plain centroid probing in layers 12-29 of SmolLM2-135M (benchmarks/RESULTS_saap.md):
+  * `target="group_density"` instead of Eq. 1's per-query mass (`query_mass`, see
+    `long_range_target`). (a) The decode ranks buckets by the *sum over the GQA group* of f_q's
+    outputs (paper §5), but Eq. 1 trains each head on its own attention normalized over the
+    long-range keys, so a head that puts 1% of its attention there (deep layers have many sink /
+    local heads next to retrieval heads in one group) counts as much as one that puts 90%. The
+    group targets use each head's attention over all visible keys (its long-range part only) and
+    average over the group, and the loss is taken on the group's mean output: what the decode
+    ranks. (b) Top-ℓ by mass prefers large buckets; at a given number of keys read, the buckets
+    worth reading are those with the most attention *per key*, and a bucket's mass also depends on
+    how many of the context's keys it holds, which the query alone cannot know (held-out text fills
+    buckets differently from the training corpus). `group_density` divides each bucket's mass by
+    its number of long-range keys: f_q predicts attention per key, a property of the query and the
+    key region, not of one context's bucket sizes. (`group_mass` keeps (a) without (b).)
+  * `residual`: f_q's logits = q'·c / sqrt(D) + MLP(q'), the MLP's output layer initialized to 0,
+    so the untrained classifier *is* centroid probing and training moves away from it only where
+    the corpus says so. (The paper's App. E.1 found a residual *MLP* no better; this is a
+    different residual: onto the k-means baseline.) Stored as the layer's `centroid_scale`.
+  * `min_distance` (None) = the decode's dense part for a context of one window
+    (`SaapParams.recent_for(doc_tokens)`: 32 for windows up to 2K tokens, 64 at 4K, 128 at 8K).
+    Keys between the dense part and min_distance are probed through buckets at decode, so training
+    must cover them (on the held-out document, 20-57% of the attention mass beyond a 32-token dense
+    part lay 32-128 tokens back in the sampled layers 12-29: the former min_distance of 128 never
+    trained on it). The `full` preset keeps the paper's 1024.
+
 Settings (`PRESETS`):
-  * `full` (the paper's, adapted to this model): C = 1024 clusters, hidden 1024, 40,000 Adam steps
-    of 1,000 queries at lr 1e-5, windows of 8,192 tokens (SmolLM2's maximum; the paper used 40
-    prompts of 500K tokens), 40 windows, min_distance 1024, fp16 capture cache (~0.4 GB/window).
-  * `small` (a few minutes on 2 CPU cores): C = 32, hidden 128, 300 steps of 256 queries at
-    lr 1e-3, 4 windows of 1,024 tokens, min_distance 128, fp32 capture cache. With C = 32 the
-    paper's ℓ = 32 probes every bucket: pass `nprobe` (e.g. 1-4) with such a model.
+  * `full` (the paper's sizes, adapted to this model): C = 1024 clusters, hidden 1024, 40,000 Adam
+    steps of 1,000 queries at lr 1e-5, windows of 8,192 tokens (SmolLM2's maximum; the paper used
+    40 prompts of 500K tokens), 40 windows, min_distance 1024, fp16 capture cache (~0.4 GB/window).
+  * `small` (a few minutes at 1 CPU thread): C = 32, hidden 128, 300 steps of 256 queries
+    (85 positions x 3 heads) at lr 1e-3, 4 windows of 2,048 tokens, min_distance 32, fp32 capture
+    cache. With C = 32 the paper's ℓ = 32 probes every bucket: pass `nprobe` (e.g. 1-4) with such
+    a model.
 """
 
 from __future__ import annotations
@@ -64,6 +90,7 @@ from indexer.saap import (
     MANIFEST,
     MODEL_FORMAT,
     SaapModel,
+    SaapParams,
     bucket_scores,
     default_model_dir,
     model_digest,
@@ -75,6 +102,7 @@ from indexer.saap import (
 log = logging.getLogger("ctxcache.saap")
 
 _FAISS_SERIAL_BELOW = 1 << 16  # as in indexer/kivf.py: OpenMP start-up costs more than a small k-means
+_TABLE_BYTES = 1 << 30  # f_q targets are precomputed per layer up to this size (see `_train_layer`)
 
 
 class TrainSettings(BaseModel):
@@ -84,25 +112,34 @@ class TrainSettings(BaseModel):
     kmeans_iters: int = Field(10, ge=1, le=200)
     hidden: int = Field(1024, ge=4, le=16384, description="f_q hidden width")
     steps: int = Field(40000, ge=1, le=10_000_000, description="Adam steps per layer")
-    batch: int = Field(1000, ge=2, le=65536, description="queries per step (one window per step)")
+    batch: int = Field(1000, ge=2, le=65536, description="queries per step (one window per step; group targets: "
+                                                       "batch // G positions x the G heads of each group)")
     lr: float = Field(1e-5, gt=0, le=1.0)
     doc_tokens: int = Field(8192, ge=64, le=1 << 20, description="tokens per training window (capped at the model's positions)")
     n_docs: int = Field(40, ge=1, le=100_000, description="training windows (at most)")
-    min_distance: int | None = Field(None, ge=1, description="long-range pair distance; None = min(1024, max(32, doc_tokens // 8))")
+    min_distance: int | None = Field(
+        None, ge=1, description="long-range pair distance; None = the decode's dense part (SaapParams.recent_for) "
+                                "for a context of one window: min(2047, max(32, doc_tokens // 64))")
     sink_exclude: int = Field(1, ge=0, le=64, description="first tokens left out of k-means and targets (attention sinks)")
     layers: tuple[int, ...] | None = Field(None, description="layers to train (>= 1); None = 1..L-1")
     capture_dtype: Literal["float32", "float16"] = "float16"
     seed: int = Field(0, ge=0, le=2**31 - 1)
+    target: Literal["group_density", "group_mass", "query_mass"] = Field(
+        "group_density", description="f_q's training target; `query_mass` is the paper's Eq. 1 (see the module docstring)")
+    residual: bool = Field(
+        True, description="f_q's logits = centroid similarity q'·c / sqrt(D) + MLP(q') (an untrained f_q is centroid "
+                          "probing); False = the paper's plain MLP")
 
     def min_distance_for(self, doc_tokens: int) -> int:
-        return self.min_distance if self.min_distance is not None else min(1024, max(32, doc_tokens // 8))
+        return self.min_distance if self.min_distance is not None else SaapParams().recent_for(doc_tokens)
 
 
 PRESETS: dict[str, dict] = {
-    "full": {},
-    "small": {"clusters": 32, "hidden": 128, "steps": 300, "batch": 256, "lr": 1e-3, "doc_tokens": 1024, "n_docs": 4,
+    "full": {"min_distance": 1024},
+    "small": {"clusters": 32, "hidden": 128, "steps": 300, "batch": 256, "lr": 1e-3, "doc_tokens": 2048, "n_docs": 4,
               "capture_dtype": "float32"},
 }
+PAPER = {"target": "query_mass", "residual": False}  # settings_from(preset, **PAPER): the paper's f_q and Eq. 1
 
 
 def settings_from(preset: str, **overrides) -> TrainSettings:
@@ -236,7 +273,7 @@ def kmeans(x: torch.Tensor, c: int, iters: int, seed: int) -> torch.Tensor:
 class StackedMLP(torch.nn.Module):
     """M independent f_q: Linear(D, Hd) -> BatchNorm1d(Hd) -> ReLU -> Linear(Hd, C), as stacked weights."""
 
-    def __init__(self, m: int, d: int, hidden: int, c: int, gen: torch.Generator):
+    def __init__(self, m: int, d: int, hidden: int, c: int, gen: torch.Generator, zero_out: bool = False):
         super().__init__()
 
         def uniform(*shape, fan_in):  # nn.Linear's default init, from our generator
@@ -249,6 +286,10 @@ class StackedMLP(torch.nn.Module):
         self.register_buffer("bn_mean", torch.zeros(m, hidden))
         self.register_buffer("bn_var", torch.ones(m, hidden))
         self.w2, self.b2 = uniform(m, c, hidden, fan_in=hidden), uniform(m, c, fan_in=hidden)
+        if zero_out:  # residual f_q: starts as exactly its centroid-similarity term
+            with torch.no_grad():
+                self.w2.zero_()
+                self.b2.zero_()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [M, B, D] -> logits [M, B, C]; batch statistics (training), running ones updated (momentum 0.1)."""
@@ -266,10 +307,69 @@ class StackedMLP(torch.nn.Module):
         return {k: v.detach().clone() for k, v in {**dict(self.named_parameters()), **dict(self.named_buffers())}.items()}
 
 
+def long_range_target(q_post: torch.Tensor, k: torch.Tensor, assign: torch.Tensor, p: torch.Tensor, c: int,
+                      min_dist: int, sink: int, group: int, target: str) -> torch.Tensor:
+    """What f_q is trained to output, for queries q_post [KVH, B, D] (post-RoPE) at positions p [B] of
+    one window with keys k [KVH, N, D] in buckets assign [KVH, N]. Long-range keys of position p:
+    j in [sink, p - min_dist]. Returns [KVH, B, C] (`query_mass`) or [KVH, B // G, C] (group targets:
+    the batch holds the G heads of each group at each position, consecutively), rows summing to 1.
+
+    * `query_mass` (paper Eq. 1): the query's softmax over its long-range keys, summed per bucket.
+    * `group_mass`: each head's softmax over every visible key (sink and recent keys included), its
+      long-range part summed per bucket and averaged over the group's heads, normalized: a head that
+      mostly attends to the sink or to recent tokens weighs little, as in the decode's attention.
+    * `group_density`: `group_mass` per long-range key of the bucket (divided by its number of
+      long-range keys): the mass a probe gains per key read, so top-ℓ picks the buckets that give
+      the most attention per key visited instead of the largest ones.
+    """
+    kvh, b, d = q_post.shape
+    n = k.shape[1]
+    j = torch.arange(n)
+    far = (j[None, :] >= sink) & (j[None, :] <= p[:, None] - min_dist)  # [B, N] long-range pairs
+    logit = torch.bmm(q_post, k.transpose(1, 2)) * d ** -0.5  # [KVH, B, N]
+    idx = assign[:, None, :].expand(kvh, b, n)
+    if target == "query_mass":
+        attn = torch.softmax(logit.masked_fill(~far[None], float("-inf")), dim=-1)
+        return torch.zeros(kvh, b, c).scatter_add_(2, idx, attn)
+    attn = torch.softmax(logit.masked_fill(j[None, None, :] > p[None, :, None], float("-inf")), dim=-1) * far[None]
+    mass = torch.zeros(kvh, b, c).scatter_add_(2, idx, attn).view(kvh, b // group, group, c).mean(2)  # [KVH, B/G, C]
+    if target == "group_density":
+        one = far[None, ::group].expand(kvh, -1, -1).float()  # [KVH, B/G, N]: one row per position
+        size = torch.zeros(kvh, b // group, c).scatter_add_(2, idx[:, ::group], one)
+        mass = mass / size.clamp_min(1)
+    return mass / mass.sum(-1, keepdim=True).clamp_min(1e-30)
+
+
+def _gather(qs: torch.Tensor, p: torch.Tensor, g: torch.Tensor, group: int) -> torch.Tensor:
+    """qs [H, N, D], positions p [B], group members g [B] -> [KVH, B, D] (query head kvh * G + g)."""
+    kvh = qs.shape[0] // group
+    qh = torch.arange(kvh)[:, None] * group + g[None, :]
+    return qs[qh, p[None, :].expand(kvh, -1)]
+
+
+def _target_table(q: torch.Tensor, k: torch.Tensor, assign: torch.Tensor, e: torch.Tensor, c: int, min_dist: int,
+                  sink: int, group: int, target: str, chunk: int = 128) -> torch.Tensor:
+    """`long_range_target` of every position e [P] of one window, computed once: [KVH, P, C] (group
+    targets) or [KVH, P, G, C] (`query_mass`). Chunks of positions only read the keys up to their last
+    position (the later ones are masked anyway)."""
+    out = []
+    for s0 in range(0, len(e), chunk):
+        p = e[s0:s0 + chunk].repeat_interleave(group)
+        g = torch.arange(group).repeat(len(p) // group)
+        top = int(p.max()) + 1
+        t = long_range_target(_gather(q, p, g, group), k[:, :top], assign[:, :top], p, c, min_dist, sink, group, target)
+        out.append(t if target != "query_mass" else t.view(t.shape[0], -1, group, c))
+    return torch.cat(out, dim=1)
+
+
 def _train_layer(qs, ks, kds, qds, cent, s: TrainSettings, min_dist: int, group: int, gen: torch.Generator,
                  on_step: Callable[[int, float], None] | None = None) -> tuple[dict[str, torch.Tensor], list[float]]:
     """Train the stacked f_q of one layer. qs/qds: per window [H, N, D] post-RoPE / de-RoPE'd
-    queries; ks/kds: [KVH, N, D]; cent [KVH, C, D]. Returns (weights, loss per step)."""
+    queries; ks/kds: [KVH, N, D]; cent [KVH, C, D]. Returns (weights, loss per step).
+
+    The targets of every eligible position are computed once per layer when they fit in
+    `_TABLE_BYTES` (the small preset: 4 x 2K positions; each is then sampled ~3 times), else at
+    each step for its batch only (the full preset); both sample the same positions."""
     kvh, c, d = cent.shape
     assign = []
     for kd in kds:
@@ -278,28 +378,42 @@ def _train_layer(qs, ks, kds, qds, cent, s: TrainSettings, min_dist: int, group:
     usable = [i for i, e in enumerate(eligible) if len(e) > 0]
     if not usable:
         raise ValueError(f"no window is longer than sink_exclude + min_distance = {s.sink_exclude + min_dist} tokens")
-    mlp = StackedMLP(kvh, d, s.hidden, c, gen)
+    per_query = s.target == "query_mass"
+    table_bytes = sum(len(e) for e in eligible) * kvh * c * (group if per_query else 1) * 4
+    tables = None
+    if table_bytes <= _TABLE_BYTES:
+        with torch.no_grad():
+            tables = [_target_table(qs[i], ks[i], assign[i], eligible[i], c, min_dist, s.sink_exclude, group, s.target)
+                      if i in usable else None for i in range(len(ks))]
+    mlp = StackedMLP(kvh, d, s.hidden, c, gen, zero_out=s.residual)
     opt = torch.optim.Adam(mlp.parameters(), lr=s.lr)
-    heads = torch.arange(kvh)[:, None] * group  # [KVH, 1]: first query head of each group
-    scale = d ** -0.5
+    c_scale = d ** -0.5 if s.residual else 0.0  # weight of the centroid-similarity term in f_q's logits
+    nb = max(1, s.batch // group)  # group targets: positions per step
     losses = []
     for step in range(s.steps):
         w = usable[int(torch.randint(len(usable), (1,), generator=gen))]
         e = eligible[w]
-        pick = torch.randint(group * len(e), (s.batch,), generator=gen)
-        g, p = pick // len(e), e[pick % len(e)]  # [B] group member, position
-        qh = heads + g[None, :]  # [KVH, B] query head index
-        q_post = qs[w][qh, p[None, :].expand(kvh, -1)]  # [KVH, B, D]
-        x = qds[w][qh, p[None, :].expand(kvh, -1)]
-        n = ks[w].shape[1]
-        with torch.no_grad():
-            logit = torch.bmm(q_post, ks[w].transpose(1, 2)) * scale  # [KVH, B, N]
-            j = torch.arange(n)
-            ok = (j[None, :] >= s.sink_exclude) & (j[None, :] <= (p[:, None] - min_dist))  # [B, N] long-range pairs
-            attn = torch.softmax(logit.masked_fill(~ok[None], float("-inf")), dim=-1)
-            target = torch.zeros(kvh, s.batch, c).scatter_add_(2, assign[w][:, None, :].expand(kvh, s.batch, n), attn)
-        logp = torch.log_softmax(mlp(x), dim=-1)
-        # KL(target || f_q) per query (torch's kl_div(input=log f_q, target)), mean over the batch, summed over heads
+        if per_query:
+            pick = torch.randint(group * len(e), (s.batch,), generator=gen)
+            g, i = pick // len(e), pick % len(e)  # [B] group member, index into e
+        else:  # every head of the group at each sampled position: [p0 x G, p1 x G, ...]
+            i = torch.randint(len(e), (nb,), generator=gen).repeat_interleave(group)
+            g = torch.arange(group).repeat(nb)
+        p = e[i]  # [B] positions
+        x = _gather(qds[w], p, g, group)  # [KVH, B, D] de-RoPE'd: f_q's input
+        if tables is not None:
+            target = tables[w][:, i, g] if per_query else tables[w][:, i[::group]]
+        else:
+            with torch.no_grad():
+                target = long_range_target(_gather(qs[w], p, g, group), ks[w], assign[w], p, c, min_dist,
+                                           s.sink_exclude, group, s.target)
+        logits = mlp(x)  # [KVH, B, C]
+        if c_scale:
+            logits = logits + torch.einsum("hbd,hcd->hbc", x, cent) * c_scale
+        logp = torch.log_softmax(logits, dim=-1)
+        if not per_query:  # the group's f_q as the decode ranks it: the mean of its heads' outputs
+            logp = torch.logsumexp(logp.view(kvh, nb, group, c), dim=2) - math.log(group)
+        # KL(target || f_q) per row (torch's kl_div(input=log f_q, target)), mean over the batch, summed over heads
         loss = torch.nn.functional.kl_div(logp, target, reduction="none").sum(-1).mean(-1).sum()
         opt.zero_grad(set_to_none=True)
         loss.backward()
@@ -307,7 +421,7 @@ def _train_layer(qs, ks, kds, qds, cent, s: TrainSettings, min_dist: int, group:
         losses.append(loss.item() / kvh)
         if on_step is not None:
             on_step(step, losses[-1])
-    return mlp.export(), losses
+    return {**mlp.export(), "centroid_scale": torch.full((kvh,), c_scale)}, losses
 
 
 # ---------------------------------------------------------------------------------------------

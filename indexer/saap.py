@@ -20,7 +20,10 @@ Trained model (one directory per LLM, default `<data_dir>/saap/<model fingerprin
   * `layer_XX.safetensors` per trained layer (no pickle): `centroids` [KVH, C, D] fp32 and the
     classifier of every KV head, stacked: `w1` [KVH, Hd, D], `b1`, `bn_mean`, `bn_var`,
     `bn_weight`, `bn_bias` [KVH, Hd], `w2` [KVH, C, Hd], `b2` [KVH, C]
-    (Linear -> BatchNorm -> ReLU -> Linear; batch norm is folded into an affine map at load).
+    (Linear -> BatchNorm -> ReLU -> Linear; batch norm is folded into an affine map at load), and
+    `centroid_scale` [KVH]: f_q's logits are MLP(q') + centroid_scale · q'·c (format 2; the
+    residual f_q of `_saap_train`, whose scale is 1/sqrt(D); 0 = the paper's plain MLP, which is
+    also how a format-1 file, without the tensor, is read).
   * Layer 0 is never trained (full attention, paper §3); a model may also cover only some layers
     (`--layers`, used by the tests): every untrained layer runs full attention.
 
@@ -72,10 +75,11 @@ import torch
 from pydantic import Field
 
 from decoder.rope import undo_rope
-from indexer.kivf import expand_clusters
+from indexer._select import expand_clusters, nearest_centroid
 from indexer.base import MethodEnv, MethodParams, MethodSession, MethodUnavailable, PrefillCapture, SparseMethod, register
 
-MODEL_FORMAT = "ctxcache-saap-model/1"
+MODEL_FORMAT = "ctxcache-saap-model/2"
+READABLE_FORMATS = (MODEL_FORMAT, "ctxcache-saap-model/1")  # 1: no `centroid_scale` (read as 0)
 MANIFEST = "manifest.json"
 BN_EPS = 1e-5
 TRAIN_HINT = ("ctxcache train saap --model {model} (add --preset small for a few-minute CPU model), "
@@ -150,7 +154,7 @@ def read_manifest(model_dir: Path) -> dict | None:
         m = json.loads((Path(model_dir) / MANIFEST).read_text())
     except (OSError, ValueError):
         return None
-    return m if m.get("format") == MODEL_FORMAT else None
+    return m if m.get("format") in READABLE_FORMATS else None
 
 
 class SaapModel:
@@ -176,7 +180,7 @@ class SaapModel:
 
     def layer(self, layer: int, device: str | torch.device = "cpu") -> dict[str, torch.Tensor]:
         """centroids [KVH, C, D], c_sq [KVH, C], w1 [KVH, Hd, D], scale/shift [KVH, Hd] (b1 + batch
-        norm folded), w2 [KVH, C, Hd], b2 [KVH, C]; fp32 on `device`."""
+        norm folded), w2 [KVH, C, Hd], b2 [KVH, C], centroid_scale [KVH]; fp32 on `device`."""
         key = (layer, str(device))
         with self._lock:
             got = self._cache.get(key)
@@ -198,6 +202,7 @@ class SaapModel:
                 "shift": (t["b1"] - t["bn_mean"]) * scale + t["bn_bias"],
                 "w2": t["w2"],
                 "b2": t["b2"],
+                "centroid_scale": t.get("centroid_scale", torch.zeros(t["centroids"].shape[0])),
             }
             got = {k: v.float().to(device).contiguous() for k, v in got.items()}
             self._cache[key] = got
@@ -220,22 +225,13 @@ def _open_cached(path: str, digest: str, manifest: dict) -> SaapModel:
 # Shared math (also used by training and the benchmark)
 
 
-def nearest_centroid(x: torch.Tensor, cent: torch.Tensor, c_sq: torch.Tensor | None = None) -> torch.Tensor:
-    """x [KVH, T, D], cent [KVH, C, D] -> [KVH, T] index of the nearest (L2) centroid.
-
-    argmin |x - c|^2 = argmax x·c - |c|^2 / 2 (one GEMM, no [T, C, D] difference tensor).
-    """
-    if c_sq is None:
-        c_sq = (cent * cent).sum(-1)
-    s = torch.einsum("htd,hcd->htc", x.float(), cent) - 0.5 * c_sq[:, None, :]
-    return s.argmax(-1)
-
-
 def classify(qd: torch.Tensor, w: dict[str, torch.Tensor]) -> torch.Tensor:
     """f_q in eval mode. qd [KVH, G, T, D] de-RoPE'd queries -> probabilities [KVH, G, T, C]."""
     h = torch.einsum("hgtd,hkd->hgtk", qd.float(), w["w1"])
     h = torch.relu(h * w["scale"][:, None, None, :] + w["shift"][:, None, None, :])
     logits = torch.einsum("hgtk,hck->hgtc", h, w["w2"]) + w["b2"][:, None, None, :]
+    sim = torch.einsum("hgtd,hcd->hgtc", qd.float(), w["centroids"])  # residual f_q: + centroid similarity
+    logits = logits + w["centroid_scale"][:, None, None, None] * sim
     return torch.softmax(logits, dim=-1)
 
 

@@ -254,7 +254,7 @@ def train_saap(
     steps: Optional[int] = typer.Option(None, help="Adam steps per layer [full 40000, small 300]"),
     hidden: Optional[int] = typer.Option(None, help="classifier hidden width [full 1024, small 128]"),
     docs: Optional[int] = typer.Option(None, help="training windows [full 40, small 4]"),
-    doc_tokens: Optional[int] = typer.Option(None, help="tokens per window [full 8192, small 1024]"),
+    doc_tokens: Optional[int] = typer.Option(None, help="tokens per window [full 8192, small 2048]"),
     layers: Optional[str] = typer.Option(None, help="layers to train, e.g. '1-5' or '1,3,7' [1..L-1]; others run full attention"),
     seed: int = typer.Option(0, help="seed of k-means, initialization and sampling"),
     keep_cache: bool = typer.Option(False, help="keep the captured corpus Q/K after training"),
