@@ -13,19 +13,12 @@ from fastapi.testclient import TestClient
 from conftest import PASSKEY_QUESTION, passkey_document
 from indexer.base import MethodEnv, get_method
 from indexer.saap import default_model_dir
-from service.app import create_app
-from test_api import _settings, wait_ready
+from test_api import client, wait_ready  # noqa: F401 - `client` is a fixture (a service on real Redis)
 
 pytestmark = pytest.mark.slow
 
 # Tiny: 2 layers, 2 windows of 256 tokens, 20 steps (~10-20 s here); the rest runs full attention.
 TINY = {"preset": "small", "layers": [1, 2], "docs": 2, "doc_tokens": 256, "steps": 20}
-
-
-@pytest.fixture
-def client(tmp_path, redis_prefix, lm):
-    with TestClient(create_app(_settings(tmp_path, redis_prefix), lm=lm)) as c:
-        yield c
 
 
 def wait_job(c: TestClient, jid: str, timeout: float = 300.0) -> dict:
