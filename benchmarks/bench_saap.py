@@ -22,6 +22,10 @@ Measured in one run (1 torch thread by default: on 2 shared cores it is the fast
   - decode: greedy generation, `--gen-tokens` tokens, EOS disabled, median tokens/s of
     `--repeats` interleaved runs vs `full`; SAAP's per-step selectivity from its session.
   Baselines in the same run: `full`, `streaming` and exact `topk` given SAAP's measured budget.
+* task level: the ~560-token passkey (`tests/conftest.py::passkey_document`, 6 keys at depths
+  0.1-0.95, the test suite's question), greedy, 12 tokens: how many keys each configuration
+  finds and the KV fraction it reads (all layers), for the classifier and for centroid probing at
+  each of `--passkey-ells` (`full` for reference).
 
     python benchmarks/bench_saap.py --json /tmp/bench_saap.json
 """
@@ -51,7 +55,7 @@ from decoder.rope import undo_rope  # noqa: E402
 from indexer import _saap_train as tr  # noqa: E402
 from indexer.base import get_method  # noqa: E402
 from indexer.saap import SaapModel  # noqa: E402
-from tests.conftest import MODEL_CACHE, natural_document  # noqa: E402
+from tests.conftest import MODEL_CACHE, PASSKEY_QUESTION, natural_document, passkey_document  # noqa: E402
 
 QUESTION = "Summarize what the engineer and the scheduler did, in detail."
 
@@ -253,6 +257,35 @@ def bench_decode(lm, cap, todo, gen_tokens: int, repeats: int) -> list[dict]:
     return rows
 
 
+PASSKEYS = [(71432, 0.5), (52817, 0.3), (90817, 0.8), (38140, 0.1), (66029, 0.65), (17395, 0.95)]
+
+
+def bench_passkey(lm, model_dir: str, ells: list[int]) -> list[dict]:
+    caps = []
+    for key, depth in PASSKEYS:
+        ids = lm.context_ids(passkey_document(key, depth=depth))
+        caps.append((key, prefill(lm, ids)))
+    q_ids = lm.question_ids(PASSKEY_QUESTION)
+    todo = [("full", "full", {})] + configs(model_dir, ells)
+    rows = []
+    for label, name, kw in todo:
+        m = get_method(name)
+        params = m.Params(**kw)
+        found, kv, answers = 0, [], []
+        for key, cap in caps:
+            ctx = ContextKV(cap.n_tokens, lambda nm, layer, cap=cap: (cap.k if nm == "kv/k" else cap.v)[layer])
+            session = m.open(build_index(m, params, cap), params, cap.n_tokens)
+            res = generate(lm, ctx, session, params, q_ids, max_tokens=12)
+            text = lm.tokenizer.decode(res.token_ids)
+            found += str(key) in text
+            kv.append(res.stats.kv_fraction)
+            answers.append(text.strip()[:32])
+        rows.append({"config": label, "found": found, "of": len(caps), "kv_fraction": statistics.mean(kv),
+                     "n_tokens": statistics.mean(cap.n_tokens for _, cap in caps), "answers": answers})
+        print(json.dumps(rows[-1]), flush=True)
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", type=Path, default=Path("/tmp/ctxcache-bench-saap"), help="trained small model goes here")
@@ -264,6 +297,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--full-steps-timed", type=int, default=5)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--passkey-ells", type=int, nargs="+", default=[2, 3, 4, 5, 6, 8])
     ap.add_argument("--paper-baseline", action=argparse.BooleanOptionalAction, default=True,
                     help="also train and evaluate the paper's f_q / Eq. 1 (the former small preset) into OUT-paper")
     ap.add_argument("--json", type=Path, default=None)
@@ -302,6 +336,7 @@ def main() -> None:
     out["fidelity"] += bench_fidelity(lm, cap, ids, args.positions, base)
     dec = [c for c in saap_cfgs if c[0] == mid or c[0] == f"saap ℓ={args.ells[0]}"]
     out["decode"] = bench_decode(lm, cap, dec + base, args.gen_tokens, args.repeats)
+    out["passkey"] = bench_passkey(lm, str(args.out), args.passkey_ells)
     out["machine"]["loadavg_end"] = open("/proc/loadavg").read().strip()
     if args.json:
         args.json.write_text(json.dumps(out, indent=1))

@@ -12,7 +12,8 @@ import torch
 
 
 def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float, dtype=torch.float32):
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
+    # on the positions' device: decode de-RoPEs GPU queries (float64 is exact enough and cheap at [N, D/2])
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64, device=positions.device) / head_dim))
     freqs = positions.to(torch.float64)[:, None] * inv_freq[None, :]  # [N, D/2]
     emb = torch.cat([freqs, freqs], dim=-1)  # [N, D]
     return emb.cos().to(dtype), emb.sin().to(dtype)

@@ -11,14 +11,21 @@ Pipeline (papers/saap.txt §4, App. A):
      layers cannot change earlier ones' Q/K), and its post-RoPE Q/K are cached on disk
      (`<out>/.captures/`, safetensors, `capture_dtype`), so an interrupted run does not prefill again.
   3. per layer (layer 0 is never trained: full attention) and KV head:
-     * k-means (faiss.Kmeans, L2, `kmeans_iters` [10] iterations, seeded) over the de-RoPE'd keys of
-       every window, the attention sink(s) (`sink_exclude` first tokens) left out;
+     * k-means (faiss.Kmeans, L2, `kmeans_iters` [10] iterations, seeded; on a GPU see "Device")
+       over the de-RoPE'd keys of every window, the attention sink(s) (`sink_exclude` first tokens)
+       left out;
      * f_q: Linear(D, hidden) -> BatchNorm -> ReLU -> Linear(hidden, C), plus (`residual`, default)
        the centroid-similarity logits q'·c / sqrt(D), trained with Adam on KL(target || f_q(Q)) --
        torch's `KLDiv(input=log f_q(Q), target)`, the paper's Eq. 1 in torch's argument order. The
        classifier's input q' is the de-RoPE'd query. Only long-range pairs count: keys j in
        [sink_exclude, p - min_distance] for a query at position p (the pairs closer than that are
-       the decode's dense part), so only positions p >= sink_exclude + min_distance are sampled.
+       the decode's dense part), so only positions p >= sink_exclude + min_distance are sampled,
+       and only long-range *queries* (`query_filter="far_top1"`, the paper's §4: "we discard all
+       queries whose distance to the top-1 matching key is less than 1024 tokens"; `far_top1`):
+       a query whose largest q·k over keys sink..p lies at least min_distance back. With group
+       targets a (KV head, position) row counts when one of the group's queries is long-range;
+       positions with none in any KV head are not sampled, the others' rows are weighted 0/1 in
+       the loss. The share kept is recorded per layer (`long_range_rows`; small preset 0.01-0.98).
        Each step samples `batch` queries of one random window (`long_range_target` has the targets;
        `_train_layer` computes them once per layer when they fit in memory).
      * every KV head of a layer is trained at once (stacked weights, `bmm`), deterministic in `seed`
@@ -28,21 +35,21 @@ Pipeline (papers/saap.txt §4, App. A):
   4. `manifest.json` is written last (atomically): a model without it is "not trained".
 
 Deviations from the paper (defaults; `settings_from(preset, **PAPER)` trains the paper's form:
-`target="query_mass", residual=False`). They came from measuring why the paper's form lost to
-plain centroid probing in layers 12-29 of SmolLM2-135M (benchmarks/RESULTS_saap.md):
-  * `target="group_density"` instead of Eq. 1's per-query mass (`query_mass`, see
+`target="query_mass", residual=False`, with its query filter). They came from measuring why the
+paper's form lost to plain centroid probing in layers 12-29 of SmolLM2-135M, then why a model that
+won on attention mass missed the passkey (benchmarks/RESULTS_saap.md):
+  * `target="group_mass"` instead of Eq. 1's per-query mass (`query_mass`, see
     `long_range_target`). (a) The decode ranks buckets by the *sum over the GQA group* of f_q's
     outputs (paper §5), but Eq. 1 trains each head on its own attention normalized over the
     long-range keys, so a head that puts 1% of its attention there (deep layers have many sink /
     local heads next to retrieval heads in one group) counts as much as one that puts 90%. The
     group targets use each head's attention over all visible keys (its long-range part only) and
     average over the group, and the loss is taken on the group's mean output: what the decode
-    ranks. (b) Top-ℓ by mass prefers large buckets; at a given number of keys read, the buckets
-    worth reading are those with the most attention *per key*, and a bucket's mass also depends on
-    how many of the context's keys it holds, which the query alone cannot know (held-out text fills
-    buckets differently from the training corpus). `group_density` divides each bucket's mass by
-    its number of long-range keys: f_q predicts attention per key, a property of the query and the
-    key region, not of one context's bucket sizes. (`group_mass` keeps (a) without (b).)
+    ranks. `group_density` (the default until the passkey check) also divides each bucket's mass by
+    its number of long-range keys, so f_q predicts attention *per key* and top-ℓ reads fewer keys
+    for the same mass: it wins more on held-out prose (ℓ = 2: 27/29 layers vs 25/29) but misses
+    the passkey at every ℓ up to 8 (the needle's ~10 digit tokens share buckets with filler, whose
+    density is low); `group_mass` with the query filter finds 6/6 at ℓ = 4.
   * `residual`: f_q's logits = q'·c / sqrt(D) + MLP(q'), the MLP's output layer initialized to 0,
     so the untrained classifier *is* centroid probing and training moves away from it only where
     the corpus says so. (The paper's App. E.1 found a residual *MLP* no better; this is a
@@ -58,10 +65,37 @@ Settings (`PRESETS`):
   * `full` (the paper's sizes, adapted to this model): C = 1024 clusters, hidden 1024, 40,000 Adam
     steps of 1,000 queries at lr 1e-5, windows of 8,192 tokens (SmolLM2's maximum; the paper used
     40 prompts of 500K tokens), 40 windows, min_distance 1024, fp16 capture cache (~0.4 GB/window).
+    Meant for a GPU: ~0.9 h on one H100 (SmolLM2-135M's shape; capture, 1 layer with every step and
+    3 with 4,000 measured, 29 layers extrapolated), ~36 h on that machine's 16 CPU cores and
+    ~425 h on 2 (estimates; benchmarks/RESULTS_saap.md, "Training on a GPU").
   * `small` (a few minutes at 1 CPU thread): C = 32, hidden 128, 300 steps of 256 queries
     (85 positions x 3 heads) at lr 1e-3, 4 windows of 2,048 tokens, min_distance 32, fp32 capture
     cache. With C = 32 the paper's ℓ = 32 probes every bucket: pass `nprobe` (e.g. 1-4) with such
     a model.
+
+Device (`TrainSettings.device`: "auto" [default] = cuda when torch sees a GPU, else cpu; "cpu";
+"cuda" or "cuda:N"; `ctxcache train saap --device`):
+  * the corpus capture runs where `lm.model` already is: training never moves a model (a server may
+    be decoding with it). `ctxcache train saap` loads the model on the training device; the
+    service's train worker trains on the service's `device` setting, where its model is;
+  * each layer's captured Q/K are de-RoPE'd on the host (the CPU run's bytes) and moved to the device, where the k-means, the bucket assignment, the targets and
+    the classifier's Adam steps (torch's fused Adam on a GPU) run. The initialization and the
+    sampled positions come from CPU generators, drawn `_PLAN_STEPS` steps at a time in the order
+    of the former one-step loop: the same on every device and for any plan size;
+  * k-means: faiss-cpu on the CPU; on a GPU, faiss.Kmeans(gpu=True) when faiss has GPU support
+    (faiss-gpu), else `kmeans_torch`, faiss's algorithm in torch with faiss's own random numbers
+    (faiss-gpu wheels need CUDA 12 libraries, which a CUDA 13 torch does not bring);
+  * the per-layer target table may take `_TABLE_BYTES_CUDA` (16 GiB, at most half the free memory)
+    on a GPU against 1 GiB of host memory, so the full preset's ~3.5 GB table is computed once per
+    layer there, and per step on the CPU (both give the same targets up to float rounding);
+  * losses are read back every `_PLAN_STEPS` steps (no synchronization per step).
+  The device is not part of the trained model's identity: `exclude=True` keeps it out of the
+  settings hash, of the manifest's settings and of the REST job id, so a resumed run may mix layers
+  trained on either. A GPU run gives the CPU run's model up to float rounding (GPU prefill,
+  summation order, CUDA atomics), not its bytes, and two GPU runs may differ in the same way
+  (tests/test_saap_device.py: bucket and classifier agreement on a tiny model; measured 1.0). The
+  manifest's `trained_on` records the device, the capture device, the k-means backend and versions.
+  On the CPU the device plumbing changes nothing: the same bytes (digests) as before it.
 """
 
 from __future__ import annotations
@@ -102,7 +136,10 @@ from indexer.saap import (
 log = logging.getLogger("ctxcache.saap")
 
 _FAISS_SERIAL_BELOW = 1 << 16  # as in indexer/kivf.py: OpenMP start-up costs more than a small k-means
-_TABLE_BYTES = 1 << 30  # f_q targets are precomputed per layer up to this size (see `_train_layer`)
+_TABLE_BYTES = 1 << 30  # f_q targets are precomputed per layer up to this size (see `_train_layer`), host memory
+_TABLE_BYTES_CUDA = 16 << 30  # the same on a GPU (also at most half its free memory): the full preset's ~3.5 GB fits
+_PLAN_STEPS = 256  # steps whose samples are drawn at once (one host-to-device copy, one loss read-back)
+DEVICE_PATTERN = r"^(auto|cpu|cuda(:[0-9]+)?)$"  # as the service's `device` setting
 
 
 class TrainSettings(BaseModel):
@@ -124,11 +161,19 @@ class TrainSettings(BaseModel):
     layers: tuple[int, ...] | None = Field(None, description="layers to train (>= 1); None = 1..L-1")
     capture_dtype: Literal["float32", "float16"] = "float16"
     seed: int = Field(0, ge=0, le=2**31 - 1)
-    target: Literal["group_density", "group_mass", "query_mass"] = Field(
-        "group_density", description="f_q's training target; `query_mass` is the paper's Eq. 1 (see the module docstring)")
+    target: Literal["group_mass", "group_density", "query_mass"] = Field(
+        "group_mass", description="f_q's training target; `query_mass` is the paper's Eq. 1 (see the module docstring)")
+    query_filter: Literal["far_top1", "all"] = Field(
+        "far_top1", description="queries f_q trains on: `far_top1` = the paper's long-range queries (top-1 key at "
+                                "least min_distance back; for group targets, one of the group's), `all` = every position")
     residual: bool = Field(
         True, description="f_q's logits = centroid similarity q'·c / sqrt(D) + MLP(q') (an untrained f_q is centroid "
                           "probing); False = the paper's plain MLP")
+    # Where training computes; not part of the trained model's identity: `exclude=True` keeps it out
+    # of model_dump(), so out of the settings hash, the manifest's settings and the REST job id (see
+    # the module docstring, "Device").
+    device: str = Field("auto", pattern=DEVICE_PATTERN, exclude=True,
+                        description="auto (cuda when torch sees a GPU, else cpu), cpu, cuda or cuda:N")
 
     def min_distance_for(self, doc_tokens: int) -> int:
         return self.min_distance if self.min_distance is not None else SaapParams().recent_for(doc_tokens)
@@ -140,6 +185,17 @@ PRESETS: dict[str, dict] = {
               "capture_dtype": "float32"},
 }
 PAPER = {"target": "query_mass", "residual": False}  # settings_from(preset, **PAPER): the paper's f_q and Eq. 1
+
+
+def resolve_device(device: str) -> torch.device:
+    """A TrainSettings.device -> the torch device training computes on ("auto": cuda when available;
+    "cuda" names the current CUDA device, with its index)."""
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError(f"training device {device!r}: torch sees no CUDA device here (use 'auto' or 'cpu')")
+    dev = torch.device(device)
+    return torch.device("cuda", torch.cuda.current_device()) if dev.type == "cuda" and dev.index is None else dev
 
 
 def settings_from(preset: str, **overrides) -> TrainSettings:
@@ -250,12 +306,22 @@ def _load_layer(path: Path, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def kmeans(x: torch.Tensor, c: int, iters: int, seed: int) -> torch.Tensor:
-    """x [n, D] -> centroids [C, D] fp32 (faiss.Kmeans, L2, no subsampling)."""
+    """x [n, D] -> centroids [C, D] fp32 on x's device (L2, no subsampling, seeded).
+
+    * x on the CPU: faiss.Kmeans on the CPU (the reference; the only path before GPU training).
+    * x on a GPU and faiss built with GPU support (faiss-gpu: `faiss.get_num_gpus() > 0`):
+      faiss.Kmeans(gpu=True), the same algorithm with its distance search on the GPU(s).
+    * x on a GPU and faiss-cpu: `kmeans_torch`, faiss's algorithm in torch on that GPU (faiss-gpu
+      wheels need CUDA 12 libraries; a torch built for another CUDA cannot share them).
+    """
     import faiss
 
-    a = np.ascontiguousarray(x.float().numpy())
+    if x.device.type == "cuda" and faiss.get_num_gpus() == 0:
+        return kmeans_torch(x, c, iters, seed)
+    a = np.ascontiguousarray(x.float().cpu().numpy())
+    gpu = x.device.type == "cuda"
     km = faiss.Kmeans(a.shape[1], c, niter=iters, seed=seed, verbose=False, min_points_per_centroid=1,
-                      max_points_per_centroid=1 << 30)
+                      max_points_per_centroid=1 << 30, **({"gpu": True} if gpu else {}))
     threads = faiss.omp_get_max_threads()
     if a.shape[0] < _FAISS_SERIAL_BELOW:
         faiss.omp_set_num_threads(1)
@@ -263,7 +329,82 @@ def kmeans(x: torch.Tensor, c: int, iters: int, seed: int) -> torch.Tensor:
         km.train(a)
     finally:
         faiss.omp_set_num_threads(threads)
-    return torch.from_numpy(km.centroids.copy())
+    return torch.from_numpy(km.centroids.copy()).to(x.device)
+
+
+def kmeans_torch(x: torch.Tensor, c: int, iters: int, seed: int, chunk: int = 1 << 16) -> torch.Tensor:
+    """faiss.Kmeans's algorithm (faiss/Clustering.cpp: `Clustering::train`, nredo 1, no subsampling)
+    in torch, on x's device: x [n, D] -> centroids [C, D] fp32.
+
+    Hand-written because faiss-cpu has no GPU code and faiss-gpu cannot be installed next to a torch
+    built for another CUDA. It follows faiss step by step, with faiss's own random numbers:
+      * init: the points perm[:C] of faiss's `rand_perm(n, seed + 1)` (called through faiss);
+      * `iters` Lloyd iterations: each point to its nearest centroid in L2 (lowest index on ties),
+        then each centroid = the mean of its points (sum x 1/count, as faiss);
+      * empty clusters: faiss's `split_clusters`, with its `RandomGenerator(1234)` (through faiss):
+        an empty cluster takes a copy of a large one drawn with probability (count - 1) / (n - C),
+        the two pulled apart by a 1/1024 relative perturbation, and the count split in two.
+    The same init and the same steps; the distances are faiss's formula for large inputs (its BLAS
+    path ranks by |c|^2 - 2 x·c), summed in another order, so a point within float rounding of a
+    tie between two centroids can take the other one (split pairs, or duplicated points, make such
+    ties) and the runs drift apart from there. Measured (tests/test_saap_device.py, CPU): on real
+    keys of the default model and on Gaussian data, faiss's centroids bit for bit; on a mixture with
+    near-ties, 0.998 of the points in the same bucket, inertia +1.1e-5. On an H100 against faiss-cpu
+    at the full preset's size (312,930 keys, C = 1024, benchmarks/gpu_saap_train.py): inertia
+    within 5.6e-7, 40x faster than faiss on 16 cores.
+    """
+    import faiss
+
+    n, d = x.shape
+    if n < c:
+        raise ValueError(f"k-means: {n} points for {c} clusters")
+    x = x.float().contiguous()
+    if n == c:  # faiss's corner case: the points are the centroids
+        return x.clone()
+    perm = np.empty(n, dtype=np.int32)
+    faiss.rand_perm(faiss.swig_ptr(perm), n, seed + 1)
+    cent = x[torch.from_numpy(perm[:c].astype(np.int64)).to(x.device)].clone()  # [C, D]
+    assign = torch.empty(n, dtype=torch.long, device=x.device)
+    for _ in range(iters):
+        c_sq = (cent * cent).sum(1)
+        for s0 in range(0, n, chunk):  # argmin_c |x - c|^2 = argmin_c |c|^2 - 2 x·c, [chunk, C] at a time
+            assign[s0:s0 + chunk] = torch.addmm(c_sq[None], x[s0:s0 + chunk], cent.T, alpha=-2).argmin(1)
+        count = torch.bincount(assign, minlength=c).float()  # faiss's `hassign`
+        norm = torch.where(count > 0, 1 / count.clamp_min(1), 0.0)
+        cent = torch.zeros(c, d, device=x.device).index_add_(0, assign, x) * norm[:, None]
+        if bool((count == 0).any()):
+            cent = _split_clusters(cent, count, n)
+    return cent
+
+
+def _split_clusters(cent: torch.Tensor, count: torch.Tensor, n: int) -> torch.Tensor:
+    """faiss's `split_clusters` (Clustering.cpp) on the host, float32 as there: a new centroid for
+    every empty cluster, split off a large one. cent [C, D], count [C] -> cent."""
+    import faiss
+
+    cen = cent.cpu().numpy().copy()
+    h = count.cpu().numpy().astype(np.float32)
+    k, d = cen.shape
+    rng = faiss.RandomGenerator(1234)
+    eps = np.float32(1 / 1024)
+    sign = np.where(np.arange(d) % 2 == 0, np.float32(1), np.float32(-1))
+    grow, shrink = np.float32(1) + eps * sign, np.float32(1) - eps * sign  # even dims: ci up, cj down
+    denom = float(np.float32(n - k))
+    for ci in range(k):
+        if h[ci] != 0:
+            continue
+        cj = 0
+        while True:  # faiss: p = (hassign[cj] - 1.0) / (float)(n - k) in double, stored as a float
+            p = np.float32((float(h[cj]) - 1.0) / denom)
+            if np.float32(rng.rand_float()) < p:
+                break
+            cj = (cj + 1) % k
+        cen[ci] = cen[cj]
+        cen[ci] *= grow
+        cen[cj] *= shrink
+        h[ci] = h[cj] / np.float32(2)
+        h[cj] -= h[ci]
+    return torch.from_numpy(cen).to(cent.device)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -304,7 +445,9 @@ class StackedMLP(torch.nn.Module):
         return torch.baddbmm(self.b2[:, None, :], torch.relu(h), self.w2.transpose(1, 2))
 
     def export(self) -> dict[str, torch.Tensor]:
-        return {k: v.detach().clone() for k, v in {**dict(self.named_parameters()), **dict(self.named_buffers())}.items()}
+        """Weights and running statistics, copied to the CPU (fp32)."""
+        return {k: v.detach().cpu().clone()
+                for k, v in {**dict(self.named_parameters()), **dict(self.named_buffers())}.items()}
 
 
 def long_range_target(q_post: torch.Tensor, k: torch.Tensor, assign: torch.Tensor, p: torch.Tensor, c: int,
@@ -324,18 +467,20 @@ def long_range_target(q_post: torch.Tensor, k: torch.Tensor, assign: torch.Tenso
     """
     kvh, b, d = q_post.shape
     n = k.shape[1]
-    j = torch.arange(n)
+    dev = k.device
+    j = torch.arange(n, device=dev)
     far = (j[None, :] >= sink) & (j[None, :] <= p[:, None] - min_dist)  # [B, N] long-range pairs
     logit = torch.bmm(q_post, k.transpose(1, 2)) * d ** -0.5  # [KVH, B, N]
     idx = assign[:, None, :].expand(kvh, b, n)
     if target == "query_mass":
         attn = torch.softmax(logit.masked_fill(~far[None], float("-inf")), dim=-1)
-        return torch.zeros(kvh, b, c).scatter_add_(2, idx, attn)
+        return torch.zeros(kvh, b, c, device=dev).scatter_add_(2, idx, attn)
     attn = torch.softmax(logit.masked_fill(j[None, None, :] > p[None, :, None], float("-inf")), dim=-1) * far[None]
-    mass = torch.zeros(kvh, b, c).scatter_add_(2, idx, attn).view(kvh, b // group, group, c).mean(2)  # [KVH, B/G, C]
+    mass = torch.zeros(kvh, b, c, device=dev).scatter_add_(2, idx, attn)
+    mass = mass.view(kvh, b // group, group, c).mean(2)  # [KVH, B/G, C]
     if target == "group_density":
         one = far[None, ::group].expand(kvh, -1, -1).float()  # [KVH, B/G, N]: one row per position
-        size = torch.zeros(kvh, b // group, c).scatter_add_(2, idx[:, ::group], one)
+        size = torch.zeros(kvh, b // group, c, device=dev).scatter_add_(2, idx[:, ::group], one)
         mass = mass / size.clamp_min(1)
     return mass / mass.sum(-1, keepdim=True).clamp_min(1e-30)
 
@@ -343,7 +488,7 @@ def long_range_target(q_post: torch.Tensor, k: torch.Tensor, assign: torch.Tenso
 def _gather(qs: torch.Tensor, p: torch.Tensor, g: torch.Tensor, group: int) -> torch.Tensor:
     """qs [H, N, D], positions p [B], group members g [B] -> [KVH, B, D] (query head kvh * G + g)."""
     kvh = qs.shape[0] // group
-    qh = torch.arange(kvh)[:, None] * group + g[None, :]
+    qh = torch.arange(kvh, device=qs.device)[:, None] * group + g[None, :]
     return qs[qh, p[None, :].expand(kvh, -1)]
 
 
@@ -355,77 +500,179 @@ def _target_table(q: torch.Tensor, k: torch.Tensor, assign: torch.Tensor, e: tor
     out = []
     for s0 in range(0, len(e), chunk):
         p = e[s0:s0 + chunk].repeat_interleave(group)
-        g = torch.arange(group).repeat(len(p) // group)
+        g = torch.arange(group, device=p.device).repeat(len(p) // group)
         top = int(p.max()) + 1
         t = long_range_target(_gather(q, p, g, group), k[:, :top], assign[:, :top], p, c, min_dist, sink, group, target)
         out.append(t if target != "query_mass" else t.view(t.shape[0], -1, group, c))
     return torch.cat(out, dim=1)
 
 
+def far_top1(q: torch.Tensor, k: torch.Tensor, e: torch.Tensor, min_dist: int, sink: int, group: int,
+             chunk: int = 128) -> torch.Tensor:
+    """The paper's long-range queries (§4: "we discard all queries whose distance to the top-1
+    matching key is less than 1024 tokens"): for queries q [H, N, D] and keys k [KVH, N, D]
+    (post-RoPE, one window) at positions e [P], whether query head g of KV head h has its top-1 key
+    (largest q·k over j in [sink, p]: the sinks are the decode's dense part) at distance >= min_dist.
+    Returns [KVH, P, G] bool."""
+    kvh, _, d = k.shape
+    out = []
+    for s0 in range(0, len(e), chunk):
+        p = e[s0:s0 + chunk]
+        top = int(p.max()) + 1
+        logit = torch.einsum("hgbd,hnd->hgbn", q[:, p].view(kvh, group, len(p), d), k[:, :top])
+        j = torch.arange(top, device=k.device)
+        logit = logit.masked_fill((j[None, :] > p[:, None]) | (j[None, :] < sink), float("-inf"))
+        out.append((logit.argmax(-1) <= (p - min_dist)[None, None, :]).permute(0, 2, 1))
+    return torch.cat(out, dim=1)
+
+
+def _sample_plan(gen: torch.Generator, steps: int, usable: list[int], n_eligible: list[int], per_query: bool,
+                 batch: int, nb: int, group: int) -> tuple[list[int], torch.Tensor]:
+    """The windows and raw picks of the next `steps` steps, drawn from `gen` in the order the
+    training loop has always drawn them (so a model does not depend on how steps are batched):
+    per step, the window, then `batch` picks in [0, G * |eligible|) (`query_mass`) or `nb` in
+    [0, |eligible|) (group targets). Returns (window per step, picks [steps, batch or nb])."""
+    ws, picks = [], []
+    for _ in range(steps):
+        w = usable[int(torch.randint(len(usable), (1,), generator=gen))]
+        ws.append(w)
+        if per_query:
+            picks.append(torch.randint(group * n_eligible[w], (batch,), generator=gen))
+        else:
+            picks.append(torch.randint(n_eligible[w], (nb,), generator=gen))
+    return ws, torch.stack(picks)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _table_budget(device: torch.device) -> int:
+    """Bytes the per-layer target table may take: `_TABLE_BYTES` of host memory, or on a GPU
+    `_TABLE_BYTES_CUDA`, at most half of its free memory."""
+    if device.type != "cuda":
+        return _TABLE_BYTES
+    free, _ = torch.cuda.mem_get_info(device)
+    return min(_TABLE_BYTES_CUDA, free // 2)
+
+
 def _train_layer(qs, ks, kds, qds, cent, s: TrainSettings, min_dist: int, group: int, gen: torch.Generator,
-                 on_step: Callable[[int, float], None] | None = None) -> tuple[dict[str, torch.Tensor], list[float]]:
+                 on_step: Callable[[int, float], None] | None = None,
+                 timings: dict | None = None) -> tuple[dict[str, torch.Tensor], list[float]]:
     """Train the stacked f_q of one layer. qs/qds: per window [H, N, D] post-RoPE / de-RoPE'd
-    queries; ks/kds: [KVH, N, D]; cent [KVH, C, D]. Returns (weights, loss per step).
+    queries; ks/kds: [KVH, N, D]; cent [KVH, C, D]; all on the training device (that of `cent`).
+    `gen` is a CPU generator: the initialization and the sampled positions are the same on every
+    device. Returns (weights on the CPU, loss per step); fills `timings` (seconds: `assign_s`,
+    `targets_s`, `steps_s`, and `table`: whether the target table was used) when given.
 
     The targets of every eligible position are computed once per layer when they fit in
-    `_TABLE_BYTES` (the small preset: 4 x 2K positions; each is then sampled ~3 times), else at
-    each step for its batch only (the full preset); both sample the same positions."""
+    `_table_budget` (the small preset: 4 x 2K positions, each then sampled ~3 times; the full
+    preset's ~3.5 GB on a GPU), else at each step for its batch only (the full preset on the CPU);
+    both sample the same positions. Losses are read back (and `on_step` called) every
+    `_PLAN_STEPS` steps, so a GPU is not synchronized at each step."""
+    dev = cent.device
     kvh, c, d = cent.shape
+    t0 = time.perf_counter()
     assign = []
     for kd in kds:
         assign.append(nearest_centroid(kd, cent))  # [KVH, N]
-    eligible = [torch.arange(s.sink_exclude + min_dist, k.shape[1]) for k in ks]
-    usable = [i for i, e in enumerate(eligible) if len(e) > 0]
-    if not usable:
+    eligible = [torch.arange(s.sink_exclude + min_dist, k.shape[1], device=dev) for k in ks]
+    if not any(len(e) for e in eligible):
         raise ValueError(f"no window is longer than sink_exclude + min_distance = {s.sink_exclude + min_dist} tokens")
     per_query = s.target == "query_mass"
+    row_weight = None  # query_filter "far_top1": per training row, 1 = long-range query (or group), 0 = left out
+    n_rows = sum(len(e) for e in eligible) * kvh * (group if per_query else 1)
+    if s.query_filter == "far_top1":
+        with torch.no_grad():
+            far = [far_top1(qs[i], ks[i], eligible[i], min_dist, s.sink_exclude, group) for i in range(len(ks))]
+        keep = [f.any(2).any(0) for f in far]  # positions where some query of some KV head is long-range
+        eligible = [e[m] for e, m in zip(eligible, keep)]
+        # group targets: a (KV head, position) row counts when one of the group's queries is long-range
+        row_weight = [(f[:, m] if per_query else f[:, m].any(2)).float() for f, m in zip(far, keep)]
+    usable = [i for i, e in enumerate(eligible) if len(e) > 0]
+    kept = sum(float(w.sum()) for w in row_weight) / n_rows if row_weight is not None else 1.0
+    _sync(dev)
+    t1 = time.perf_counter()
     table_bytes = sum(len(e) for e in eligible) * kvh * c * (group if per_query else 1) * 4
     tables = None
-    if table_bytes <= _TABLE_BYTES:
+    if table_bytes <= _table_budget(dev):
         with torch.no_grad():
             tables = [_target_table(qs[i], ks[i], assign[i], eligible[i], c, min_dist, s.sink_exclude, group, s.target)
                       if i in usable else None for i in range(len(ks))]
-    mlp = StackedMLP(kvh, d, s.hidden, c, gen, zero_out=s.residual)
-    opt = torch.optim.Adam(mlp.parameters(), lr=s.lr)
+    _sync(dev)
+    t2 = time.perf_counter()
+    mlp = StackedMLP(kvh, d, s.hidden, c, gen, zero_out=s.residual).to(dev)
+    # one fused kernel for all parameters on a GPU; on the CPU torch's default (as before GPU training)
+    opt = torch.optim.Adam(mlp.parameters(), lr=s.lr, **({"fused": True} if dev.type == "cuda" else {}))
     c_scale = d ** -0.5 if s.residual else 0.0  # weight of the centroid-similarity term in f_q's logits
     nb = max(1, s.batch // group)  # group targets: positions per step
-    losses = []
-    for step in range(s.steps):
-        w = usable[int(torch.randint(len(usable), (1,), generator=gen))]
-        e = eligible[w]
-        if per_query:
-            pick = torch.randint(group * len(e), (s.batch,), generator=gen)
-            g, i = pick // len(e), pick % len(e)  # [B] group member, index into e
-        else:  # every head of the group at each sampled position: [p0 x G, p1 x G, ...]
-            i = torch.randint(len(e), (nb,), generator=gen).repeat_interleave(group)
-            g = torch.arange(group).repeat(nb)
-        p = e[i]  # [B] positions
-        x = _gather(qds[w], p, g, group)  # [KVH, B, D] de-RoPE'd: f_q's input
-        if tables is not None:
-            target = tables[w][:, i, g] if per_query else tables[w][:, i[::group]]
-        else:
-            with torch.no_grad():
-                target = long_range_target(_gather(qs[w], p, g, group), ks[w], assign[w], p, c, min_dist,
-                                           s.sink_exclude, group, s.target)
-        logits = mlp(x)  # [KVH, B, C]
-        if c_scale:
-            logits = logits + torch.einsum("hbd,hcd->hbc", x, cent) * c_scale
-        logp = torch.log_softmax(logits, dim=-1)
-        if not per_query:  # the group's f_q as the decode ranks it: the mean of its heads' outputs
-            logp = torch.logsumexp(logp.view(kvh, nb, group, c), dim=2) - math.log(group)
-        # KL(target || f_q) per row (torch's kl_div(input=log f_q, target)), mean over the batch, summed over heads
-        loss = torch.nn.functional.kl_div(logp, target, reduction="none").sum(-1).mean(-1).sum()
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        opt.step()
-        losses.append(loss.item() / kvh)
-        if on_step is not None:
-            on_step(step, losses[-1])
+    n_eligible = [len(e) for e in eligible]
+    members = torch.arange(group, device=dev).repeat(nb)  # group targets: [0..G-1] at each position
+    losses: list[float] = []
+    # no long-range query at all in this layer's windows: f_q stays at its initialization (with
+    # `residual`, centroid probing) and no step is taken
+    for s0 in range(0, s.steps if usable else 0, _PLAN_STEPS):
+        n_plan = min(_PLAN_STEPS, s.steps - s0)
+        ws, picks = _sample_plan(gen, n_plan, usable, n_eligible, per_query, s.batch, nb, group)
+        picks = picks.to(dev)
+        loss_buf = torch.empty(n_plan, device=dev)
+        for j, w in enumerate(ws):
+            e = eligible[w]
+            if per_query:
+                g, i = picks[j] // len(e), picks[j] % len(e)  # [B] group member, index into e
+            else:  # every head of the group at each sampled position: [p0 x G, p1 x G, ...]
+                i, g = picks[j].repeat_interleave(group), members
+            p = e[i]  # [B] positions
+            x = _gather(qds[w], p, g, group)  # [KVH, B, D] de-RoPE'd: f_q's input
+            if tables is not None:
+                target = tables[w][:, i, g] if per_query else tables[w][:, i[::group]]
+            else:
+                with torch.no_grad():
+                    target = long_range_target(_gather(qs[w], p, g, group), ks[w], assign[w], p, c, min_dist,
+                                               s.sink_exclude, group, s.target)
+            logits = mlp(x)  # [KVH, B, C]
+            if c_scale:
+                logits = logits + torch.einsum("hbd,hcd->hbc", x, cent) * c_scale
+            logp = torch.log_softmax(logits, dim=-1)
+            if not per_query:  # the group's f_q as the decode ranks it: the mean of its heads' outputs
+                logp = torch.logsumexp(logp.view(kvh, nb, group, c), dim=2) - math.log(group)
+            # KL(target || f_q) per row (torch's kl_div(input=log f_q, target)), mean over the batch
+            # (over its long-range rows with the filter), summed over heads
+            kl = torch.nn.functional.kl_div(logp, target, reduction="none").sum(-1)  # [KVH, B or nb]
+            if row_weight is None:
+                loss = kl.mean(-1).sum()
+            else:
+                wt = row_weight[w][:, i, g] if per_query else row_weight[w][:, i[::group]]
+                loss = ((kl * wt).sum(-1) / wt.sum(-1).clamp_min(1)).sum()
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+            loss_buf[j] = loss.detach()
+        for j, v in enumerate(loss_buf.tolist()):
+            losses.append(v / kvh)
+            if on_step is not None:
+                on_step(s0 + j, losses[-1])
+    if timings is not None:
+        timings.update(assign_s=t1 - t0, targets_s=t2 - t1, steps_s=time.perf_counter() - t2, table=tables is not None,
+                       long_range=kept)
     return {**mlp.export(), "centroid_scale": torch.full((kvh,), c_scale)}, losses
 
 
 # ---------------------------------------------------------------------------------------------
 # Orchestration
+
+
+def _where(dev: torch.device, capture_dev: torch.device | None) -> dict:
+    import faiss
+
+    out = {"device": str(dev), "capture_device": str(capture_dev) if capture_dev is not None else None,
+           "torch": torch.__version__,
+           "faiss": faiss.__version__,
+           "kmeans": "faiss-cpu" if dev.type != "cuda" else "faiss-gpu" if faiss.get_num_gpus() > 0 else "torch"}
+    if dev.type == "cuda":
+        out["gpu"] = torch.cuda.get_device_name(dev)
+    return out
 
 
 def _hash(obj) -> str:
@@ -447,11 +694,15 @@ def train_saap(
 
     `on_progress(event)` is called after the corpus capture and after each layer, with `phase`
     ("capture" / "layer"), `layers_done`, `layers_total` and, for a layer, `layer` and its stats (the
-    service's training jobs report these)."""
+    service's training jobs report these).
+
+    Training computes on `settings.device` (resolved by `resolve_device`); the corpus capture runs
+    wherever `lm.model` already is (this never moves a model: the CLI loads it on the training device)."""
     report = on_progress or (lambda event: None)
     from tqdm import tqdm
 
     spec = lm.spec
+    dev = resolve_device(settings.device)
     t_start = time.perf_counter()
     out = Path(out_dir) if out_dir is not None else default_model_dir(spec.fingerprint, data_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -488,6 +739,9 @@ def train_saap(
 
     t0 = time.perf_counter()
     cache = out / ".captures"
+    capture_dev = next(lm.model.parameters()).device if lm.model is not None else None
+    if capture_dev is not None and capture_dev != dev:
+        log.info("saap: the model is on %s: the corpus capture runs there, training on %s", capture_dev, dev)
     captures = capture_corpus(lm, windows, max(layers) + 1, cache, settings.capture_dtype, progress)
     capture_s = time.perf_counter() - t0
     report({"phase": "capture", "windows": len(windows), "layers_done": 0, "layers_total": len(layers)})
@@ -511,11 +765,15 @@ def train_saap(
         for cp in captures:
             q, k = _load_layer(cp, layer)  # [H, N, D], [KVH, N, D] post-RoPE
             pos = torch.arange(k.shape[1])
-            qs.append(q)
-            ks.append(k)
-            qds.append(undo_rope(q, pos, spec.rope_theta))
-            kds.append(undo_rope(k, pos, spec.rope_theta))
-        cent = torch.empty(kvh, settings.clusters, d)
+            # de-RoPE on the host: decoder.rope builds its cos/sin tables on the CPU (CUDA inputs
+            # would need them moved there); then every tensor of the layer goes to the device
+            qs.append(q.to(dev))
+            ks.append(k.to(dev))
+            qds.append(undo_rope(q, pos, spec.rope_theta).to(dev))
+            kds.append(undo_rope(k, pos, spec.rope_theta).to(dev))
+        _sync(dev)
+        load_s = time.perf_counter() - t_layer
+        cent = torch.empty(kvh, settings.clusters, d, device=dev)
         balance = []
         for h in range(kvh):
             x = torch.cat([kd[h, settings.sink_exclude:] for kd in kds])
@@ -524,21 +782,26 @@ def train_saap(
             cent[h] = kmeans(x, settings.clusters, settings.kmeans_iters, settings.seed + layer * kvh + h)
             sizes = torch.bincount(nearest_centroid(x[None], cent[h:h + 1])[0], minlength=settings.clusters).float()
             balance.append(round(float(sizes.max() / sizes.mean()), 3))
-        kmeans_s = time.perf_counter() - t_layer
+        _sync(dev)
+        kmeans_s = time.perf_counter() - t_layer  # loading and de-RoPE included
         gen = torch.Generator().manual_seed(settings.seed * 1_000_003 + layer)
+        parts: dict = {}
         weights, losses = _train_layer(
             qs, ks, kds, qds, cent, settings, min_dist, group, gen,
             on_step=(lambda i, v: i % 25 == 0 and bar.set_postfix(layer=layer, step=i, kl=f"{v:.3f}")) if progress else None,
+            timings=parts,
         )
+        cent = cent.cpu()
         head = max(1, min(20, len(losses) // 10))
         # only deterministic facts go into the file (its sha256 enters the digest); timings go to the manifest
         stats = {"kl_first": round(sum(losses[:head]) / head, 5), "kl_last": round(sum(losses[-head:]) / head, 5),
-                 "balance_train": balance}
+                 "balance_train": balance, "long_range_rows": round(parts["long_range"], 4)}
         tensors = {"centroids": cent, **weights}
         _atomic_save(tensors, path,
                      {"format": MODEL_FORMAT, "layer": str(layer), "settings_hash": s_hash, "stats": json.dumps(stats)})
-        layer_meta[str(layer)] = {**stats, "kmeans_s": round(kmeans_s, 3),
+        layer_meta[str(layer)] = {**stats, "load_s": round(load_s, 3), "kmeans_s": round(kmeans_s, 3),
                                   "train_s": round(time.perf_counter() - t_layer - kmeans_s, 3),
+                                  "targets_s": round(parts["targets_s"], 3), "steps_s": round(parts["steps_s"], 3),
                                   "file": path.name, "sha256": sha256_file(path), "content_sha256": tensors_sha256(tensors)}
         del qs, ks, qds, kds
         report({"phase": "layer", "layer": layer, "layers_done": len(layer_meta), "layers_total": len(layers),
@@ -555,6 +818,8 @@ def train_saap(
         "corpus": corpus,
         "layers": layer_meta,
         "timings": {"capture_s": round(capture_s, 3), "total_s": round(time.perf_counter() - t_start, 3)},
+        # where it ran: not part of the model's identity (a GPU run equals a CPU run up to float noise)
+        "trained_on": _where(dev, capture_dev),
         "digest": model_digest(s_hash, spec.fingerprint, {k: v["content_sha256"] for k, v in layer_meta.items()}),
     }
     tmp = out / f".tmp-{MANIFEST}-{uuid.uuid4().hex[:8]}"

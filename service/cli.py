@@ -259,10 +259,17 @@ def train_saap(
     seed: int = typer.Option(0, help="seed of k-means, initialization and sampling"),
     keep_cache: bool = typer.Option(False, help="keep the captured corpus Q/K after training"),
     threads: Optional[int] = typer.Option(None, help="torch threads [torch's default; 1 was fastest on 2 shared cores]"),
+    device: str = typer.Option("auto", help="where to train: auto (cuda when torch sees a GPU, else cpu), cpu, cuda or "
+                                            "cuda:N; the model is loaded there for the corpus capture. Not part of the "
+                                            "trained model's identity: a GPU run equals a CPU run up to float noise"),
 ):
-    """Train SAAP (key k-means + query classifier) for a model. Resumable: rerun the same command."""
+    """Train SAAP (key k-means + query classifier) for a model. Resumable: rerun the same command.
+
+    On a GPU (--device auto or cuda): the full preset takes ~0.9 h on one H100 (extrapolated from measured layers).
+    On a CPU use --preset small (~3 min on 2 cores); the full preset is ~36 h on 16 cores (benchmarks/RESULTS_saap.md).
+    """
     from decoder.model import load_model
-    from indexer._saap_train import settings_from, train_saap as _train
+    from indexer._saap_train import resolve_device, settings_from, train_saap as _train
 
     _logging()
     s = _settings(data_dir=data_dir, model=model)
@@ -274,7 +281,8 @@ def train_saap(
                 a, _, b = part.strip().partition("-")
                 layer_list += list(range(int(a), int(b) + 1)) if b else [int(a)]
         ts = settings_from(preset, clusters=clusters, steps=steps, hidden=hidden, n_docs=docs, doc_tokens=doc_tokens,
-                           layers=tuple(layer_list) if layer_list else None, seed=seed)
+                           layers=tuple(layer_list) if layer_list else None, seed=seed, device=device)
+        dev = resolve_device(ts.device)
     except ValueError as e:
         typer.echo(f"invalid settings: {e}", err=True)
         raise typer.Exit(2)
@@ -282,12 +290,12 @@ def train_saap(
         import torch
 
         torch.set_num_threads(threads)
-    lm = load_model(s.model, s.data_dir)
+    lm = load_model(s.model, s.data_dir, device=str(dev))
     t0 = time.perf_counter()
     path = _train(lm, ts, out_dir=out, data_dir=s.data_dir, corpus_dir=corpus, keep_cache=keep_cache)
     manifest = json.loads((path / "manifest.json").read_text())
     typer.echo(f"saap model for {lm.spec.name} in {path} ({len(manifest['layers'])} layers, C={ts.clusters}, "
-               f"digest {manifest['digest'][:16]}, {time.perf_counter() - t0:.0f} s)")
+               f"digest {manifest['digest'][:16]}, {time.perf_counter() - t0:.0f} s on {dev})")
 
 
 # ---- evaluation ------------------------------------------------------------------------------

@@ -316,7 +316,8 @@ class TrainWorker(_LeasedLoop):
     """Runs offline training jobs (`POST /v1/methods/saap/train`): the same `train_saap` as
     `ctxcache train saap`, with the service's model and data dir, reporting progress into the job
     record. Training is resumable (finished layers are checkpointed), so a job requeued after a
-    crash continues where it stopped."""
+    crash continues where it stopped. It trains on the service's `device` (auto: the GPU when
+    there is one), where the service's model already is."""
 
     kind = "train"
 
@@ -345,7 +346,9 @@ class TrainWorker(_LeasedLoop):
             lm = self.rt.ensure_weights()
             if lm.spec.fingerprint != fp:
                 raise ValueError(f"job is for model {fp[:16]}, this worker serves {lm.spec.fingerprint[:16]}")
-            settings = TrainSettings.model_validate(rec["settings"])
+            # train where this service runs its model (its `device` setting, auto by default): the
+            # capture uses the loaded model as it is, and the device is not part of the job's identity
+            settings = TrainSettings.model_validate({**rec["settings"], "device": self.rt.settings.device})
             corpus = self.rt.settings.data_dir / "corpora" / rec["corpus"] if rec.get("corpus") else None
             out = train_saap(lm, settings, data_dir=self.rt.settings.data_dir, corpus_dir=corpus, progress=False,
                              on_progress=on_progress)

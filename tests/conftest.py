@@ -99,6 +99,30 @@ def captured_2k(lm):
     return prefill(lm, ids)
 
 
+@pytest.fixture(scope="session")
+def saap_small_model(lm) -> Path:
+    """The `small` SAAP preset trained on every layer (~100 s at 1 thread here), cached next to the
+    converted model like it. The cache key is the sha256 of the training code and the settings, so
+    a change to either trains again instead of reusing a stale model."""
+    import hashlib
+
+    from indexer._saap_train import settings_from, train_saap
+
+    settings = settings_from("small")
+    h = hashlib.sha256(settings.model_dump_json().encode())
+    for src in ("indexer/_saap_train.py", "indexer/saap.py", "indexer/_saap_corpus.py"):
+        h.update((ROOT / src).read_bytes())
+    out = MODEL_CACHE / "saap" / f"small-{h.hexdigest()[:16]}"
+    if not (out / "manifest.json").exists():
+        n = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            train_saap(lm, settings, out_dir=out, progress=False)
+        finally:
+            torch.set_num_threads(n)
+    return out
+
+
 @pytest.fixture
 def redis_prefix():
     """A key prefix unique to one test; every key under it is deleted afterwards."""

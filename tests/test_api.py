@@ -131,14 +131,23 @@ def test_full_matches_transformers_generate_and_topk_oracle(client, lm):
 # Index methods are named at registration so the prefill worker builds their index.
 # csattn runs with its defaults: at this length the list floor (min_list_len 256) applies, without
 # which the paper's alpha = 0.2 misses the needle (see indexer/csattn.py CSAttnParams.list_size).
+# saap runs with the `small` trained model (C = 32 buckets) and ℓ = 4 of them: at this length that
+# reads ~28% of the KV (the dense part alone is 33 of ~580 tokens). Measured on the library path
+# (benchmarks/RESULTS_saap.md, "Task level"): 6/6 passkeys at ℓ = 4; 5/6 at ℓ = 3 (23% of the KV),
+# where probing buckets by centroid similarity finds 0/6 at ℓ = 4 and 5/6 at ℓ = 5.
 PASSKEY_METHODS = [("full", {}, {}), ("topk", {}, {"k": 64}), ("csattn", {}, {}), ("ctkvr", {}, {}),
-                   ("kivf", {}, {}), ("psa", {}, {}), ("lfps", {}, {})]
+                   ("kivf", {}, {}), ("psa", {}, {}), ("lfps", {}, {}), ("saap", {}, {"nprobe": 4})]
 
 
 @pytest.mark.parametrize("method,build,params", PASSKEY_METHODS)
-def test_passkey_over_rest(client, method, build, params):
+def test_passkey_over_rest(client, request, lm, method, build, params):
     from indexer.base import get_method
+    from indexer.saap import default_model_dir
 
+    if method == "saap":  # the trained model where the service looks for it (its data dir)
+        where = default_model_dir(lm.spec.fingerprint, client.app.state.runtime.settings.data_dir)
+        where.parent.mkdir(parents=True, exist_ok=True)
+        where.symlink_to(request.getfixturevalue("saap_small_model").resolve())
     key = 71432
     has_index = get_method(method).has_index
     body = {"text": passkey_document(key, depth=0.5), "methods": [method] if has_index else [],
@@ -151,6 +160,8 @@ def test_passkey_over_rest(client, method, build, params):
     out = ask(client, cid, method, params, max_tokens=12)
     assert str(key) in out["text"], out["text"]
     assert out["stats"]["method"] == method
+    if method == "saap":  # sparse: every step reads well under all of the KV (measured 0.27-0.29)
+        assert max(out["stats"]["method_stats"]["selectivity_per_step"]) < 0.4, out["stats"]
 
 
 def test_streaming_sse(client):

@@ -25,6 +25,7 @@ from indexer._saap_train import (
     StackedMLP,
     bucket_mass_eval,
     capture_first_layers,
+    far_top1,
     long_range_target,
     settings_from,
     train_saap,
@@ -144,7 +145,11 @@ def test_trained_model_is_accepted_and_checked(lm, trained, data_root, monkeypat
     assert manifest["corpus"]["source"] == "builtin" and "Apache-2.0" in manifest["corpus"]["license"]
     # 2,048-token windows: the decode's dense part at that length, SaapParams.recent_for(2048) = 32
     assert manifest["settings"]["min_distance"] == 32 and manifest["settings"]["doc_tokens"] == 2048
-    assert manifest["settings"]["target"] == "group_density" and manifest["settings"]["residual"] is True
+    assert manifest["settings"]["target"] == "group_mass" and manifest["settings"]["residual"] is True
+    assert manifest["settings"]["query_filter"] == "far_top1"
+    # the share of (KV head, position) rows with a long-range query, per layer: recorded, a fraction
+    kept = [manifest["layers"][str(x)]["long_range_rows"] for x in TRAINED]
+    assert all(0 < x <= 1 for x in kept) and min(kept) < 0.9, kept  # measured 0.120 0.489 0.982 0.940
     assert manifest["format"] == MODEL_FORMAT == "ctxcache-saap-model/2"
     assert not [p for p in trained.iterdir() if p.suffix not in (".json", ".safetensors")]  # no pickle, cache gone
     # the classifier learned something: KL fell well below its start (measured, layers 1-4:
@@ -262,6 +267,32 @@ def test_training_targets_match_a_per_query_reference(target):
     assert got.shape == ((kvh, len(p), c) if target == "query_mass" else (kvh, len(p) // group, c))
 
 
+def test_far_top1_matches_a_per_query_loop():
+    """`far_top1` (the paper's long-range query filter) == a loop: a query is long-range when its
+    largest q·k over keys sink..p lies at least min_dist back. Random data with planted far and near
+    matches, so both outcomes occur."""
+    g = torch.Generator().manual_seed(1)
+    kvh, group, n, d, min_dist, sink = 2, 3, 48, 8, 6, 1
+    k = torch.randn(kvh, n, d, generator=g)
+    q = torch.randn(kvh * group, n, d, generator=g)
+    k[:, 0] *= 10  # a sink key that would win every argmax: it must be left out
+    for p_, j_ in [(30, 3), (40, 38), (47, 10)]:  # a strong far match (30 -> 3, 47 -> 10), a near one (40 -> 38)
+        k[:, j_] = 3 * q[::group, p_]
+    e = torch.arange(sink + min_dist, n)
+    got = far_top1(q, k, e, min_dist, sink, group)
+    want = torch.zeros(kvh, len(e), group, dtype=torch.bool)
+    for h in range(kvh):
+        for gi in range(group):
+            for i, p in enumerate(e.tolist()):
+                scores = [float(q[h * group + gi, p] @ k[h, j]) for j in range(sink, p + 1)]
+                top = sink + max(range(len(scores)), key=scores.__getitem__)
+                want[h, i, gi] = top <= p - min_dist
+    assert torch.equal(got, want)
+    assert want.any() and not want.all()
+    idx = {p: i for i, p in enumerate(e.tolist())}
+    assert want[:, idx[30], 0].all() and want[:, idx[47], 0].all() and not want[:, idx[40], 0].any()
+
+
 def _rewrite_layer(src_dir, dst_dir, layer, edit, fmt=None):
     """Copy a trained model, apply `edit` to one layer's tensors, fix the manifest's sha256 (and format)."""
     import shutil
@@ -310,18 +341,21 @@ def test_classifier_beats_centroid_probing_on_heldout(trained, heldout):
     classifier's top-ℓ buckets vs buckets ranked by centroid similarity to the de-RoPE'd query,
     read at the same selectivity (same number of keys). 64 queries in [1024, 2048), recent = 32.
     Per layer, each trained layer on its own (the benchmark covers layers 1-29: the classifier wins
-    27 of 29 at ℓ = 2 there, see benchmarks/RESULTS_saap.md).
+    25 of 29 at ℓ = 2 and at ℓ = 4 there, see benchmarks/RESULTS_saap.md).
 
-    Measured (this setting, seed 0; before, with the paper's f_q and Eq. 1 on the former preset,
-    measured the same way: ℓ=2 classifier 0.400 0.376 0.829 0.847 vs centroid 0.297 0.244 0.661 0.691):
-      ℓ=2: classifier 0.539 0.443 0.830 0.845 vs centroid 0.315 0.251 0.617 0.686,
-           Δ +0.224 +0.192 +0.213 +0.159, selectivity 0.103 (mean);
-      ℓ=4: classifier 0.718 0.552 0.863 0.874 vs centroid 0.483 0.367 0.700 0.763,
-           Δ +0.235 +0.185 +0.163 +0.111, selectivity 0.190.
+    Measured (this setting, seed 0; the current defaults: group-mass target, long-range queries only):
+      ℓ=2: classifier 0.447 0.473 0.835 0.846 vs centroid 0.272 0.299 0.628 0.706,
+           Δ +0.175 +0.174 +0.207 +0.140, selectivity 0.119 (mean);
+      ℓ=4: classifier 0.706 0.624 0.859 0.881 vs centroid 0.543 0.539 0.693 0.792,
+           Δ +0.164 +0.085 +0.166 +0.089, selectivity 0.251.
+    (Earlier forms, same measurement: the paper's f_q and Eq. 1 on the former preset, ℓ=2: 0.400 0.376
+    0.829 0.847 vs 0.297 0.244 0.661 0.691; the group-density target, ℓ=2: 0.539 0.443 0.830 0.845 vs
+    0.315 0.251 0.617 0.686 at selectivity 0.103. Density wins more here but loses the passkey:
+    benchmarks/RESULTS_saap.md, "Task level".)
     """
     floors = {  # per layer 1-4: (classifier at least, classifier - centroid at least), under the measured values
-        2: [(0.48, 0.15), (0.38, 0.13), (0.77, 0.15), (0.78, 0.10)],
-        4: [(0.66, 0.17), (0.49, 0.12), (0.80, 0.10), (0.82, 0.06)],
+        2: [(0.40, 0.12), (0.42, 0.12), (0.78, 0.15), (0.79, 0.09)],
+        4: [(0.65, 0.11), (0.57, 0.04), (0.80, 0.11), (0.83, 0.04)],
     }
     model = SaapModel.open(trained)
     qpos = torch.arange(1024, 2048, 16)
@@ -335,7 +369,7 @@ def test_classifier_beats_centroid_probing_on_heldout(trained, heldout):
               f"selectivity {sel:.3f}")
         for layer, a, b, (lo, gap) in zip(TRAINED, cls, cen, floor):
             assert a >= lo and a - b >= gap, (ell, layer, a, b)
-        assert 0.5 * ell / C < sel < 2 * ell / C  # about ℓ / C of the keys: the comparison is not vacuous
+        assert 0.5 * ell / C < sel < 2.5 * ell / C  # about ℓ / C of the keys (0.119, 0.251): not vacuous
 
 
 def _step(heldout, layer, n_ctx, m, extra_pos=None):
