@@ -77,11 +77,12 @@ Device (`TrainSettings.device`: "auto" [default] = cuda when torch sees a GPU, e
 "cuda" or "cuda:N"; `ctxcache train saap --device`):
   * the corpus capture runs where `lm.model` already is: training never moves a model (a server may
     be decoding with it). `ctxcache train saap` loads the model on the training device; the
-    service's train worker trains on the service's `device` setting, where its model is;
-  * each layer's captured Q/K are de-RoPE'd on the host (the CPU run's bytes) and moved to the device, where the k-means, the bucket assignment, the targets and
-    the classifier's Adam steps (torch's fused Adam on a GPU) run. The initialization and the
-    sampled positions come from CPU generators, drawn `_PLAN_STEPS` steps at a time in the order
-    of the former one-step loop: the same on every device and for any plan size;
+    service's train worker loads its own copy of the weights on the service's `device` setting;
+  * each layer's captured Q/K are de-RoPE'd on the host (the CPU run's bytes) and moved to the
+    device, where the k-means, the bucket assignment, the targets and the classifier's Adam steps
+    (torch's fused Adam on a GPU) run. The initialization and the sampled positions come from CPU
+    generators, drawn `_PLAN_STEPS` steps at a time in the order of the former one-step loop: the
+    same on every device and for any plan size;
   * k-means: faiss-cpu on the CPU; on a GPU, faiss.Kmeans(gpu=True) when faiss has GPU support
     (faiss-gpu), else `kmeans_torch`, faiss's algorithm in torch with faiss's own random numbers
     (faiss-gpu wheels need CUDA 12 libraries, which a CUDA 13 torch does not bring);

@@ -317,7 +317,7 @@ class TrainWorker(_LeasedLoop):
     `ctxcache train saap`, with the service's model and data dir, reporting progress into the job
     record. Training is resumable (finished layers are checkpointed), so a job requeued after a
     crash continues where it stopped. It trains on the service's `device` (auto: the GPU when
-    there is one), where the service's model already is."""
+    there is one), with its own copy of the model's weights, loaded per job."""
 
     kind = "train"
 
@@ -343,11 +343,18 @@ class TrainWorker(_LeasedLoop):
                              progress=round(0.15 + 0.85 * done / total, 4))
 
         try:
-            lm = self.rt.ensure_weights()
+            # a private copy of the weights (0.1 s from the converted cache), never the model object the
+            # prefill and decode workers share: the corpus capture runs the model truncated to its first
+            # layers by changing its config (`_saap_train.first_layers`), which would silently cut a
+            # concurrent decode short
+            from decoder.model import load_model
+
+            lm = load_model(self.rt.settings.model, self.rt.settings.data_dir, with_weights=True,
+                            device=resolve_device(self.rt.settings.device))
             if lm.spec.fingerprint != fp:
                 raise ValueError(f"job is for model {fp[:16]}, this worker serves {lm.spec.fingerprint[:16]}")
-            # train where this service runs its model (its `device` setting, auto by default): the
-            # capture uses the loaded model as it is, and the device is not part of the job's identity
+            # train where this service runs its model (its `device` setting, auto by default); the
+            # device is not part of the job's identity
             settings = TrainSettings.model_validate({**rec["settings"], "device": self.rt.settings.device})
             corpus = self.rt.settings.data_dir / "corpora" / rec["corpus"] if rec.get("corpus") else None
             out = train_saap(lm, settings, data_dir=self.rt.settings.data_dir, corpus_dir=corpus, progress=False,

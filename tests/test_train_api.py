@@ -4,6 +4,7 @@ old indexes answer 409 instead of reading them with the wrong classifier."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
 
@@ -136,3 +137,33 @@ def test_train_over_rest_then_register_and_ask(client, lm):
     assert "register it again" in r.json()["error"]["message"]
     full = client.post(f"/v1/contexts/{cid}/completions", json={"question": PASSKEY_QUESTION, "max_tokens": 4})
     assert full.status_code == 200  # the context itself is intact
+
+
+def test_train_worker_trains_on_its_own_copy_of_the_model(client, monkeypatch):
+    """The corpus capture runs the model truncated to its first layers by changing its config
+    (`_saap_train.first_layers`): the train worker must never do that to the model object the
+    prefill and decode workers share, or a concurrent completion would silently skip layers."""
+    import indexer._saap_train as tr
+
+    served = client.app.state.runtime.ensure_weights().model
+    n_layers = served.config.num_hidden_layers
+    seen, depth = [], []
+    orig_train, orig_first = tr.train_saap, tr.first_layers
+
+    def spy_train(lm, *a, **kw):
+        seen.append(lm.model)
+        return orig_train(lm, *a, **kw)
+
+    @contextlib.contextmanager
+    def spy_first(model, n):
+        with orig_first(model, n):
+            depth.append(served.config.num_hidden_layers)  # the served model, while training truncates its own
+            yield
+
+    monkeypatch.setattr(tr, "train_saap", spy_train)
+    monkeypatch.setattr(tr, "first_layers", spy_first)
+    r = client.post("/v1/methods/saap/train", json={**TINY, "layers": [1], "steps": 5})
+    assert r.status_code == 202, r.text
+    assert wait_job(client, r.json()["id"])["status"] == "done"
+    assert seen and all(m is not served for m in seen)
+    assert depth and set(depth) == {n_layers}  # never truncated, also not during the capture

@@ -6,8 +6,8 @@ trained model lands where `saap` registrations look for it (`<data_dir>/saap/<fi
 
 * A job's id is the sha256 of what it trains (model fingerprint, resolved settings, corpus content):
   posting the same request again returns the same job (200) instead of training twice.
-* The job trains on the service's `device` setting (auto: cuda when the worker sees a GPU), where
-  the service's model is; a request names no device. The device is not part of the job id nor of
+* The job trains on the service's `device` setting (auto: cuda when the worker sees a GPU), with
+  its own copy of the weights; a request names no device. The device is not part of the job id nor of
   the trained model's settings hash: a GPU run equals a CPU run up to float noise.
 * One job per model at a time (409 `training_in_progress`): two jobs would write one directory.
 * A trained model that exists already is not replaced unless `replace` is true (409 `model_exists`):
