@@ -177,7 +177,10 @@ class SparseMethod(ABC):
     def open(self, index: IndexReader | None, params: MethodParams, n_ctx: int,
              env: MethodEnv | None = None) -> MethodSession: ...
 
-    def index_id(self, params: MethodParams) -> str:
+    def index_id(self, params: MethodParams, spec=None, env: MethodEnv | None = None) -> str:
+        """The identity of the index `build` makes from these params: `<name>-<sha256 of version and
+        build params>`. A method whose index also depends on something outside the params (SAAP: the
+        trained model) adds it when given the model `spec` and `env`; the service always passes them."""
         return f"{self.name}-{params_hash(self.name, self.version, params.build_params())}"
 
 

@@ -13,10 +13,12 @@ Trained model (one directory per LLM, default `<data_dir>/saap/<model fingerprin
   * `manifest.json`: format, the LLM's fingerprint and shape, training settings, corpus provenance,
     per-layer file sha256 (checked at load) and tensor-content sha256, and `digest` = sha256 over
     (settings hash, fingerprint, per-layer content sha256): equal for equal training results.
-    The digest is the trained model's identity. Every index records the digest it was built with
-    (`model_id`), and `open` refuses a trained model with another digest, so an index is never read
-    with a classifier other than the one whose centroids built it. (The digest is not part of
-    `index_id`: `index_id(params)` has no ModelSpec to find the default location with.)
+    The digest is the trained model's identity. It is part of the index identity
+    (`index_id(params, spec, env)`, as the service calls it): registering a context again after a
+    retrain builds a new index, and asking with the old one answers 409 method_not_built. Every
+    index also records the digest it was built with (`model_id`), and `open` refuses a trained model
+    with another digest (409 method_unavailable), so an index is never read with a classifier other
+    than the one whose centroids built it, even when the model changes between registration and build.
   * `layer_XX.safetensors` per trained layer (no pickle): `centroids` [KVH, C, D] fp32 and the
     classifier of every KV head, stacked: `w1` [KVH, Hd, D], `b1`, `bn_mean`, `bn_var`,
     `bn_weight`, `bn_bias` [KVH, Hd], `w2` [KVH, C, Hd], `b2` [KVH, C]
@@ -77,6 +79,7 @@ from pydantic import Field
 from decoder.rope import undo_rope
 from indexer._select import expand_clusters, nearest_centroid
 from indexer.base import MethodEnv, MethodParams, MethodSession, MethodUnavailable, PrefillCapture, SparseMethod, register
+from storage.keys import params_hash
 
 MODEL_FORMAT = "ctxcache-saap-model/2"
 READABLE_FORMATS = (MODEL_FORMAT, "ctxcache-saap-model/1")  # 1: no `centroid_scale` (read as 0)
@@ -444,6 +447,16 @@ class Saap(SparseMethod):
         ident = torch.cat([_digest_bytes(model.fingerprint), _digest_bytes(model.digest)])
         return {"assign": assign, "order": order, "offsets": offsets, "balance": balance,
                 "model_id": ident.expand(n_layers, 64).clone()}
+
+    def index_id(self, params, spec=None, env=None) -> str:
+        """With the model `spec`, the trained model's digest is part of the identity: registering a
+        context again after the model was retrained (`replace`) builds a new index instead of finding
+        the old one, and asking with the old one answers 409 method_not_built."""
+        if spec is None:
+            return super().index_id(params)
+        m = read_manifest(model_dir_for(params, spec.fingerprint, env))
+        ident = {**params.build_params(), "trained_model": m["digest"] if m else None}
+        return f"{self.name}-{params_hash(self.name, self.version, ident)}"
 
     def open(self, index, params, n_ctx, env=None):
         if index is None:

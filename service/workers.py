@@ -247,6 +247,12 @@ class DecodeWorker(_Loop):
         method = get_method(req["method"])
         params = method.Params.model_validate(req["params"])
         art = self._artifacts(cid, rec["slug"])
+        index_id = rec["methods"][method.name]["index_id"] if method.has_index else None  # checked by the API
+        if index_id is not None and index_id not in art.manifest["indexes"]:
+            # built after this worker opened the context (a registration with new build params, or
+            # SAAP's model retrained): the cached handle holds the older manifest
+            self._handles.pop(cid, None)
+            art = self._artifacts(cid, rec["slug"])
         n = art.n_tokens
         load = {"s": 0.0, "misses": 0, "hits": 0}
 
@@ -261,7 +267,6 @@ class DecodeWorker(_Loop):
         # host-resident methods (csattn offload) keep K/V and index in DRAM and ship rows themselves
         kv_device = "cpu" if method.host_resident(params) else self.device
         if method.has_index:
-            index_id = method.index_id(params)
             prefix = f"indexes/{index_id}/"
             index = IndexReader(lambda name, layer: load_layer(prefix + name, layer).to(kv_device), art.index_arrays(index_id))
         session = method.open(index, params, n, rt.method_env)

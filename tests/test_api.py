@@ -164,6 +164,30 @@ def test_passkey_over_rest(client, request, lm, method, build, params):
         assert max(out["stats"]["method_stats"]["selectivity_per_step"]) < 0.4, out["stats"]
 
 
+def test_new_build_params_rebuild_the_index_of_a_served_context(client):
+    """Asking with build params the context was not built with answers 409 method_not_built;
+    registering the same text again with them builds that index, and the decode worker, which
+    already served the context (its artifact handle cached), answers with it (a stale handle
+    answered 500 before). The record keeps the latest index per method."""
+    doc = passkey_document(52817, depth=0.3)
+    body = {"text": doc, "methods": ["psa"], "params": {"psa": {"block_size": 16}}}
+    cid = client.post("/v1/contexts", json=body).json()["id"]
+    first = wait_ready(client, cid)["methods"]["psa"]["index_id"]
+    assert ask(client, cid, "psa")["stats"]["method"] == "psa"  # the worker now holds this context open
+    r = client.post(f"/v1/contexts/{cid}/completions",
+                    json={"question": PASSKEY_QUESTION, "method": "psa", "params": {"block_size": 32}, "max_tokens": 4})
+    assert (r.status_code, r.json()["error"]["code"]) == (409, "method_not_built"), r.text
+    again = client.post("/v1/contexts", json={**body, "params": {"psa": {"block_size": 32}}})
+    assert again.status_code in (200, 202) and again.json()["id"] == cid
+    rec = wait_ready(client, cid)
+    assert rec["methods"]["psa"]["index_id"] != first and rec["methods"]["psa"]["params"]["block_size"] == 32
+    out = ask(client, cid, "psa", max_tokens=4)  # the registered (new) build params
+    assert out["stats"]["method"] == "psa" and out["stats"]["kv_fraction"] < 1.0
+    r = client.post(f"/v1/contexts/{cid}/completions",
+                    json={"question": PASSKEY_QUESTION, "method": "psa", "params": {"block_size": 16}, "max_tokens": 4})
+    assert r.status_code == 409  # one index per method: the latest registered
+
+
 def test_streaming_sse(client):
     cid = client.post("/v1/contexts", json={"text": passkey_document(90817, depth=0.8)}).json()["id"]
     wait_ready(client, cid)

@@ -312,6 +312,23 @@ def _rewrite_layer(src_dir, dst_dir, layer, edit, fmt=None):
     return SaapModel.open(dst_dir)
 
 
+def test_index_id_names_the_trained_model(trained, lm, tmp_path):
+    """Given the model spec (as the service calls it), saap's index id includes the trained model's
+    digest: a retrained model gives another id (a new registration builds again); decode-time
+    params do not change it; without a spec it is the params-only id."""
+    m = get_method("saap")
+    p = m.Params(model_dir=str(trained))
+    base = m.index_id(p)
+    with_model = m.index_id(p, lm.spec)
+    assert with_model != base and with_model.startswith("saap-")
+    assert m.index_id(p.with_overrides({"nprobe": 7, "recent": 5}), lm.spec) == with_model
+    other = tmp_path / "other"
+    _rewrite_layer(trained, other, TRAINED[0], lambda t: {**t, "b2": t["b2"] + 1})
+    assert m.index_id(m.Params(model_dir=str(other)), lm.spec) not in (with_model, m.index_id(m.Params(model_dir=str(other))))
+    # no trained model there: an id of its own (the registration is refused before it matters)
+    assert m.index_id(m.Params(model_dir=str(tmp_path / "none")), lm.spec) != m.index_id(m.Params(model_dir=str(tmp_path / "none")))
+
+
 def test_residual_classifier_starts_as_centroid_probing_and_format_1_loads(trained, heldout, tmp_path):
     """f_q's logits = MLP(q') + centroid_scale · q'·c: with the MLP's output layer at its initial 0
     the classifier's bucket scores equal centroid probing's (atol 1e-6); a format-1 model (no

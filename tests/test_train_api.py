@@ -130,13 +130,37 @@ def test_train_over_rest_then_register_and_ask(client, lm):
     assert manifest2["digest"] == second["digest"] != manifest["digest"]
     assert manifest2["corpus"]["path"] == str(corpus.resolve())
 
-    # the old index names the old model's digest: it is never read with the new classifier
-    r = client.post(f"/v1/contexts/{cid}/completions",
-                    json={"question": PASSKEY_QUESTION, "method": "saap", "params": {"nprobe": 2}, "max_tokens": 4})
-    assert (r.status_code, _code(r)) == (409, "method_unavailable"), r.text
-    assert "register it again" in r.json()["error"]["message"]
+    # the old index was built with the old model (its digest is part of the index id): never read
+    # with the new classifier; registering again builds an index with the new one
+    ask = {"question": PASSKEY_QUESTION, "method": "saap", "params": {"nprobe": 2}, "max_tokens": 4}
+    r = client.post(f"/v1/contexts/{cid}/completions", json=ask)
+    assert (r.status_code, _code(r)) == (409, "method_not_built"), r.text
+    assert "current trained model" in r.json()["error"]["message"]
     full = client.post(f"/v1/contexts/{cid}/completions", json={"question": PASSKEY_QUESTION, "max_tokens": 4})
     assert full.status_code == 200  # the context itself is intact
+    old_id = rec["methods"]["saap"]["index_id"]
+    again = client.post("/v1/contexts", json={"text": doc, "methods": ["saap"]})
+    assert again.status_code in (200, 202) and again.json()["id"] == cid
+    rec2 = wait_ready(client, cid)
+    assert rec2["status"] == "ready" and rec2["methods"]["saap"]["index_id"] != old_id, rec2
+    r = client.post(f"/v1/contexts/{cid}/completions", json=ask)
+    assert r.status_code == 200, r.text
+
+    # the safety net behind the id check (a model replaced between the index's build and a request):
+    # `open` compares the digest the index recorded with the trained model's, 409 method_unavailable
+    from decoder.fidelity import build_index
+    from decoder.prefill import prefill
+    from indexer.base import MethodUnavailable
+
+    saap, params = get_method("saap"), get_method("saap").Params()
+    cap = prefill(lm, lm.context_ids(doc))
+    index = build_index(saap, params, cap, rt.method_env)
+    saap.open(index, params, cap.n_tokens, rt.method_env)  # the model it was built with: opens
+    ident = index.layer("model_id", 0).clone()
+    ident[40] ^= 1  # another trained model's digest
+    stale = type(index)(lambda name, layer: ident if name == "model_id" else index.layer(name, layer), index.names)
+    with pytest.raises(MethodUnavailable, match="register it again"):
+        saap.open(stale, params, cap.n_tokens, rt.method_env)
 
 
 def test_train_worker_trains_on_its_own_copy_of_the_model(client, monkeypatch):

@@ -266,14 +266,15 @@ class Artifacts:
         return Published(key, len(ids), reused, t_prefill, {b.index_id: b.build_s for b in builds}, failed)
 
     def reader(self, key: PromptHash) -> "ContextReader":
-        return ContextReader(self.store.open(self.lm.spec.slug, key), key.hex, self.tier)
+        return ContextReader(self.store.open(self.lm.spec.slug, key), key.hex, self.tier, spec=self.lm.spec)
 
 
 class ContextReader:
     """Decode side of one stored context (the DecodeWorker's path: artifacts -> DRAM tier -> session)."""
 
-    def __init__(self, art, cid: str, tier: DramTier, device: str = "cpu"):
+    def __init__(self, art, cid: str, tier: DramTier, device: str = "cpu", spec=None):
         self.art = art
+        self.spec = spec  # index ids of methods bound to a trained model (SAAP) include its digest
         self.cid = cid
         self.tier = tier
         self.device = device
@@ -289,7 +290,7 @@ class ContextReader:
     def session(self, method: SparseMethod, params: MethodParams) -> MethodSession:
         index = None
         if method.has_index:
-            index_id = method.index_id(params)
+            index_id = method.index_id(params, self.spec)
             prefix = f"indexes/{index_id}/"
             index = IndexReader(lambda name, layer: self.load_layer(prefix + name, layer).to(self.device),
                                 self.art.index_arrays(index_id))
@@ -399,14 +400,14 @@ class Evaluation:
         wanted = {}
         for e in resolved.values():
             if e["method"].has_index and not e["reasons"]:
-                wanted[e["method"].index_id(e["params"])] = (e["method"], e["params"])
+                wanted[e["method"].index_id(e["params"], self.lm.spec)] = (e["method"], e["params"])
         return self.artifacts.ensure(ids, wanted)
 
     def _unavailable(self, e: dict, pub: Published) -> dict | None:
         if e["reasons"]:
             return {"status": "skipped", "reason": "; ".join(e["reasons"])}
         if e["method"].has_index:
-            index_id = e["method"].index_id(e["params"])
+            index_id = e["method"].index_id(e["params"], self.lm.spec)
             if index_id in pub.failed:
                 return {"status": "failed", "reason": f"index build: {pub.failed[index_id]}"}
         return None

@@ -107,7 +107,8 @@ def create_context(body: ContextCreate, rt: RuntimeDep, response: Response):
         reasons = method.validate_configuration(spec, params, rt.method_env)
         if reasons:
             raise ApiError(422, "unsupported_configuration", f"{name}: " + "; ".join(reasons))
-        wanted[name] = {"params": params.model_dump(), "index_id": method.index_id(params) if method.has_index else None}
+        index_id = method.index_id(params, spec, rt.method_env) if method.has_index else None
+        wanted[name] = {"params": params.model_dump(), "index_id": index_id}
     cid = PromptHash.compute(spec.fingerprint, spec.tokenizer_fingerprint, ids).hex
     record = {"model": spec.name, "slug": spec.slug, "n_tokens": len(ids), "prompt_format": body.format if body.text is not None else "raw",
               "display_name": body.display_name or ""}
@@ -181,10 +182,14 @@ def complete(cid: str, body: CompletionRequest, rt: RuntimeDep):
     method = _method(body.method)
     registered = (rec.get("methods") or {}).get(method.name, {})
     params = _validate_params(method, {**registered.get("params", {}), **body.params}, "params")
-    if method.has_index and method.index_id(params) != registered.get("index_id"):
+    index_id = method.index_id(params, rt.lm.spec, rt.method_env) if method.has_index else None
+    if method.has_index and index_id != registered.get("index_id"):
+        # an id that depends on more than the params (SAAP's trained model) may differ because that changed
+        external = index_id != method.index_id(params)
         raise ApiError(409, "method_not_built",
                        f"no {method.name!r} index with these build parameters "
-                       f"({', '.join(sorted(method.Params.build_fields)) or 'none'}) for this context; "
+                       f"({', '.join(sorted(method.Params.build_fields)) or 'none'})"
+                       f"{' and the current trained model' if external else ''} for this context; "
                        f"register the context again with methods=[{method.name!r}] to build it")
     if body.max_tokens > rt.settings.max_new_tokens:
         raise ApiError(422, "invalid_parameter", f"max_tokens must be <= {rt.settings.max_new_tokens}")
