@@ -276,7 +276,7 @@ def _metadata(path: Path) -> dict[str, str] | None:
 
 
 def capture_corpus(lm, windows: list[list[int]], n_layers: int, cache: Path, dtype: str,
-                   progress: bool = True) -> list[Path]:
+                   progress: bool = True, stop: Callable[[], None] = lambda: None) -> list[Path]:
     """Prefill every window (first `n_layers` layers) once; cache q [nl, H, N, D], k [nl, KVH, N, D]."""
     from tqdm import tqdm
 
@@ -284,6 +284,7 @@ def capture_corpus(lm, windows: list[list[int]], n_layers: int, cache: Path, dty
     paths = []
     fp = lm.spec.fingerprint
     for i, ids in enumerate(tqdm(windows, desc="saap: capture corpus", unit="window", disable=not progress)):
+        stop()
         path = cache / f"window_{i:04d}.safetensors"
         key = {"fingerprint": fp, "ids_sha": _ids_sha([ids]), "dtype": dtype}
         meta = _metadata(path) if path.exists() else None
@@ -680,6 +681,24 @@ def _hash(obj) -> str:
     return hashlib.sha256(json.dumps(obj, sort_keys=True).encode()).hexdigest()
 
 
+class TrainingCancelled(Exception):
+    """`train_saap`'s `should_stop` said stop (a cancelled training job)."""
+
+
+def _stopper(should_stop: Callable[[], bool] | None) -> Callable[[], None]:
+    def stop() -> None:
+        if should_stop is not None and should_stop():
+            raise TrainingCancelled("training cancelled")
+    return stop
+
+
+def _on_step(i: int, loss: float, bar, layer: int, stop: Callable[[], None]) -> None:
+    if bar is not None and i % 25 == 0:
+        bar.set_postfix(layer=layer, step=i, kl=f"{loss:.3f}")
+    if (i + 1) % _PLAN_STEPS == 0:  # losses arrive once per plan: ask once per plan
+        stop()
+
+
 def train_saap(
     lm,
     settings: TrainSettings,
@@ -690,12 +709,15 @@ def train_saap(
     keep_cache: bool = False,
     progress: bool = True,
     on_progress: Callable[[dict], None] | None = None,
+    should_stop: Callable[[], bool] | None = None,
 ) -> Path:
     """Train (or resume training) a SAAP model for `lm`; return the directory holding its manifest.
 
     `on_progress(event)` is called after the corpus capture and after each layer, with `phase`
     ("capture" / "layer"), `layers_done`, `layers_total` and, for a layer, `layer` and its stats (the
-    service's training jobs report these).
+    service's training jobs report these). `should_stop()` is asked before each corpus window, before
+    each layer and every `_PLAN_STEPS` Adam steps; True raises `TrainingCancelled` (finished layers
+    stay checkpointed: the same run started again resumes from them).
 
     Training computes on `settings.device` (resolved by `resolve_device`); the corpus capture runs
     wherever `lm.model` already is (this never moves a model: the CLI loads it on the training device)."""
@@ -743,7 +765,8 @@ def train_saap(
     capture_dev = next(lm.model.parameters()).device if lm.model is not None else None
     if capture_dev is not None and capture_dev != dev:
         log.info("saap: the model is on %s: the corpus capture runs there, training on %s", capture_dev, dev)
-    captures = capture_corpus(lm, windows, max(layers) + 1, cache, settings.capture_dtype, progress)
+    stop = _stopper(should_stop)
+    captures = capture_corpus(lm, windows, max(layers) + 1, cache, settings.capture_dtype, progress, stop)
     capture_s = time.perf_counter() - t0
     report({"phase": "capture", "windows": len(windows), "layers_done": 0, "layers_total": len(layers)})
 
@@ -751,6 +774,7 @@ def train_saap(
     layer_meta: dict[str, dict] = {}
     bar = tqdm(layers, desc="saap: train layers", unit="layer", disable=not progress)
     for layer in bar:
+        stop()
         path = out / f"layer_{layer:02d}.safetensors"
         meta = _metadata(path) if path.exists() else None
         if meta and meta.get("settings_hash") == s_hash:
@@ -766,8 +790,8 @@ def train_saap(
         for cp in captures:
             q, k = _load_layer(cp, layer)  # [H, N, D], [KVH, N, D] post-RoPE
             pos = torch.arange(k.shape[1])
-            # de-RoPE on the host: decoder.rope builds its cos/sin tables on the CPU (CUDA inputs
-            # would need them moved there); then every tensor of the layer goes to the device
+            # de-RoPE on the host (a GPU run starts from a CPU run's bytes); then every tensor of
+            # the layer goes to the device
             qs.append(q.to(dev))
             ks.append(k.to(dev))
             qds.append(undo_rope(q, pos, spec.rope_theta).to(dev))
@@ -789,7 +813,7 @@ def train_saap(
         parts: dict = {}
         weights, losses = _train_layer(
             qs, ks, kds, qds, cent, settings, min_dist, group, gen,
-            on_step=(lambda i, v: i % 25 == 0 and bar.set_postfix(layer=layer, step=i, kl=f"{v:.3f}")) if progress else None,
+            on_step=lambda i, v: _on_step(i, v, bar if progress else None, layer, stop),
             timings=parts,
         )
         cent = cent.cpu()

@@ -48,9 +48,26 @@ class MethodUnavailable(ValueError):
 class MethodEnv:
     """Where a method finds what lives outside a context: per-model resources trained offline
     (SAAP's classifier under `<data_dir>/saap/`). The service passes its own (`--data-dir`); library
-    callers that pass none get `MethodEnv.default()`, the service's default location."""
+    callers that pass none get `MethodEnv.default()`, the service's default location.
+
+    `confined`: parameters come from API clients, so a path among them (SAAP's `model_dir`) must
+    lie under `data_dir` (relative paths are taken from there). The service sets it; library and
+    CLI callers may point anywhere."""
 
     data_dir: Path
+    confined: bool = False
+
+    def resolve(self, path: str | Path) -> Path:
+        """A path given in method parameters: relative to `data_dir`; when `confined`, refused
+        (ValueError) unless it resolves to a place under `data_dir` (symlinks followed)."""
+        p = Path(path)
+        if not self.confined:
+            return p
+        root = self.data_dir.resolve()
+        full = (root / p).resolve()  # an absolute p replaces root
+        if full != root and root not in full.parents:
+            raise ValueError(f"{path!r} is outside the service's data directory; give a path under {self.data_dir}")
+        return full
 
     @classmethod
     def default(cls) -> "MethodEnv":

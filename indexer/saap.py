@@ -100,7 +100,8 @@ class SaapParams(MethodParams):
         "classifier", description="rank buckets by the query classifier f_q (SAAP) or by centroid similarity (k-means baseline)"
     )
     model_dir: str | None = Field(
-        None, max_length=4096, description="trained SAAP model directory; None = <data_dir>/saap/<model fingerprint[:16]>"
+        None, max_length=4096, description="trained SAAP model directory; None = <data_dir>/saap/<model fingerprint[:16]>; "
+                                           "over the REST API a path under the service's data dir (relative: from there)"
     )
 
     build_fields = frozenset({"model_dir"})
@@ -120,10 +121,12 @@ def default_model_dir(fingerprint: str, data_dir: Path | str | None = None) -> P
 
 
 def model_dir_for(params: SaapParams, fingerprint: str, env: MethodEnv | None = None) -> Path:
-    """`params.model_dir`, else the default location under the caller's data directory."""
+    """`params.model_dir`, else the default location under the caller's data directory. A service's
+    env is `confined`: a `model_dir` from a request must lie under its data dir (ValueError)."""
+    env = env or MethodEnv.default()
     if params.model_dir:
-        return Path(params.model_dir)
-    return default_model_dir(fingerprint, (env or MethodEnv.default()).data_dir)
+        return env.resolve(params.model_dir)
+    return default_model_dir(fingerprint, env.data_dir)
 
 
 def sha256_file(path: Path) -> str:
@@ -399,7 +402,10 @@ class Saap(SparseMethod):
         reasons = []
         if getattr(spec, "rope_type", "default") != "default":
             reasons.append(f"saap de-RoPEs keys and queries and supports only the default RoPE, not {spec.rope_type!r}")
-        where = model_dir_for(params, spec.fingerprint, env)
+        try:
+            where = model_dir_for(params, spec.fingerprint, env)
+        except ValueError as e:
+            return reasons + [f"model_dir: {e}"]
         m = read_manifest(where)
         if m is None:
             hint = (f"ctxcache train saap --model {spec.name} --out {where} (add --preset small for a few-minute CPU model)"
@@ -418,7 +424,10 @@ class Saap(SparseMethod):
         return reasons
 
     def load_model(self, params: SaapParams, fingerprint: str, env: MethodEnv | None = None) -> SaapModel:
-        where = model_dir_for(params, fingerprint, env)
+        try:
+            where = model_dir_for(params, fingerprint, env)
+        except ValueError as e:
+            raise MethodUnavailable(f"model_dir: {e}") from None
         if read_manifest(where) is None:
             raise MethodUnavailable(f"no trained SAAP model under {where}; train it with: {TRAIN_HINT.format(model='<model>')}")
         model = SaapModel.open(where)
@@ -454,7 +463,10 @@ class Saap(SparseMethod):
         the old one, and asking with the old one answers 409 method_not_built."""
         if spec is None:
             return super().index_id(params)
-        m = read_manifest(model_dir_for(params, spec.fingerprint, env))
+        try:
+            m = read_manifest(model_dir_for(params, spec.fingerprint, env))
+        except ValueError:  # a path the caller may not use: no model (registration refuses it anyway)
+            m = None
         ident = {**params.build_params(), "trained_model": m["digest"] if m else None}
         return f"{self.name}-{params_hash(self.name, self.version, ident)}"
 

@@ -72,7 +72,7 @@ class Runtime:
         """What sparse methods may read outside a context (SAAP's trained model): this service's data dir."""
         from indexer.base import MethodEnv
 
-        return MethodEnv(self.settings.data_dir)
+        return MethodEnv(self.settings.data_dir, confined=True)  # paths in request params stay under it
 
     @property
     def max_context_tokens(self) -> int:

@@ -178,9 +178,10 @@ class TrainJob(BaseModel):
     id: str = Field(description="sha256 of what the job trains: the same request is the same job")
     method: str
     model: str
-    status: Literal["queued", "running", "done", "failed"]
+    status: Literal["queued", "running", "done", "failed", "cancelled"]
     progress: float = Field(description="0..1")
-    phase: str = Field(description="queued, starting, capture, layer N, done, failed")
+    phase: str = Field(description="queued, starting, capture, layer N, done, failed, cancelled")
+    cancel_requested: bool = Field(False, description="DELETE asked a running job to stop; it ends `cancelled`")
     layers_done: int = 0
     layers_total: int = 0
     settings: dict[str, Any] = Field(default_factory=dict, description="resolved training settings")

@@ -330,11 +330,11 @@ class TrainWorker(_LeasedLoop):
         return self.rt.catalog.claim_train(timeout_s=1.0, lease_s=self.rt.settings.job_lease_seconds)
 
     def process(self, job: dict) -> None:
-        from indexer._saap_train import TrainSettings, train_saap
+        from indexer._saap_train import TrainingCancelled, TrainSettings, train_saap
 
         cat, jid = self.rt.catalog, job["id"]
         rec = cat.get_train(jid)
-        if rec is None or rec["status"] in ("done", "failed"):
+        if rec is None or rec["status"] in ("done", "failed", "cancelled"):
             return
         fp = rec["fingerprint"]
         cat.update_train(jid, status="running", phase="starting", attempts=int(rec.get("attempts") or 0) + 1)
@@ -363,8 +363,13 @@ class TrainWorker(_LeasedLoop):
             settings = TrainSettings.model_validate({**rec["settings"], "device": self.rt.settings.device})
             corpus = self.rt.settings.data_dir / "corpora" / rec["corpus"] if rec.get("corpus") else None
             out = train_saap(lm, settings, data_dir=self.rt.settings.data_dir, corpus_dir=corpus, progress=False,
-                             on_progress=on_progress)
+                             on_progress=on_progress,
+                             should_stop=lambda: bool((cat.get_train(jid) or {}).get("cancel_requested")))
             manifest = json.loads((out / "manifest.json").read_text())
+        except TrainingCancelled:
+            log.info("training job %s cancelled", jid)
+            cat.end_train(jid, fp, status="cancelled", phase="cancelled")
+            return
         except Exception as e:  # noqa: BLE001 - a failed job becomes the job's status, never a lost job
             log.exception("training job %s failed", jid)
             cat.end_train(jid, fp, status="failed", phase="failed", error_code="train_failed",

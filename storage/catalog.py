@@ -66,7 +66,7 @@ def _decode(h: dict) -> dict:
             out[key] = float(out[key])
         elif key in out:
             out[key] = None
-    for key in ("n_tokens", "bytes", "attempts", "layers_done", "layers_total"):
+    for key in ("n_tokens", "bytes", "attempts", "layers_done", "layers_total", "cancel_requested"):
         if out.get(key) not in (None, ""):
             out[key] = int(out[key])
     return out
@@ -334,7 +334,7 @@ class Catalog:
     # -- training jobs --------------------------------------------------------------------------
     def submit_train(self, jid: str, record: dict) -> tuple[dict, bool]:
         """Queue training job `jid` (its id is a digest of what it trains: equal requests are one job)
-        unless it exists and is queued, running or done; a failed one is queued again. At most one
+        unless it exists and is queued, running or done; a failed or cancelled one is queued again. At most one
         job per model fingerprint is active: `TrainConflict` names the other one.
 
         Returns (record, created)."""
@@ -347,7 +347,7 @@ class Catalog:
                     pipe.watch(key, running_key)
                     existing = pipe.hgetall(key)
                     cur = _decode(existing) if existing else None
-                    if cur and cur["status"] != "failed":
+                    if cur and cur["status"] not in ("failed", "cancelled"):
                         pipe.reset()
                         return cur, False
                     other = pipe.get(running_key)
@@ -358,7 +358,7 @@ class Catalog:
                     rec = {**record, "id": jid, "status": "queued", "progress": 0.0, "phase": "queued",
                            "layers_done": 0, "layers_total": record.get("layers_total", 0),
                            "settings": json.dumps(record["settings"]), "created_at": now, "updated_at": now,
-                           "model_dir": "", "digest": "", "error_code": "", "error_message": "",
+                           "model_dir": "", "digest": "", "error_code": "", "error_message": "", "cancel_requested": 0,
                            "attempts": int(cur.get("attempts", 0)) if cur else 0}
                     pipe.multi()
                     pipe.delete(key)
@@ -371,6 +371,41 @@ class Catalog:
                 except redis.WatchError:
                     continue
 
+    def cancel_train(self, jid: str) -> dict | None:
+        """Cancel job `jid`: a queued one leaves the queue and is `cancelled` now (its model's training
+        slot freed); a running one gets `cancel_requested`, which its worker checks between corpus
+        windows, layers and every few hundred steps, then ends the job `cancelled`. A job that ended
+        (done, failed, cancelled) is returned unchanged. None when there is no such job."""
+        key = self.k_train(jid)
+        with self.r.pipeline() as pipe:
+            while True:
+                try:
+                    pipe.watch(key)
+                    raw = pipe.hgetall(key)
+                    if not raw:
+                        pipe.reset()
+                        return None
+                    cur = _decode(raw)
+                    if cur["status"] not in ("queued", "running"):
+                        pipe.reset()
+                        return cur
+                    queued = [x for x in pipe.lrange(self.k_train_queue, 0, -1) if json.loads(x)["id"] == jid]
+                    now = time.time()
+                    pipe.multi()
+                    # also flagged when queued: a worker that claimed it a moment ago stops at its first check
+                    pipe.hset(key, mapping={"cancel_requested": 1, "updated_at": now})
+                    if cur["status"] == "queued":
+                        for x in queued:
+                            pipe.lrem(self.k_train_queue, 0, x)
+                        pipe.hset(key, mapping={"status": "cancelled", "phase": "cancelled"})
+                    pipe.execute()
+                    break
+                except redis.WatchError:
+                    continue
+        if cur["status"] == "queued":
+            self.end_train(jid, cur["fingerprint"])  # frees the slot (the status is already set)
+        return self.get_train(jid)
+
     def get_train(self, jid: str) -> dict | None:
         h = self.r.hgetall(self.k_train(jid))
         return _decode(h) if h else None
@@ -381,7 +416,7 @@ class Catalog:
         self.r.hset(self.k_train(jid), mapping=enc)
 
     def end_train(self, jid: str, fingerprint: str, **fields) -> None:
-        """Final status of a job (done / failed); frees the model's training slot."""
+        """Final status of a job (done / failed / cancelled); frees the model's training slot."""
         self.update_train(jid, **fields)
         running_key = self.k_train_running(fingerprint)
         with self.r.pipeline() as pipe:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import json
 import time
+from pathlib import Path
 
 import pytest
 from fastapi.testclient import TestClient
@@ -26,7 +27,7 @@ def wait_job(c: TestClient, jid: str, timeout: float = 300.0) -> dict:
     end = time.time() + timeout
     while time.time() < end:
         job = c.get(f"/v1/methods/saap/train/{jid}").json()
-        if job["status"] in ("done", "failed"):
+        if job["status"] in ("done", "failed", "cancelled"):
             return job
         time.sleep(0.2)
     raise AssertionError(f"training job {jid} not finished after {timeout}s: {job}")
@@ -70,6 +71,30 @@ def test_bad_training_requests_are_4xx_and_queue_nothing(client):
     assert (r.status_code, _code(r)) == (404, "not_found")
     assert client.get("/v1/methods/saap/train").json() == []
     assert client.app.state.runtime.catalog.queue_depth()["train"] == 0
+
+
+def test_model_dir_from_a_request_stays_under_the_data_dir(client, tmp_path):
+    """`model_dir` is a build parameter API clients send: the service refuses a path outside its
+    data dir (422, nothing registered), also through `..` or a symlink, and reads a relative one
+    from the data dir. Library callers (no confined env) may point anywhere."""
+    from indexer.base import MethodEnv
+
+    data = client.app.state.runtime.settings.data_dir
+    (data / "escape").symlink_to(tmp_path)
+    doc = passkey_document(11111)
+    for bad in ("/etc", "../outside", "escape/saap", str(tmp_path)):
+        r = client.post("/v1/contexts", json={"text": doc, "methods": ["saap"], "params": {"saap": {"model_dir": bad}}})
+        assert (r.status_code, _code(r)) == (422, "unsupported_configuration"), (bad, r.text)
+        assert "outside the service's data directory" in r.json()["error"]["message"], bad
+    r = client.post("/v1/contexts", json={"text": doc, "methods": ["saap"], "params": {"saap": {"model_dir": "saap/x"}}})
+    assert (r.status_code, _code(r)) == (422, "unsupported_configuration")  # inside, but nothing trained there
+    assert str(data.resolve() / "saap" / "x") in r.json()["error"]["message"]
+    assert client.get("/v1/contexts").json()["total"] == 0
+
+    env = MethodEnv(data, confined=True)
+    assert env.resolve("saap/m") == data.resolve() / "saap" / "m"
+    assert env.resolve(str(data / "saap" / "m")) == data.resolve() / "saap" / "m"
+    assert MethodEnv(data).resolve("/etc") == Path("/etc")  # not confined: the caller's choice
 
 
 def test_train_over_rest_then_register_and_ask(client, lm):
@@ -191,3 +216,50 @@ def test_train_worker_trains_on_its_own_copy_of_the_model(client, monkeypatch):
     assert wait_job(client, r.json()["id"])["status"] == "done"
     assert seen and all(m is not served for m in seen)
     assert depth and set(depth) == {n_layers}  # never truncated, also not during the capture
+
+
+def test_cancel_a_queued_job_frees_the_slot_and_it_can_be_posted_again(tmp_path, redis_prefix, lm):
+    from test_api import _settings
+
+    from service.app import create_app
+
+    with TestClient(create_app(_settings(tmp_path, redis_prefix, run_workers=False), lm=lm)) as c:  # nobody trains
+        job = c.post("/v1/methods/saap/train", json=TINY).json()
+        assert job["status"] == "queued"
+        r = c.delete(f"/v1/methods/saap/train/{job['id']}")
+        assert r.status_code == 200 and r.json()["status"] == "cancelled" and r.json()["phase"] == "cancelled"
+        assert c.app.state.runtime.catalog.queue_depth()["train"] == 0
+        assert c.delete(f"/v1/methods/saap/train/{job['id']}").json()["status"] == "cancelled"  # idempotent
+        other = c.post("/v1/methods/saap/train", json={**TINY, "seed": 7})  # the model's slot is free again
+        assert other.status_code == 202, other.text
+        assert c.delete(f"/v1/methods/saap/train/{other.json()['id']}").status_code == 200
+        again = c.post("/v1/methods/saap/train", json=TINY)  # the same request queues the same job again
+        assert again.status_code == 202 and again.json()["id"] == job["id"] and again.json()["created"] is True
+        assert again.json()["status"] == "queued" and again.json()["cancel_requested"] is False
+        assert c.app.state.runtime.catalog.queue_depth()["train"] == 1
+        r = c.delete("/v1/methods/saap/train/" + "0" * 64)
+        assert (r.status_code, _code(r)) == (404, "not_found")
+
+
+def test_cancel_a_running_job(client, lm):
+    """A running job stops at its next check (every 256 steps here) and ends `cancelled`, without a
+    manifest (no model); the slot is free for the next job; a finished job cannot be cancelled."""
+    model_dir = default_model_dir(lm.spec.fingerprint, client.app.state.runtime.settings.data_dir)
+    long = {**TINY, "steps": 5000}  # ~10 ms a step here: about a minute per layer
+    jid = client.post("/v1/methods/saap/train", json=long).json()["id"]
+    end = time.time() + 120
+    while not client.get(f"/v1/methods/saap/train/{jid}").json()["phase"].startswith("layer"):
+        assert time.time() < end, "the job never reached its first layer"
+        time.sleep(0.1)
+    r = client.delete(f"/v1/methods/saap/train/{jid}")
+    assert r.status_code == 202 and r.json()["status"] == "running" and r.json()["cancel_requested"] is True
+    t0 = time.time()
+    job = wait_job(client, jid, timeout=60)
+    assert job["status"] == "cancelled" and job["phase"] == "cancelled", job
+    assert time.time() - t0 < 30  # stopped at a check, not at the end of the run (~2 min)
+    assert not (model_dir / "manifest.json").exists()
+    done = client.post("/v1/methods/saap/train", json={**TINY, "layers": [1], "steps": 5})
+    assert done.status_code == 202, done.text  # the slot is free
+    assert wait_job(client, done.json()["id"])["status"] == "done"
+    r = client.delete(f"/v1/methods/saap/train/{done.json()['id']}")
+    assert (r.status_code, _code(r)) == (409, "job_finished")

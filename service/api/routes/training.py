@@ -10,9 +10,10 @@ trained model lands where `saap` registrations look for it (`<data_dir>/saap/<fi
   its own copy of the weights; a request names no device. The device is not part of the job id nor of
   the trained model's settings hash: a GPU run equals a CPU run up to float noise.
 * One job per model at a time (409 `training_in_progress`): two jobs would write one directory.
+* DELETE cancels: a queued job at once, a running one at its worker's next check (see `cancel_job`).
 * A trained model that exists already is not replaced unless `replace` is true (409 `model_exists`):
-  contexts whose saap index was built with it stop opening once it changes (they name the digest
-  they were built with) and have to be registered again.
+  contexts whose saap index was built with it answer 409 `method_not_built` once it changes (the
+  digest is part of the index id) until they are registered again, which builds a new index.
 """
 
 from __future__ import annotations
@@ -50,7 +51,8 @@ def _public(rec: dict, cls=TrainJob, **extra) -> TrainJob:
         layers_done=rec.get("layers_done") or 0, layers_total=rec.get("layers_total") or 0,
         settings=rec.get("settings") or {}, corpus=rec.get("corpus") or None, model_dir=rec.get("model_dir") or None,
         digest=rec.get("digest") or None, train_s=rec.get("train_s"), attempts=rec.get("attempts") or 0,
-        created_at=rec.get("created_at") or 0.0, updated_at=rec.get("updated_at"), error=err, **extra,
+        created_at=rec.get("created_at") or 0.0, updated_at=rec.get("updated_at"), error=err,
+        cancel_requested=bool(rec.get("cancel_requested")), **extra,
     )
 
 
@@ -127,10 +129,32 @@ def list_jobs(name: str, rt: RuntimeDep):
     return [_public(r) for r in rt.catalog.list_train() if r.get("method") == name]
 
 
-@router.get("/{name}/train/{job_id}", response_model=TrainJob, summary="a training job's status and progress")
-def get_job(name: str, job_id: str, rt: RuntimeDep):
-    _trainable(name)
+def _job(rt, name: str, job_id: str) -> dict:
     rec = rt.catalog.get_train(job_id) if len(job_id) == 64 and all(c in "0123456789abcdef" for c in job_id) else None
     if rec is None or rec.get("method") != name:
         raise ApiError(404, "not_found", f"no {name} training job {job_id!r}")
+    return rec
+
+
+@router.get("/{name}/train/{job_id}", response_model=TrainJob, summary="a training job's status and progress")
+def get_job(name: str, job_id: str, rt: RuntimeDep):
+    _trainable(name)
+    return _public(_job(rt, name, job_id))
+
+
+@router.delete("/{name}/train/{job_id}", response_model=TrainJob, summary="cancel a queued or running training job")
+def cancel_job(name: str, job_id: str, rt: RuntimeDep, response: Response):
+    """A queued job is `cancelled` at once (200). A running one is asked to stop (202,
+    `cancel_requested`): its worker stops at the next check (between corpus windows and layers, and
+    every 256 Adam steps) and the job ends `cancelled`; layers it finished stay checkpointed, so posting
+    the same request again resumes from them. Cancelling a cancelled job is a no-op (200); a done or
+    failed job answers 409 `job_finished`."""
+    _trainable(name)
+    _job(rt, name, job_id)
+    rec = rt.catalog.cancel_train(job_id)
+    if rec["status"] in ("done", "failed"):
+        raise ApiError(409, "job_finished", f"training job {job_id} is {rec['status']}: nothing to cancel",
+                       {"status": rec["status"]})
+    if rec["status"] == "running":
+        response.status_code = 202
     return _public(rec)
