@@ -4,9 +4,9 @@ Measured in one run (1 torch thread by default: on 2 shared cores it is the fast
 
 * training, `small` preset (C = 32, hidden 128, 300 steps x 256 queries, four 2,048-token windows
   of the built-in corpus, every layer 1-29): wall time of capture, k-means and f_q per layer;
-  with `--paper-baseline` (default on) also the paper's f_q and Eq. 1 as the `small` preset had
-  them before (per-query targets, plain MLP, four 1,024-token windows, min_distance 128), so the
-  bucket-level table compares both in one run;
+  with `--paper-baseline` (default on) also the paper's form (per-query Eq. 1 targets, plain MLP,
+  the paper's long-range query filter, four 1,024-token windows, min_distance 128, as the first
+  `small` preset had them), so the bucket-level table compares both in one run;
 * the `full` preset's training time, ESTIMATED (not run): one 8,192-token window is captured
   through 2 layers (x15 -> 30 layers, x40 windows), `--full-steps-timed` Adam steps of the full
   classifier (C = 1024, hidden 1024, batch 1000) are timed on it (x 40,000 steps x 29 layers), and
