@@ -130,3 +130,51 @@ def expand_clusters(probe: torch.Tensor, order: torch.Tensor, offsets: torch.Ten
     n = order.shape[1]
     ids = gather_rows(order, src.clamp(0, n - 1).reshape(kvh, t * u)).view(kvh, t, u).long()
     return torch.where(valid, ids, -1)
+
+
+class RequestBuckets:
+    """The bucket (cluster) of every key a request appends, per layer, for methods whose context keys
+    sit in buckets (kivf, saap). Private to one session: the persisted partition is never written.
+
+    Request keys arrive in position order (offsets 0, 1, ... after the context). A step's keys are
+    bucketed by `select`, which runs before their `append`; `todo` tells each caller which offsets
+    are still unbucketed, so no key is bucketed twice. Capacity doubles, so a request of M tokens
+    copies O(M) ids in all instead of O(M^2), and the bookkeeping is host integers: no step reads a
+    device value back."""
+
+    def __init__(self) -> None:
+        self._ids: dict[int, torch.Tensor] = {}  # layer -> [KVH, capacity] int64
+        self._n: dict[int, int] = {}  # layer -> leading request keys bucketed
+        self._appended: dict[int, int] = {}  # layer -> request keys seen by `append`
+
+    def count(self, layer: int) -> int:
+        return self._n.get(layer, 0)
+
+    def todo(self, layer: int, m: int) -> range:
+        """Offsets of the first `m` request keys that are not bucketed yet."""
+        return range(self.count(layer), m)
+
+    def appended(self, layer: int, t: int) -> range:
+        """`append` of the next `t` keys: the offsets among them still to bucket."""
+        total = self._appended[layer] = self._appended.get(layer, 0) + t
+        return self.todo(layer, total)
+
+    def add(self, layer: int, start: int, ids: torch.Tensor) -> None:
+        """ids [KVH, T]: the buckets of request keys at offsets start .. start + T - 1."""
+        end = start + ids.shape[1]
+        cur = self._ids.get(layer)
+        if cur is None or cur.shape[1] < end:
+            cap = max(end, 16, 2 * (0 if cur is None else cur.shape[1]))
+            grown = torch.zeros(ids.shape[0], cap, dtype=torch.int64, device=ids.device)
+            if cur is not None:
+                grown[:, : cur.shape[1]] = cur
+            cur = self._ids[layer] = grown
+        cur[:, start:end] = ids
+        self._n[layer] = max(self.count(layer), end)
+
+    def view(self, layer: int, m: int | None = None) -> torch.Tensor:
+        """[KVH, m] buckets of the first m request keys (default: all bucketed)."""
+        return self._ids[layer][:, : self.count(layer) if m is None else m]
+
+    def as_dict(self) -> dict[int, torch.Tensor]:
+        return {layer: self.view(layer) for layer in self._ids}

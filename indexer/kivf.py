@@ -45,7 +45,7 @@ import numpy as np
 import torch
 from pydantic import Field
 
-from indexer._select import candidate_mass, expand_clusters, nearest_centroid, top_positions
+from indexer._select import RequestBuckets, candidate_mass, expand_clusters, nearest_centroid, top_positions
 from indexer.base import MethodParams, MethodSession, PrefillCapture, SparseMethod, register
 
 
@@ -127,22 +127,18 @@ class _KIVFSession(MethodSession):
         self.index = index
         self.params = params
         self.n_ctx = n_ctx
-        self.local_assign: dict[int, torch.Tensor] = {}  # layer -> [KVH, M] cluster of each request key (private)
+        self.buckets = RequestBuckets()  # the cluster of each request key (private)
 
-    def _assign(self, layer: int, k: torch.Tensor, offsets: torch.Tensor, cent: torch.Tensor) -> None:
-        """Record the clusters of request keys k [KVH, T, D] at request offsets [T] (idempotent)."""
-        cur = self.local_assign.get(layer)
-        need = int(offsets.max()) + 1
-        if cur is None or cur.shape[1] < need:
-            grown = torch.zeros(k.shape[0], need, dtype=torch.int64, device=k.device)
-            if cur is not None:
-                grown[:, : cur.shape[1]] = cur
-            cur = self.local_assign[layer] = grown
-        cur[:, offsets] = nearest_centroid(k, cent.to(k.device))
+    @property
+    def local_assign(self) -> dict[int, torch.Tensor]:
+        """layer -> [KVH, M] cluster of each request key so far."""
+        return self.buckets.as_dict()
 
     def append(self, layer, k, v, positions):
-        cent = self.index.layer("centroids", layer)
-        self._assign(layer, k, positions.to(k.device) - self.n_ctx, cent)
+        todo = self.buckets.appended(layer, k.shape[1])  # select bucketed this step's keys already
+        if todo:
+            cent = self.index.layer("centroids", layer).to(k.device)
+            self.buckets.add(layer, todo.start, nearest_centroid(k[:, k.shape[1] - len(todo):], cent))
 
     def select(self, layer, q, kv):
         kvh, g, t, d = q.shape
@@ -160,11 +156,10 @@ class _KIVFSession(MethodSession):
         cand = expand_clusters(probe, order, offsets)  # [KVH, T, U]
         m = kv.n_local
         if m > 0:
-            have = self.local_assign.get(layer)
-            done = 0 if have is None else have.shape[1]
-            if done < m:  # this step's keys (append comes after select)
-                self._assign(layer, kv.loc_k[:, done:m], torch.arange(done, m, device=q.device), cent)
-            assign = self.local_assign[layer][:, :m]  # [KVH, M]
+            todo = self.buckets.todo(layer, m)
+            if todo:  # this step's keys (append comes after select)
+                self.buckets.add(layer, todo.start, nearest_centroid(kv.loc_k[:, todo.start:m], cent))
+            assign = self.buckets.view(layer, m)  # [KVH, M]
             probed = torch.zeros(kvh, t, c, dtype=torch.bool, device=q.device).scatter_(-1, probe, True)
             hit = probed.gather(-1, assign[:, None, :].expand(kvh, t, m))  # [KVH, T, M]
             loc = torch.arange(kv.n_ctx, kv.n_ctx + m, device=q.device).expand(kvh, t, m)

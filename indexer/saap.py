@@ -77,7 +77,7 @@ import torch
 from pydantic import Field
 
 from decoder.rope import undo_rope
-from indexer._select import expand_clusters, nearest_centroid
+from indexer._select import RequestBuckets, expand_clusters, nearest_centroid
 from indexer.base import MethodEnv, MethodParams, MethodSession, MethodUnavailable, PrefillCapture, SparseMethod, register
 from storage.keys import params_hash
 
@@ -252,8 +252,9 @@ def bucket_scores(qd: torch.Tensor, w: dict[str, torch.Tensor], probe: str) -> t
 def csr_partition(assign: torch.Tensor, c: int) -> tuple[torch.Tensor, torch.Tensor]:
     """assign [KVH, N] bucket ids -> (order [KVH, N], offsets [KVH, C + 1]), int64."""
     order = torch.argsort(assign, dim=-1, stable=True)
-    counts = torch.zeros(assign.shape[0], c, dtype=torch.int64).scatter_add_(1, assign, torch.ones_like(assign))
-    offsets = torch.zeros(assign.shape[0], c + 1, dtype=torch.int64)
+    counts = torch.zeros(assign.shape[0], c, dtype=torch.int64, device=assign.device)
+    counts.scatter_add_(1, assign, torch.ones_like(assign))
+    offsets = torch.zeros(assign.shape[0], c + 1, dtype=torch.int64, device=assign.device)
     offsets[:, 1:] = counts.cumsum(-1)
     return order, offsets
 
@@ -273,7 +274,7 @@ class _SaapSession(MethodSession):
         self.n_ctx = n_ctx
         self.model = model
         self.recent = params.recent_for(n_ctx)
-        self.local_assign: dict[int, torch.Tensor] = {}  # layer -> [KVH, M] bucket of each request key (private)
+        self.buckets = RequestBuckets()  # the bucket of each request key (private)
         self._sel: dict[int, list[float]] = {}  # step position -> visited fraction per SAAP layer
         self.selectivity_detail: list[dict] = []
 
@@ -288,23 +289,23 @@ class _SaapSession(MethodSession):
                 "selectivity_per_step": [round(x, 5) for x in sel],
                 "largest_probed_bucket": max((d["largest_bucket"] for d in self.selectivity_detail), default=0)}
 
-    def _assign_local(self, layer: int, k: torch.Tensor, pos: torch.Tensor) -> None:
-        """Bucket of request keys k [KVH, T, D] (post-RoPE) at absolute positions pos [T] (idempotent)."""
+    @property
+    def local_assign(self) -> dict[int, torch.Tensor]:
+        """layer -> [KVH, M] bucket of each request key so far."""
+        return self.buckets.as_dict()
+
+    def _bucket(self, layer: int, k: torch.Tensor, start: int) -> None:
+        """Bucket request keys k [KVH, T, D] (post-RoPE) at request offsets start .. start + T - 1."""
         w = self.model.layer(layer, k.device)
-        off = pos - self.n_ctx
-        cur = self.local_assign.get(layer)
-        need = int(off.max()) + 1
-        if cur is None or cur.shape[1] < need:
-            grown = torch.zeros(k.shape[0], need, dtype=torch.int64, device=k.device)
-            if cur is not None:
-                grown[:, : cur.shape[1]] = cur
-            cur = self.local_assign[layer] = grown
+        pos = torch.arange(self.n_ctx + start, self.n_ctx + start + k.shape[1], device=k.device)
         kd = undo_rope(k.float(), pos, self.model.rope_theta)
-        cur[:, off] = nearest_centroid(kd, w["centroids"], w["c_sq"])
+        self.buckets.add(layer, start, nearest_centroid(kd, w["centroids"], w["c_sq"]))
 
     def append(self, layer, k, v, positions):
         if layer in self.model.layers:
-            self._assign_local(layer, k, positions.to(k.device))
+            todo = self.buckets.appended(layer, k.shape[1])  # select bucketed this step's keys already
+            if todo:
+                self._bucket(layer, k[:, k.shape[1] - len(todo):], todo.start)
 
     def select(self, layer, q, kv):
         if layer not in self.model.layers:
@@ -329,11 +330,10 @@ class _SaapSession(MethodSession):
         m = kv.n_local
         n_bucket_loc = torch.zeros_like(n_bucket_ctx)
         if m > 0:
-            have = self.local_assign.get(layer)
-            done = 0 if have is None else have.shape[1]
-            if done < m:  # this step's keys (append comes after select)
-                self._assign_local(layer, kv.loc_k[:, done:m], torch.arange(self.n_ctx + done, self.n_ctx + m, device=dev))
-            la = self.local_assign[layer][:, :m]  # [KVH, M]
+            todo = self.buckets.todo(layer, m)
+            if todo:  # this step's keys (append comes after select)
+                self._bucket(layer, kv.loc_k[:, todo.start:m], todo.start)
+            la = self.buckets.view(layer, m)  # [KVH, M]
             loc = torch.arange(self.n_ctx, self.n_ctx + m, device=dev)
             hit = probed.gather(-1, la[:, None, :].expand(kvh, t, m)) & (loc[None, None, :] <= kv.q_pos[None, :, None])
             parts.append(torch.where(hit, loc, -1))
@@ -365,8 +365,8 @@ class _SaapSession(MethodSession):
         n_ctx = assign_ctx.shape[1]
         pos = dense.clamp(min=0)
         b_ctx = assign_ctx.gather(1, pos.clamp(max=n_ctx - 1).reshape(1, -1).expand(kvh, -1)).view(kvh, t, -1).long()
-        la = self.local_assign.get(layer)
-        if la is not None and la.shape[1] > 0:
+        la = self.buckets.view(layer) if self.buckets.count(layer) else None
+        if la is not None:
             b_loc = la.gather(1, (pos - n_ctx).clamp(0, la.shape[1] - 1).reshape(1, -1).expand(kvh, -1)).view(kvh, t, -1)
             bucket = torch.where(pos[None] < n_ctx, b_ctx, b_loc)
         else:
@@ -445,9 +445,9 @@ class Saap(SparseMethod):
         order = torch.arange(n, dtype=torch.int32).expand(n_layers, kvh, n).clone()
         offsets = torch.zeros(n_layers, kvh, c + 1, dtype=torch.int32)
         balance = torch.zeros(n_layers, kvh, dtype=torch.float32)
-        for layer in sorted(model.layers):
-            w = model.layer(layer)
-            kd = undo_rope(k[layer].float(), prefill.positions, model.rope_theta)  # [KVH, N, D]
+        for layer in sorted(model.layers):  # on the capture's device (the service's captures are on the host)
+            w = model.layer(layer, k.device)
+            kd = undo_rope(k[layer].float(), prefill.positions.to(k.device), model.rope_theta)  # [KVH, N, D]
             a = nearest_centroid(kd, w["centroids"], w["c_sq"])  # [KVH, N]
             o, off = csr_partition(a, c)
             assign[layer], order[layer], offsets[layer] = a.to(torch.int32), o.to(torch.int32), off.to(torch.int32)

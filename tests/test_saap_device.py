@@ -219,8 +219,9 @@ def test_gpu_training_matches_cpu(tmp_path):
 
 @pytest.mark.gpu
 def test_gpu_decode_selects_like_cpu(tmp_path):
-    """saap's decode path with its index and K/V on cuda (de-RoPE of the queries and of the
-    request's keys, f_q, bucket expansion, the dense part) selects what it selects on the CPU, and
+    """saap's build on a GPU capture gives the CPU build's buckets; its decode path with index and
+    K/V on cuda (de-RoPE of the queries and of the request's keys, f_q, bucket expansion, the dense
+    part) selects what it selects on the CPU, and
     the attention over the selection agrees: 40 decode steps after a 560-token context, every
     trained layer. f_q's scores differ by float rounding, so a near-tie between two buckets may
     flip: at least 95% of (step, layer, KV head) selections equal, the mean Jaccard >= 0.99."""
@@ -235,7 +236,14 @@ def test_gpu_decode_selects_like_cpu(tmp_path):
     n_ctx, steps, kvh, d = 560, 40, 2, 16
     m = get_method("saap")
     params = m.Params(nprobe=3, model_dir=str(model_dir))
-    arrays = m.build(truncate_capture(cap, n_ctx), params)
+    ctx = truncate_capture(cap, n_ctx)
+    arrays = m.build(ctx, params)
+    # the build on a capture that lives on the GPU: the same buckets (float ties aside), host arrays
+    on_gpu = m.build(type(ctx)(q=ctx.q.cuda(), k=ctx.k.cuda(), v=ctx.v.cuda(), positions=ctx.positions.cuda(),
+                               spec=ctx.spec), params)
+    assert all(t.device.type == "cpu" for t in on_gpu.values())
+    assert float((on_gpu["assign"] == arrays["assign"]).float().mean()) >= 0.999
+    torch.testing.assert_close(on_gpu["balance"], arrays["balance"], atol=0.05, rtol=0)
     picked, outs = {}, {}
     for dev in ("cpu", "cuda"):
         index = IndexReader(lambda name, layer, dev=dev: arrays[name][layer].to(dev), sorted(arrays))
