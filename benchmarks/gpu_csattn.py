@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
 import time
 from datetime import datetime, timezone
@@ -35,6 +34,7 @@ import torch.nn.functional as F
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from benchmarks._gpu_timing import RotatingInput, Timing  # noqa: E402
 from decoder.attention import merge_selection, sparse_attention  # noqa: E402
 from indexer.base import IndexReader, KVView, get_method  # noqa: E402
 from indexer.csattn import CSAttnParams, build_layer  # noqa: E402
@@ -44,62 +44,8 @@ G = H // KVH
 M_LOCAL = 64
 BF = torch.bfloat16
 DEV = "cuda"  # --device cpu: a smoke run of this script's logic on a machine without a GPU
+T = Timing(DEV)  # its device follows --device (set in main)
 PROFILE = False  # --profile: print the kernels a decode step spends its time in
-
-
-def sync() -> None:
-    if DEV == "cuda":
-        torch.cuda.synchronize()
-
-
-def cuda_median_ms(fn, reps: int = 50, warmup: int = 5) -> float:
-    if DEV != "cuda":
-        return host_median_ms(fn, reps=reps, warmup=warmup)
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
-    return statistics.median(times)
-
-
-def graph_median_ms(fn, reps: int = 50) -> tuple[float | None, str]:
-    """Capture fn into a CUDA graph and time its replays; (None, reason) when capture fails."""
-    if DEV != "cuda":
-        return None, "no CUDA device"
-    try:
-        s = torch.cuda.Stream()
-        s.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(s):
-            for _ in range(3):
-                fn()
-        torch.cuda.current_stream().wait_stream(s)
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            fn()
-        torch.cuda.synchronize()
-        return cuda_median_ms(g.replay, reps=reps), "ok"
-    except Exception as e:  # report, do not hide: the table says which path could not be captured
-        torch.cuda.synchronize()
-        return None, f"{type(e).__name__}: {str(e)[:160]}"
-
-
-def host_median_ms(fn, reps: int = 10, warmup: int = 2) -> float:
-    for _ in range(warmup):
-        fn()
-    sync()
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        sync()
-        times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
 
 
 def run(n: int, alpha: float) -> dict:
@@ -110,10 +56,10 @@ def run(n: int, alpha: float) -> dict:
     k = torch.randn(KVH, n, D, device=dev, dtype=BF)
     v = torch.randn(KVH, n, D, device=dev, dtype=BF)
     build_layer(q_pre[:, :4096], k[:, :4096], p, torch.Generator().manual_seed(0))  # warm-up
-    sync()
+    T.sync()
     t0 = time.perf_counter()
     tables = build_layer(q_pre, k, p, torch.Generator().manual_seed(0))
-    sync()
+    T.sync()
     build_s = time.perf_counter() - t0
     del q_pre
     arrays = {name: t[None] for name, t in zip(("centroids", "idx", "score"), tables)}
@@ -133,17 +79,12 @@ def run(n: int, alpha: float) -> dict:
         return s
 
     gpu = session(p.with_overrides({"mode": "gpu"}), reader, dev)
-    qs = [torch.randn(KVH, G, 1, D, device=dev, dtype=BF) for _ in range(4)]
-    q = qs[0].clone()  # static input buffer for graphs; rotated between query sets below
+    rq = RotatingInput([torch.randn(KVH, G, 1, D, device=dev, dtype=BF) for _ in range(4)])
+    q, next_q = rq.buf, rq.next  # the static input buffer (for graphs), rotated between query sets
     kv = KVView(k, v, loc_k, loc_v, q_pos)
     scale = D ** -0.5
     k_all = torch.cat([k, loc_k], 1)[None]  # a contiguous KV cache for SDPA
     v_all = torch.cat([v, loc_v], 1)[None]
-    rot = [0]
-
-    def next_q():
-        rot[0] = (rot[0] + 1) % len(qs)
-        q.copy_(qs[rot[0]])
 
     def full():
         return F.scaled_dot_product_attention(q.reshape(1, H, 1, D), k_all, v_all, scale=scale, enable_gqa=True)
@@ -184,8 +125,8 @@ def run(n: int, alpha: float) -> dict:
 
     for name, fn in (("full_sdpa", full), ("csattn_step", step), ("csattn_select", select),
                      ("csattn_attention", attention)):
-        res[f"{name}_eager_ms"] = cuda_median_ms(timed(fn))
-        res[f"{name}_graph_ms"], res[f"{name}_graph_status"] = graph_median_ms(timed(fn))
+        res[f"{name}_eager_ms"] = T.cuda_ms(timed(fn))
+        res[f"{name}_graph_ms"], res[f"{name}_graph_status"] = T.graph_ms(timed(fn))
     res["ratio_full_over_csattn_eager"] = res["full_sdpa_eager_ms"] / res["csattn_step_eager_ms"]
     if res["csattn_step_graph_ms"] and res["full_sdpa_graph_ms"]:
         res["ratio_full_over_csattn_graph"] = res["full_sdpa_graph_ms"] / res["csattn_step_graph_ms"]
@@ -196,11 +137,11 @@ def run(n: int, alpha: float) -> dict:
         try:
             for _ in range(3):
                 step()
-            sync()
+            T.sync()
             with profile(activities=[ProfilerActivity.CUDA]) as prof:
                 for _ in range(10):
                     step()
-                sync()
+                T.sync()
             table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=15, max_name_column_width=60)
         except Exception as e:  # the profile is a side product: report and go on
             table = f"profiler failed: {type(e).__name__}: {e}"
@@ -217,13 +158,13 @@ def run(n: int, alpha: float) -> dict:
             for _ in range(period):
                 idx = merge_selection(s.select(0, q, kv), q_pos, ps.sink, ps.window)
                 sparse_attention(q, idx, k, v, loc_k, loc_v, scale)
-        res[f"schedule_{sched}_eager_ms_per_step"] = cuda_median_ms(timed(run_p), reps=20) / period
+        res[f"schedule_{sched}_eager_ms_per_step"] = T.cuda_ms(timed(run_p), reps=20) / period
 
     # CPU<->GPU: host tables and K/V, host search, only selected rows go to the GPU
     off = session(p.with_overrides({"mode": "offload", "overlap": "off"}), reader_cpu, "cpu")
     kv_off = KVView(k.cpu(), v.cpu(), loc_k, loc_v, q_pos)
-    res["offload_step_ms"] = host_median_ms(timed(lambda: off.attend(0, q, kv_off)))
-    res["offload_select_ms"] = host_median_ms(timed(lambda: off.select(0, q, kv_off)))
+    res["offload_step_ms"] = T.host_ms(timed(lambda: off.attend(0, q, kv_off)))
+    res["offload_select_ms"] = T.host_ms(timed(lambda: off.select(0, q, kv_off)))
 
     # equivalence: same tables, same queries, CPU vs GPU search
     cpu = session(p, reader_cpu, "cpu")
@@ -247,6 +188,7 @@ def main() -> None:
     args = ap.parse_args()
     global DEV, PROFILE
     DEV, PROFILE = args.device, args.profile
+    T.device = DEV
     if DEV == "cuda" and not torch.cuda.is_available():
         raise SystemExit("needs a CUDA device (--device cpu runs a smoke test of the logic)")
     info = {"device": torch.cuda.get_device_name() if DEV == "cuda" else "cpu", "torch": torch.__version__,

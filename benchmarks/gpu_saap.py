@@ -65,6 +65,7 @@ import torch.nn.functional as F
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from benchmarks._gpu_timing import RotatingInput, Timing  # noqa: E402
 from decoder.attention import merge_selection, sparse_attention  # noqa: E402
 from decoder.rope import apply_rope, undo_rope  # noqa: E402
 from indexer._saap_train import StackedMLP, kmeans_torch  # noqa: E402
@@ -90,62 +91,8 @@ ROPE_THETA = 500000.0
 N_LAYERS, LAYER = 2, 1  # layer 0 is never trained (full attention): time layer 1
 BF = torch.bfloat16
 DEV = "cuda"
+T = Timing(DEV)  # its device follows --device (set in main)
 THIS = Path(__file__).resolve()
-
-
-def sync() -> None:
-    if DEV == "cuda":
-        torch.cuda.synchronize()
-
-
-def host_median_ms(fn, reps: int = 10, warmup: int = 2) -> float:
-    for _ in range(warmup):
-        fn()
-    sync()
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        sync()
-        times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
-
-
-def cuda_median_ms(fn, reps: int = 50, warmup: int = 5) -> float:
-    if DEV != "cuda":
-        return host_median_ms(fn, reps=min(reps, 10), warmup=min(warmup, 2))
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
-    return statistics.median(times)
-
-
-def graph_median_ms(fn, reps: int = 50) -> tuple[float | None, str]:
-    """Capture fn into a CUDA graph and time its replays; (None, reason) when capture fails."""
-    if DEV != "cuda":
-        return None, "no CUDA device"
-    try:
-        s = torch.cuda.Stream()
-        s.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(s):
-            for _ in range(3):
-                fn()
-        torch.cuda.current_stream().wait_stream(s)
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            fn()
-        torch.cuda.synchronize()
-        return cuda_median_ms(g.replay, reps=reps), "ok"
-    except Exception as e:  # report, do not hide
-        torch.cuda.synchronize()
-        return None, f"{type(e).__name__}: {str(e)[:160]}"
 
 
 def _where(stack) -> str:
@@ -168,7 +115,7 @@ def host_syncs(fn) -> list[str]:
         if "synchronizing" in str(message):
             found.append(_where(traceback.extract_stack()[:-1]))
 
-    sync()
+    T.sync()
     with warnings.catch_warnings():
         warnings.simplefilter("always")
         warnings.showwarning = hook
@@ -177,7 +124,7 @@ def host_syncs(fn) -> list[str]:
             fn()
         finally:
             torch.cuda.set_sync_debug_mode("default")
-    sync()
+    T.sync()
     return found
 
 
@@ -221,10 +168,10 @@ def write_model(model_dir: Path, dist: KeyDist, c: int, hidden: int, train_token
     k_train = apply_rope(dist.sample(train_tokens, g), pos, ROPE_THETA).to(BF)  # what a capture holds
     idx = torch.randperm(train_tokens, device=DEV, generator=g)[:sample].sort().values
     kd = undo_rope(k_train[:, idx].float(), pos[idx], ROPE_THETA)  # [KVH, sample, D]
-    sync()
+    T.sync()
     t0 = time.perf_counter()
     cent = torch.stack([kmeans_torch(kd[h], c, 10, 1000 + h) for h in range(KVH)])
-    sync()
+    T.sync()
     kmeans_s = time.perf_counter() - t0
     sizes = torch.stack([torch.bincount(a, minlength=c) for a in nearest_centroid(kd, cent)]).float()
     mlp = StackedMLP(KVH, D, hidden, c, torch.Generator().manual_seed(2))  # random init = "trained" weights
@@ -292,15 +239,15 @@ def run(n: int, model_dir: Path, fingerprint: str, dist: KeyDist, nprobe: int):
     res["build_cpu_threads"] = torch.get_num_threads()
     if dev == "cuda":
         try:
-            sync()
+            T.sync()
             t0 = time.perf_counter()
             method.build(capture(k, pos), params)
-            sync()
+            T.sync()
             res["build_gpu_saap_build"] = f"ran, {time.perf_counter() - t0:.3f} s"
         except Exception as e:  # noqa: BLE001 - reported
             tb = traceback.extract_tb(e.__traceback__)
             res["build_gpu_saap_build"] = f"fails: {type(e).__name__}: {str(e)[:140]} (at {_where(tb)})"
-        sync()
+        T.sync()
     from indexer.saap import SaapModel
 
     w = SaapModel.open(model_dir).layer(LAYER, dev)
@@ -308,10 +255,10 @@ def run(n: int, model_dir: Path, fingerprint: str, dist: KeyDist, nprobe: int):
     gpu_build_math(k[:, :4096], pos[:4096], w, c)  # warm-up
     bt = []
     for _ in range(3):
-        sync()
+        T.sync()
         t0 = time.perf_counter()
         a_gpu, o_gpu, off_gpu = gpu_build_math(k, pos, w, c)
-        sync()
+        T.sync()
         bt.append(time.perf_counter() - t0)
     res["build_gpu_math_s"] = statistics.median(bt)
     res["build_cpu_gpu_assign_agreement"] = float((a_gpu.cpu() == arrays_cpu["assign"][LAYER].long()).float().mean())
@@ -338,21 +285,16 @@ def run(n: int, model_dir: Path, fingerprint: str, dist: KeyDist, nprobe: int):
         s.append(LAYER, lk[:, :-1].to(adev), lv[:, :-1].to(adev), ap.to(adev))
         return s
 
-    qs = [torch.randn(KVH, G, 1, D, device=dev, dtype=BF, generator=gen) for _ in range(4)]
-    q = qs[0].clone()  # static input buffer; rotated between query sets below
+    rq = RotatingInput([torch.randn(KVH, G, 1, D, device=dev, dtype=BF, generator=gen) for _ in range(4)])
+    q, next_q = rq.buf, rq.next  # the static input buffer (for graphs), rotated between query sets
     kv = KVView(k, v, loc_k, loc_v, q_pos)
     scale = D ** -0.5
     k_all = torch.cat([k, loc_k], 1)[None]  # a contiguous KV cache for SDPA
     v_all = torch.cat([v, loc_v], 1)[None]
-    rot = [0]
-
-    def next_q():
-        rot[0] = (rot[0] + 1) % len(qs)
-        q.copy_(qs[rot[0]])
 
     # --- selection statistics over the 4 query sets (fresh session each: session.selectivity)
     sels, largest, widths, merged, attended = [], [], [], [], []
-    for qq in qs:
+    for qq in rq.values:
         s = session(reader)
         sel = s.select(LAYER, qq, kv)
         idx = merge_selection(sel, q_pos, params.sink, params.window)
@@ -400,7 +342,7 @@ def run(n: int, model_dir: Path, fingerprint: str, dist: KeyDist, nprobe: int):
     cpu_s = session(reader_cpu, "cpu")
     kv_cpu = KVView(k.cpu(), v.cpu(), loc_k.cpu(), loc_v.cpu(), q_pos.cpu())
     jac = []
-    for qq in qs:
+    for qq in rq.values:
         a_sel = merge_selection(s.select(LAYER, qq, kv), q_pos, params.sink, params.window).cpu()
         b_sel = merge_selection(cpu_s.select(LAYER, qq.cpu(), kv_cpu), q_pos.cpu(), params.sink, params.window)
         for h in range(KVH):
@@ -468,19 +410,19 @@ def run(n: int, model_dir: Path, fingerprint: str, dist: KeyDist, nprobe: int):
     for name, fn in fns.items():
         for _ in range(3):  # warm: one-time initialisation (first SDPA call, allocator) is no per-step sync
             timed(fn)()
-        sync()
+        T.sync()
         found = host_syncs(timed(fn))
         syncs[name] = summarize_syncs(found)
         res[f"{name}_host_syncs"] = len(found)
-        res[f"{name}_eager_ms"] = cuda_median_ms(timed(fn))
+        res[f"{name}_eager_ms"] = T.cuda_ms(timed(fn))
         if name == "saap_step":
-            res["saap_step_host_wall_ms"] = host_median_ms(timed(fn), reps=20)
+            res["saap_step_host_wall_ms"] = T.host_ms(timed(fn), reps=20)
         if found and name != "full_sdpa":  # the baseline is always tried (a failed capture is reported)
             res[f"{name}_graph_ms"], res[f"{name}_graph_status"] = None, f"not captured: {len(found)} host syncs per call"
         elif name == "select_host_index":
             res[f"{name}_graph_ms"], res[f"{name}_graph_status"] = None, "not captured (host memory)"
         else:
-            res[f"{name}_graph_ms"], res[f"{name}_graph_status"] = graph_median_ms(timed(fn))
+            res[f"{name}_graph_ms"], res[f"{name}_graph_status"] = T.graph_ms(timed(fn))
     res["host_syncs_where"] = syncs
     res["ratio_full_over_saap_eager"] = res["full_sdpa_eager_ms"] / res["saap_step_eager_ms"]
     if res["full_sdpa_graph_ms"]:
@@ -495,10 +437,10 @@ def run(n: int, model_dir: Path, fingerprint: str, dist: KeyDist, nprobe: int):
 
     def wrap(name, fn):
         def w(*a, **kw):
-            sync()
+            T.sync()
             t0 = time.perf_counter()
             r = fn(*a, **kw)
-            sync()
+            T.sync()
             cur[name] = cur.get(name, 0.0) + (time.perf_counter() - t0) * 1e3
             return r
         return w
@@ -512,16 +454,16 @@ def run(n: int, model_dir: Path, fingerprint: str, dist: KeyDist, nprobe: int):
         for i in range(33):
             next_q()
             cur.clear()
-            sync()
+            T.sync()
             t0 = time.perf_counter()
             sel = bsess.select(LAYER, q, kv)
-            sync()
+            T.sync()
             t1 = time.perf_counter()
             idx = merge_selection(sel, q_pos, params.sink, params.window)
-            sync()
+            T.sync()
             t2 = time.perf_counter()
             sparse_attention(q, idx, k, v, loc_k, loc_v, scale)
-            sync()
+            T.sync()
             t3 = time.perf_counter()
             if i < 3:
                 continue
@@ -547,7 +489,7 @@ def run(n: int, model_dir: Path, fingerprint: str, dist: KeyDist, nprobe: int):
     for i in range(steps):
         m = M_LOCAL + i
         kvi = KVView(k, v, lk[:, :m], lv[:, :m], qpos_list[i])
-        qq = qs[i % len(qs)]
+        qq = rq.values[i % len(rq.values)]
         t0 = time.perf_counter()
         if dev == "cuda":
             a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -585,12 +527,12 @@ def profile_step(step, res: dict) -> None:
         acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if DEV == "cuda" else [])
         for _ in range(3):
             step()
-        sync()
+        T.sync()
         reps = 10
         with tprofile(activities=acts) as prof:
             for _ in range(reps):
                 step()
-            sync()
+            T.sync()
         avg = prof.key_averages()
         dev_rows = [e for e in avg if str(getattr(e, "device_type", "")).endswith("CUDA")]
 
@@ -617,6 +559,7 @@ def main() -> None:
     args = ap.parse_args()
     global DEV
     DEV = args.device
+    T.device = DEV
     if DEV == "cuda" and not torch.cuda.is_available():
         raise SystemExit("needs a CUDA device (--device cpu runs a smoke test of the logic)")
     torch.set_grad_enabled(False)

@@ -1,0 +1,83 @@
+"""Timing helpers shared by the GPU benchmark scripts (gpu_csattn.py, gpu_saap.py).
+
+`Timing(device)`: medians of CUDA-event-timed calls on a GPU, of host-clock calls (synchronized)
+elsewhere, so a script's `--device cpu` smoke run exercises the same code; and CUDA-graph replays,
+reported as (None, reason) when a function cannot be captured (dynamic shapes, host syncs).
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import torch
+
+
+class Timing:
+    def __init__(self, device: str = "cuda"):
+        self.device = device  # scripts set it from --device before timing
+
+    def sync(self) -> None:
+        if self.device == "cuda":
+            torch.cuda.synchronize()
+
+    def host_ms(self, fn, reps: int = 10, warmup: int = 2) -> float:
+        for _ in range(warmup):
+            fn()
+        self.sync()
+        times = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            fn()
+            self.sync()
+            times.append((time.perf_counter() - t0) * 1e3)
+        return statistics.median(times)
+
+    def cuda_ms(self, fn, reps: int = 50, warmup: int = 5) -> float:
+        if self.device != "cuda":  # a smoke run: fewer repetitions on the host clock
+            return self.host_ms(fn, reps=min(reps, 10), warmup=min(warmup, 2))
+        for _ in range(warmup):
+            fn()
+        times = []
+        for _ in range(reps):
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            fn()
+            b.record()
+            b.synchronize()
+            times.append(a.elapsed_time(b))
+        return statistics.median(times)
+
+    def graph_ms(self, fn, reps: int = 50) -> tuple[float | None, str]:
+        """Capture fn into a CUDA graph and time its replays; (None, reason) when capture fails."""
+        if self.device != "cuda":
+            return None, "no CUDA device"
+        try:
+            s = torch.cuda.Stream()
+            s.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(s):
+                for _ in range(3):
+                    fn()
+            torch.cuda.current_stream().wait_stream(s)
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g):
+                fn()
+            torch.cuda.synchronize()
+            return self.cuda_ms(g.replay, reps=reps), "ok"
+        except Exception as e:  # report, do not hide: the table says which path could not be captured
+            torch.cuda.synchronize()
+            return None, f"{type(e).__name__}: {str(e)[:160]}"
+
+
+class RotatingInput:
+    """A static input buffer (what a CUDA graph reads) cycled through several values between timed
+    calls, so no timing is of one input only. `buf` is the tensor to pass; `next()` loads the next."""
+
+    def __init__(self, values: list[torch.Tensor]):
+        self.values = values
+        self.buf = values[0].clone()
+        self._i = 0
+
+    def next(self) -> None:
+        self._i = (self._i + 1) % len(self.values)
+        self.buf.copy_(self.values[self._i])
