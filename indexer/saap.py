@@ -58,7 +58,8 @@ Decode (`select`, per layer and step; KV heads and query tokens batched)
   included, deduplicated) is recorded per step and layer in the session: `session.selectivity`
   (one float per decode step, mean over the SAAP layers, KV heads and query tokens) and
   `session.selectivity_detail` (per layer: visited fraction, bucket-only fraction of the context,
-  largest probed bucket).
+  largest probed bucket). They are kept as device scalars and read back when asked (the
+  completion's stats), so the decode path makes no host sync for them.
 
 Without a trained model for the LLM, `validate_configuration` returns a reason that names the
 command that trains one; the service answers 422 `unsupported_configuration` with it at
@@ -275,13 +276,34 @@ class _SaapSession(MethodSession):
         self.model = model
         self.recent = params.recent_for(n_ctx)
         self.buckets = RequestBuckets()  # the bucket of each request key (private)
-        self._sel: dict[int, list[float]] = {}  # step position -> visited fraction per SAAP layer
-        self.selectivity_detail: list[dict] = []
+        # per (step, layer): [position, visited fraction, bucket fraction, largest probed bucket] as
+        # device scalars, read back only when asked (`_materialize`): no host sync on the decode path
+        self._pending: list[torch.Tensor] = []
+        self._pending_layers: list[int] = []
+        self._detail: list[dict] = []
+
+    def _materialize(self) -> list[dict]:
+        if self._pending:
+            rows = torch.stack(self._pending).cpu().tolist()  # one device-to-host copy for all of them
+            self._pending.clear()
+            layers = self._pending_layers
+            self._detail += [{"pos": int(r[0]), "layer": layer, "visited": r[1], "buckets": r[2], "largest_bucket": int(r[3])}
+                             for layer, r in zip(layers, rows)]
+            self._pending_layers = []
+        return self._detail
+
+    @property
+    def selectivity_detail(self) -> list[dict]:
+        """Per step and SAAP layer: visited fraction, bucket-only fraction of the context, largest probed bucket."""
+        return self._materialize()
 
     @property
     def selectivity(self) -> list[float]:
         """Per decode step: mean fraction of visible keys read by the SAAP layers (dense part included)."""
-        return [sum(v) / len(v) for v in self._sel.values()]
+        per_step: dict[int, list[float]] = {}
+        for d in self._materialize():
+            per_step.setdefault(d["pos"], []).append(d["visited"])
+        return [sum(v) / len(v) for v in per_step.values()]
 
     def stats(self) -> dict:
         sel = self.selectivity
@@ -375,13 +397,10 @@ class _SaapSession(MethodSession):
         extra = (keep[None] & ~in_probed).sum(-1)
         visited = (n_bucket_ctx + n_bucket_loc + extra).double() / (q_pos[None, :].double() + 1)
         sizes = (offsets[:, 1:] - offsets[:, :-1]).gather(1, probe.reshape(kvh, -1))
-        frac = float(visited.mean())
-        self._sel.setdefault(int(q_pos[-1]), []).append(frac)
-        self.selectivity_detail.append({
-            "pos": int(q_pos[-1]), "layer": layer, "visited": frac,
-            "buckets": float(n_bucket_ctx.double().mean() / max(n_ctx, 1)),
-            "largest_bucket": int(sizes.max()) if sizes.numel() else 0,
-        })
+        largest = sizes.max() if sizes.numel() else torch.zeros((), device=dev)
+        self._pending.append(torch.stack([q_pos[-1].double(), visited.mean(), n_bucket_ctx.double().mean() / max(n_ctx, 1),
+                                          largest.double()]))
+        self._pending_layers.append(layer)
 
 
 # ---------------------------------------------------------------------------------------------
