@@ -247,12 +247,17 @@ class DecodeWorker(_Loop):
         method = get_method(req["method"])
         params = method.Params.model_validate(req["params"])
         art = self._artifacts(cid, rec["slug"])
-        index_id = rec["methods"][method.name]["index_id"] if method.has_index else None  # checked by the API
+        index_id = method.index_id(params, lm.spec, rt.method_env) if method.has_index else None  # as the API did
         if index_id is not None and index_id not in art.manifest["indexes"]:
             # built after this worker opened the context (a registration with new build params, or
             # SAAP's model retrained): the cached handle holds the older manifest
             self._handles.pop(cid, None)
             art = self._artifacts(cid, rec["slug"])
+            if index_id not in art.manifest["indexes"]:  # changed since the API checked (a race): not built
+                cat.emit(rid, "error", {"code": "method_not_built", "message":
+                                        f"no {method.name!r} index {index_id} for this context (its build parameters "
+                                        f"or trained model changed while the request waited); register it again"})
+                return
         n = art.n_tokens
         load = {"s": 0.0, "misses": 0, "hits": 0}
 

@@ -186,6 +186,18 @@ def test_new_build_params_rebuild_the_index_of_a_served_context(client):
     r = client.post(f"/v1/contexts/{cid}/completions",
                     json={"question": PASSKEY_QUESTION, "method": "psa", "params": {"block_size": 16}, "max_tokens": 4})
     assert r.status_code == 409  # one index per method: the latest registered
+    # the worker's own check, for a request that passed the API's just before the index changed (a
+    # race): an error event with the same code, never a 500
+    from indexer.base import get_method
+
+    cat = client.app.state.runtime.catalog
+    params = get_method("psa").Params(block_size=64).model_dump()
+    rid = cat.submit_decode({"id": cid, "question_ids": [1, 2, 3], "max_tokens": 2, "temperature": 0.0, "seed": None,
+                             "method": "psa", "params": params})
+    end, events = time.time() + 60, []
+    while not events and time.time() < end:
+        events = [e for e in cat.events(rid, "0", 500) if e[1] in ("error", "done")]
+    assert events and events[0][1] == "error" and events[0][2]["code"] == "method_not_built", events
 
 
 def test_streaming_sse(client):

@@ -31,7 +31,7 @@ REGISTRATIONS = Counter("ctxcache_registrations_total", "context registrations",
 COMPLETIONS = Counter("ctxcache_completions_total", "completions", ["method", "outcome"])
 TTFT = Histogram("ctxcache_ttft_seconds", "time to first token", ["cache"])
 
-_ERROR_STATUS = {"not_found": 404, "context_not_ready": 409, "method_unavailable": 409, "artifact_corrupt": 500, "artifact_missing": 500,
+_ERROR_STATUS = {"not_found": 404, "context_not_ready": 409, "method_unavailable": 409, "method_not_built": 409, "artifact_corrupt": 500, "artifact_missing": 500,
                  "internal_error": 500}
 
 
