@@ -67,7 +67,7 @@ Settings (`PRESETS`):
     40 prompts of 500K tokens), 40 windows, min_distance 1024, fp16 capture cache (~0.4 GB/window).
     Meant for a GPU: ~0.9 h on one H100 (SmolLM2-135M's shape; capture, 1 layer with every step and
     3 with 4,000 measured, 29 layers extrapolated), ~36 h on that machine's 16 CPU cores and
-    ~425 h on 2 (estimates; benchmarks/RESULTS_saap.md, "Training on a GPU").
+    ~385 h on 2 (estimates; benchmarks/RESULTS_saap.md, "Training on a GPU").
   * `small` (a few minutes at 1 CPU thread): C = 32, hidden 128, 300 steps of 256 queries
     (85 positions x 3 heads) at lr 1e-3, 4 windows of 2,048 tokens, min_distance 32, fp32 capture
     cache. With C = 32 the paper's ℓ = 32 probes every bucket: pass `nprobe` (e.g. 1-4) with such

@@ -50,7 +50,7 @@ def test_method_env_decides_where_saap_looks(lm, tmp_path, monkeypatch):
 
 def test_bad_training_requests_are_4xx_and_queue_nothing(client):
     cases = [
-        ({}, 422, "validation_error"),  # preset is required: the default would be a ~551 h CPU job
+        ({}, 422, "validation_error"),  # preset is required: the default (full) would be a ~385 h CPU job here
         ({"preset": "medium"}, 422, "validation_error"),
         ({"preset": "small", "steps": 0}, 422, "invalid_parameter"),
         ({"preset": "small", "clusters": 1}, 422, "invalid_parameter"),
