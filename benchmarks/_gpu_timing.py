@@ -1,4 +1,4 @@
-"""Timing helpers shared by the GPU benchmark scripts (gpu_csattn.py, gpu_saap.py).
+"""Timing helpers shared by the GPU benchmark scripts (gpu_decode.py).
 
 `Timing(device)`: medians of CUDA-event-timed calls on a GPU, of host-clock calls (synchronized)
 elsewhere, so a script's `--device cpu` smoke run exercises the same code; and CUDA-graph replays,
@@ -67,6 +67,28 @@ class Timing:
         except Exception as e:  # report, do not hide: the table says which path could not be captured
             torch.cuda.synchronize()
             return None, f"{type(e).__name__}: {str(e)[:160]}"
+
+
+def kernel_profile(fn, reps: int = 5, sync=None) -> dict:
+    """Device-side view of `fn` run eagerly: kernels per call, summed device time per call in µs
+    (the floor of a graph replay of it) and the kernels by cost ([name, calls, µs per call])."""
+    from torch.profiler import ProfilerActivity, profile
+
+    sync = sync or torch.cuda.synchronize
+    fn()
+    sync()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            fn()
+        sync()
+
+    def dev_us(e) -> float:  # the attribute's name changed across torch versions
+        return float(getattr(e, "device_time_total", 0.0) or getattr(e, "cuda_time_total", 0.0) or 0.0)
+
+    rows = [(e.key, e.count / reps, dev_us(e) / reps) for e in prof.key_averages() if dev_us(e) > 0]
+    kernels = [r for r in rows if not r[0].startswith(("Memcpy", "Memset", "cudaGraph"))]
+    return {"kernels_per_call": sum(r[1] for r in kernels), "device_us_per_call": sum(r[2] for r in kernels),
+            "top": [[name[:80], round(cnt, 2), round(us, 2)] for name, cnt, us in sorted(kernels, key=lambda r: -r[2])]}
 
 
 class RotatingInput:

@@ -6,15 +6,17 @@ Measured, per context length (default 2048 and 8000 tokens of the tests' determi
 
 * attention level (`decoder.fidelity.selection_recall`): recall of the exact top-K, fraction of KV
   attended, relative L2 error of the attention output, and the mean number of keys each method
-  scores exactly (its rerank candidates, counted by wrapping `candidate_mass`), over the last
+  scores exactly (its rerank candidates, counted by wrapping `candidate_mass`) next to the fixed width
+  of its rerank block (the slots a fixed-shape plan computes, padding included), over the last
   `--n-queries` tokens of the capture, every layer, at budgets 5% and 10%;
 * model level (first length only, `teacher_forced_logits` + `fidelity`): the last `--positions`
   tokens of the document fed one at a time after the rest, top-1 agreement and KL(full || method);
 * decode speed: `decoder.generate.generate` over a `ContextKV` of the captured K/V (as the decode
   worker would read them), greedy, `--gen-tokens` tokens with EOS disabled so every method decodes
   the same number of steps; tokens/s after the first token, median of `--repeats` interleaved
-  runs, and the ratio to `full` from the same run; the method's own time per token (`select`, all
-  layers; less exposed to neighbours' load than tokens/s); index build time and size.
+  runs, and the ratio to `full` from the same run; the method's own time per token (`plan` +
+  `update`, all layers, one-token steps; less exposed to neighbours' load than tokens/s); index
+  build time and size. The attention backend is `torch_ref` (the CPU path).
 
 Streaming is given the same number of tokens as the sparse budget (window = 32 + K), so it is the
 "same KV, no search" lower bound.
@@ -46,26 +48,28 @@ from decoder.fidelity import build_index, fidelity, selection_recall, teacher_fo
 from decoder.generate import ContextKV, generate  # noqa: E402
 from decoder.model import load_model  # noqa: E402
 from decoder.prefill import prefill  # noqa: E402
-from indexer.base import MethodSession, get_method  # noqa: E402
+from indexer.base import DecodeContext, Planner, get_method  # noqa: E402
 from tests.conftest import MODEL_CACHE, natural_document  # noqa: E402
 
 QUESTION = "Summarize what the engineer and the scheduler did, in detail."
 
 
 class _CandidateCounter:
-    """Wraps `candidate_mass` (the exact-rerank step) to count the keys scored per (head, query)."""
+    """Wraps `candidate_mass` (the exact-rerank step of both methods) to count, per (head, query), the
+    keys scored that count (valid, selectable, distinct) and the width of the block computed."""
 
     def __init__(self):
         self.total = 0.0
+        self.width = 0.0
         self.calls = 0
         self._orig = ctkvr_mod.candidate_mass
 
     def __enter__(self):
-        def counted(q, cand, kv):
-            valid = (cand >= 0) & (cand <= kv.q_pos[None, :, None])
-            self.total += float(valid.sum(-1).double().mean())
+        def counted(q, cand, ctx_k, ok, frame_lse=None):
+            self.total += float(ok.sum(-1).double().mean())
+            self.width += cand.shape[-1]
             self.calls += 1
-            return self._orig(q, cand, kv)
+            return self._orig(q, cand, ctx_k, ok, frame_lse)
 
         ctkvr_mod.candidate_mass = counted
         kivf_mod.candidate_mass = counted
@@ -79,27 +83,37 @@ class _CandidateCounter:
     def mean(self) -> float | None:
         return self.total / self.calls if self.calls else None
 
+    @property
+    def mean_width(self) -> float | None:
+        return self.width / self.calls if self.calls else None
 
-class _TimedSession(MethodSession):
-    """Passes through to a method session, timing `select` on one-token steps only (the question
-    step, T > 1 tokens at once, would otherwise dominate a 32-token average)."""
 
-    def __init__(self, inner: MethodSession):
+class _TimedPlanner(Planner):
+    """Passes through to a method's planner, timing `plan` + `update` on one-token steps only (the
+    question step, T > 1 tokens at once, would otherwise dominate a 32-token average)."""
+
+    def __init__(self, inner: Planner):
         self.inner = inner
         self.one_token_s = 0.0
 
-    def select(self, layer, q, kv):
+    def plan(self, layer, q, kv):
         t0 = time.perf_counter()
-        out = self.inner.select(layer, q, kv)
+        out = self.inner.plan(layer, q, kv)
         if q.shape[2] == 1:
             self.one_token_s += time.perf_counter() - t0
         return out
 
-    def append(self, layer, k, v, positions):
-        self.inner.append(layer, k, v, positions)
+    def update(self, layer, k, v, positions):
+        t0 = time.perf_counter()
+        self.inner.update(layer, k, v, positions)
+        if k.shape[1] == 1:
+            self.one_token_s += time.perf_counter() - t0
 
-    def attend(self, layer, q, kv):
-        return self.inner.attend(layer, q, kv)
+    def stats(self):
+        return self.inner.stats()
+
+    def close(self):
+        self.inner.close()
 
 
 def configs(n: int, ratio: float) -> list[tuple[str, str, dict]]:
@@ -150,7 +164,8 @@ def bench_recall(cap, n_queries: int, ratios: list[float]) -> list[dict]:
             s = rep.summary()
             rows.append({
                 "config": label, "ratio": ratio, "recall": s["recall"], "kv_touched": s["kv_touched"],
-                "rel_l2_err": s["rel_l2_err"], "scored_keys": cc.mean, "k": s["k"], "wall_s": time.perf_counter() - t0,
+                "rel_l2_err": s["rel_l2_err"], "scored_keys": cc.mean, "rerank_width": cc.mean_width, "k": s["k"],
+                "wall_s": time.perf_counter() - t0,
                 "recall_min_layer": min(s["recall_per_layer"]),
             })
             print(json.dumps(rows[-1]), flush=True)
@@ -164,7 +179,8 @@ def bench_fidelity(lm, cap, ids: list[int], positions: int, ratios: list[float])
     cont = ids[n_ctx:n_ctx + positions]
     full = get_method("full")
     fp = full.Params()
-    ref = teacher_forced_logits(lm, ctx, full.open(None, fp, n_ctx), fp, cont)
+    dctx = DecodeContext(n_ctx, lm.spec, positions)
+    ref = teacher_forced_logits(lm, ctx, full.open(None, fp, dctx), fp, cont)
     rows = []
     for ratio in ratios:
         for label, name, kw in configs(n_ctx, ratio):
@@ -172,7 +188,7 @@ def bench_fidelity(lm, cap, ids: list[int], positions: int, ratios: list[float])
             params = m.Params(**kw)
             index = build_index(m, params, ctx_cap)
             t0 = time.perf_counter()
-            logits = teacher_forced_logits(lm, ctx, m.open(index, params, n_ctx), params, cont)
+            logits = teacher_forced_logits(lm, ctx, m.open(index, params, dctx), params, cont)
             f = fidelity(ref, logits)
             rows.append({"config": label, "ratio": ratio, **f, "wall_s": time.perf_counter() - t0})
             print(json.dumps(rows[-1]), flush=True)
@@ -198,15 +214,15 @@ def bench_decode(lm, cap, gen_tokens: int, repeats: int, ratio: float) -> list[d
     for _ in range(repeats):  # interleaved, so a load spike from a neighbour hits every method alike
         for label, _, _ in todo:
             m, params, index, _, _ = built[label]
-            session = _TimedSession(m.open(index, params, n))
-            res = generate(lm_noeos, ctx, session, params, q_ids, max_tokens=gen_tokens)
+            planner = _TimedPlanner(m.open(index, params, DecodeContext(n, lm.spec, len(q_ids) + gen_tokens)))
+            res = generate(lm_noeos, ctx, planner, params, q_ids, backend="torch_ref", max_tokens=gen_tokens)
             steps = res.stats.steps
             times[label].append((steps - 1) / res.decode_s)
-            sel_ms.setdefault(label, []).append(session.one_token_s / (steps - 1) * 1e3)
+            sel_ms.setdefault(label, []).append(planner.one_token_s / (steps - 1) * 1e3)
             extra[label] = {
                 "steps": steps, "kv_fraction": res.stats.kv_fraction,
-                "select_share": res.stats.select_s / max(res.ttft_s + res.decode_s, 1e-9),
-                "first_tokens": res.token_ids[:8],
+                "plan_share": res.stats.plan_s / max(res.ttft_s + res.decode_s, 1e-9),
+                "first_tokens": res.token_ids[:8], "method_stats": planner.stats(),
             }
     full_tps = statistics.median(times["full"])
     rows = []
@@ -214,7 +230,7 @@ def bench_decode(lm, cap, gen_tokens: int, repeats: int, ratio: float) -> list[d
         tps = statistics.median(times[label])
         rows.append({
             "config": label, "n_ctx": n, "tokens_per_s": tps, "vs_full": tps / full_tps, "runs_tps": times[label],
-            "select_ms_per_token": statistics.median(sel_ms[label]),
+            "plan_ms_per_token": statistics.median(sel_ms[label]),
             "build_s": built[label][3], "index_mb": built[label][4] / 2**20, **extra[label],
         })
         print(json.dumps(rows[-1]), flush=True)
@@ -228,13 +244,15 @@ def render_markdown(out: dict) -> str:
         lines += [f"### {n}-token context (prefill {res['prefill_s']:.0f} s)", ""]
         if "recall" in res:
             lines += ["Attention level, last 16 tokens as queries, all 30 layers:", "",
-                      "| config | recall of exact top-K | worst layer | KV touched | rel. L2 err | keys scored exactly |",
-                      "|---|---|---|---|---|---|"]
+                      "| config | recall of exact top-K | worst layer | KV touched | rel. L2 err | keys scored exactly "
+                      "| rerank width |",
+                      "|---|---|---|---|---|---|---|"]
             for r in res["recall"]:
-                scored = r["scored_keys"]
+                scored, width = r["scored_keys"], r.get("rerank_width")  # (older runs: no width)
                 sk = f"{scored:.0f}" if scored is not None else "all" if r["config"].startswith("topk") else "0"
+                wd = f"{width:.0f}" if width is not None else "-"
                 lines.append(f"| {r['config']} | {r['recall']:.3f} | {r['recall_min_layer']:.3f} | {r['kv_touched']:.3f} "
-                             f"| {r['rel_l2_err']:.3f} | {sk} |")
+                             f"| {r['rel_l2_err']:.3f} | {sk} | {wd} |")
             lines.append("")
         if "fidelity" in res:
             lines += ["Teacher-forced, 64 positions after the context, vs `full`:", "",
@@ -246,13 +264,14 @@ def render_markdown(out: dict) -> str:
             full_runs = next(r["runs_tps"] for r in res["decode"] if r["config"] == "full")
             lines += ["Greedy decode, 32 tokens; tokens/s = median over the interleaved rounds; per-round ratio = "
                       "median over rounds of (method / full in the same round):", "",
-                      "| config | tokens/s | vs full (medians) | vs full (per-round ratio) | select ms/token (30 layers) "
+                      "| config | tokens/s | vs full (medians) | vs full (per-round ratio) | method ms/token (30 layers) "
                       "| KV touched | index MB | build s |",
                       "|---|---|---|---|---|---|---|---|"]
             for r in res["decode"]:
                 per_round = statistics.median(a / b for a, b in zip(r["runs_tps"], full_runs))
+                method_ms = r.get("plan_ms_per_token", r.get("select_ms_per_token"))  # older runs: select()
                 lines.append(f"| {r['config']} | {r['tokens_per_s']:.2f} | {r['vs_full']:.2f} | {per_round:.2f} "
-                             f"| {r['select_ms_per_token']:.1f} | {r['kv_fraction']:.3f} | {r['index_mb']:.1f} "
+                             f"| {method_ms:.1f} | {r['kv_fraction']:.3f} | {r['index_mb']:.1f} "
                              f"| {r['build_s']:.1f} |")
             lines.append("")
     return "\n".join(lines)

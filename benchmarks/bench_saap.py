@@ -20,14 +20,17 @@ Measured in one run (1 torch thread by default: on 2 shared cores it is the fast
   - model level: the 64 tokens after the context fed teacher-forced, top-1 agreement and
     KL(full || method) (`teacher_forced_logits` + `fidelity`);
   - decode: greedy generation, `--gen-tokens` tokens, EOS disabled, median tokens/s of
-    `--repeats` interleaved runs vs `full`; SAAP's per-step selectivity from its session.
+    `--repeats` interleaved runs vs `full`; SAAP's per-step selectivity from its planner's `stats()`.
   Baselines in the same run: `full`, `streaming` and exact `topk` given SAAP's measured budget.
 * task level: the ~560-token passkey (`tests/conftest.py::passkey_document`, 6 keys at depths
   0.1-0.95, the test suite's question), greedy, 12 tokens: how many keys each configuration
   finds and the KV fraction it reads (all layers), for the classifier and for centroid probing at
   each of `--passkey-ells` (`full` for reference).
 
+Decoding goes through the plan/run interface (`generate` with the `torch_ref` backend).
+
     python benchmarks/bench_saap.py --json /tmp/bench_saap.json
+    python benchmarks/bench_saap.py --tasks passkey --model-dir DIR   # one part, an already trained model
 """
 
 from __future__ import annotations
@@ -53,7 +56,7 @@ from decoder.model import load_model  # noqa: E402
 from decoder.prefill import prefill  # noqa: E402
 from decoder.rope import undo_rope  # noqa: E402
 from indexer import _saap_train as tr  # noqa: E402
-from indexer.base import get_method  # noqa: E402
+from indexer.base import DecodeContext, get_method  # noqa: E402
 from indexer.saap import SaapModel  # noqa: E402
 from tests.conftest import MODEL_CACHE, PASSKEY_QUESTION, natural_document, passkey_document  # noqa: E402
 
@@ -201,18 +204,20 @@ def bench_fidelity(lm, cap, ids, positions: int, todo) -> list[dict]:
     ctx = ContextKV(n_ctx, lambda name, layer: (cap.k if name == "kv/k" else cap.v)[layer])
     cont = ids[n_ctx:n_ctx + positions]
     full = get_method("full")
-    ref = teacher_forced_logits(lm, ctx, full.open(None, full.Params(), n_ctx), full.Params(), cont)
+    ref = teacher_forced_logits(lm, ctx, full.open(None, full.Params(), DecodeContext(n_ctx, lm.spec, len(cont))),
+                                full.Params(), cont)
     rows = []
     for label, name, kw in todo:
         m = get_method(name)
         params = m.Params(**kw)
         index = build_index(m, params, cap)
-        session = m.open(index, params, n_ctx)
+        planner = m.open(index, params, DecodeContext(n_ctx, lm.spec, len(cont)))
         t0 = time.perf_counter()
-        logits = teacher_forced_logits(lm, ctx, session, params, cont)
+        logits = teacher_forced_logits(lm, ctx, planner, params, cont)
         row = {"config": label, **fidelity(ref, logits), "wall_s": time.perf_counter() - t0}
-        if hasattr(session, "selectivity"):
-            row["selectivity_mean"] = statistics.mean(session.selectivity)
+        sel = planner.stats().get("selectivity_per_step")
+        if sel:
+            row["selectivity_mean"] = statistics.mean(sel)
         rows.append(row)
         print(json.dumps(row), flush=True)
     return rows
@@ -239,19 +244,20 @@ def bench_decode(lm, cap, todo, gen_tokens: int, repeats: int) -> list[dict]:
     for _ in range(repeats):  # interleaved: a neighbour's load spike hits every method alike
         for label, _, _ in todo:
             m, params, index, _, _ = built[label]
-            session = m.open(index, params, n)
-            res = generate(lm_noeos, ctx, session, params, q_ids, max_tokens=gen_tokens)
+            planner = m.open(index, params, DecodeContext(n, lm.spec, len(q_ids) + gen_tokens))
+            res = generate(lm_noeos, ctx, planner, params, q_ids, max_tokens=gen_tokens, backend="torch_ref")
             times[label].append((res.stats.steps - 1) / res.decode_s)
-            sel_ms[label].append(res.stats.select_s / res.stats.steps * 1e3)
+            sel_ms[label].append(res.stats.plan_s / res.stats.steps * 1e3)
             extra[label] = {"kv_fraction_all_layers": res.stats.kv_fraction, "first_tokens": res.token_ids[:8]}
-            if hasattr(session, "selectivity"):
-                extra[label]["selectivity_per_step"] = [round(x, 4) for x in session.selectivity]
+            sel = planner.stats().get("selectivity_per_step")
+            if sel:
+                extra[label]["selectivity_per_step"] = sel
     full_tps = statistics.median(times["full"])
     rows = []
     for label, _, _ in todo:
         tps = statistics.median(times[label])
         rows.append({"config": label, "tokens_per_s": tps, "vs_full": tps / full_tps, "runs_tps": times[label],
-                     "select_ms_per_token": statistics.median(sel_ms[label]), "build_s": built[label][3],
+                     "plan_ms_per_token": statistics.median(sel_ms[label]), "build_s": built[label][3],
                      "index_mb": built[label][4] / 2**20, **extra[label]})
         print(json.dumps({k: v for k, v in rows[-1].items() if k != "selectivity_per_step"}), flush=True)
     return rows
@@ -274,8 +280,8 @@ def bench_passkey(lm, model_dir: str, ells: list[int]) -> list[dict]:
         found, kv, answers = 0, [], []
         for key, cap in caps:
             ctx = ContextKV(cap.n_tokens, lambda nm, layer, cap=cap: (cap.k if nm == "kv/k" else cap.v)[layer])
-            session = m.open(build_index(m, params, cap), params, cap.n_tokens)
-            res = generate(lm, ctx, session, params, q_ids, max_tokens=12)
+            planner = m.open(build_index(m, params, cap), params, DecodeContext(cap.n_tokens, lm.spec, len(q_ids) + 12))
+            res = generate(lm, ctx, planner, params, q_ids, max_tokens=12, backend="torch_ref")
             text = lm.tokenizer.decode(res.token_ids)
             found += str(key) in text
             kv.append(res.stats.kv_fraction)
@@ -286,9 +292,16 @@ def bench_passkey(lm, model_dir: str, ells: list[int]) -> list[dict]:
     return rows
 
 
+TASKS = ("train", "buckets", "recall", "fidelity", "decode", "passkey")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", type=Path, default=Path("/tmp/ctxcache-bench-saap"), help="trained small model goes here")
+    ap.add_argument("--model-dir", type=Path, default=None,
+                    help="use this trained model (the `small` preset) instead of training one into OUT")
+    ap.add_argument("--tasks", nargs="+", choices=TASKS, default=list(TASKS),
+                    help="parts to run (default all; `train` also trains the paper-baseline and times the full preset)")
     ap.add_argument("--n-ctx", type=int, default=2048)
     ap.add_argument("--ells", type=int, nargs="+", default=[1, 2, 4])
     ap.add_argument("--n-queries", type=int, default=16)
@@ -303,40 +316,53 @@ def main() -> None:
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
+    tasks = set(args.tasks)
     out = {"machine": machine(), "args": {k: str(v) for k, v in vars(args).items()}}
     lm = load_model("smollm2-135m", MODEL_CACHE)
 
-    out["train_small"] = bench_train_small(lm, args.out)
+    model_dir = args.model_dir or args.out
     paper_dir = args.out.with_name(args.out.name + "-paper")
-    if args.paper_baseline:
-        out["train_small_paper"] = bench_train_small(lm, paper_dir, **PAPER_SMALL)
-    out["train_full_estimate"] = bench_full_estimate(lm, args.full_steps_timed)
+    if "train" in tasks:
+        if args.model_dir is None:
+            out["train_small"] = bench_train_small(lm, args.out)
+        if args.paper_baseline:
+            out["train_small_paper"] = bench_train_small(lm, paper_dir, **PAPER_SMALL)
+        out["train_full_estimate"] = bench_full_estimate(lm, args.full_steps_timed)
 
-    ids = lm.context_ids(natural_document(1900))
-    assert len(ids) >= args.n_ctx + args.positions, len(ids)
-    t0 = time.perf_counter()
-    cap = prefill(lm, ids[:args.n_ctx])
-    out["prefill_s"] = time.perf_counter() - t0
-    model = SaapModel.open(args.out)
-    recent = get_method("saap").Params().recent_for(args.n_ctx)
-    ells_b = sorted(set(args.ells + [8]))
-    out["buckets"] = bench_buckets(model, cap, ells_b, recent, "small")
-    if args.paper_baseline:
-        out["buckets_paper"] = bench_buckets(SaapModel.open(paper_dir), cap, ells_b, recent, "small, paper's f_q")
-    print_per_layer(out["buckets"], out.get("buckets_paper"), 2)
+    if tasks & {"buckets", "recall", "fidelity", "decode"}:
+        ids = lm.context_ids(natural_document(1900))
+        assert len(ids) >= args.n_ctx + args.positions, len(ids)
+        t0 = time.perf_counter()
+        cap = prefill(lm, ids[:args.n_ctx])
+        out["prefill_s"] = time.perf_counter() - t0
+    if "buckets" in tasks:
+        model = SaapModel.open(model_dir)
+        recent = get_method("saap").Params().recent_for(args.n_ctx)
+        ells_b = sorted(set(args.ells + [8]))
+        out["buckets"] = bench_buckets(model, cap, ells_b, recent, "small")
+        if args.paper_baseline and (paper_dir / "manifest.json").exists():
+            out["buckets_paper"] = bench_buckets(SaapModel.open(paper_dir), cap, ells_b, recent, "small, paper's f_q")
+        print_per_layer(out["buckets"], out.get("buckets_paper"), 2)
 
-    saap_cfgs = configs(str(args.out), args.ells)
-    out["recall"] = bench_recall(cap, saap_cfgs, args.n_queries)
-    out["fidelity"] = bench_fidelity(lm, cap, ids, args.positions, saap_cfgs)
-    # baselines at the budget SAAP measured at the middle ℓ (teacher-forced mean selectivity)
+    saap_cfgs = configs(str(model_dir), args.ells)
     mid = f"saap ℓ={args.ells[len(args.ells) // 2]}"
-    budget = next(r["selectivity_mean"] for r in out["fidelity"] if r["config"] == mid)
-    base = baselines(budget, args.n_ctx)
-    out["recall"] += bench_recall(cap, base, args.n_queries)
-    out["fidelity"] += bench_fidelity(lm, cap, ids, args.positions, base)
-    dec = [c for c in saap_cfgs if c[0] == mid or c[0] == f"saap ℓ={args.ells[0]}"]
-    out["decode"] = bench_decode(lm, cap, dec + base, args.gen_tokens, args.repeats)
-    out["passkey"] = bench_passkey(lm, str(args.out), args.passkey_ells)
+    if "recall" in tasks:
+        out["recall"] = bench_recall(cap, saap_cfgs, args.n_queries)
+    if tasks & {"recall", "fidelity", "decode"}:
+        # the baselines get the budget SAAP measured at the middle ℓ (its teacher-forced mean
+        # selectivity), so SAAP's fidelity runs for any of these parts
+        out["fidelity"] = bench_fidelity(lm, cap, ids, args.positions, saap_cfgs)
+        budget = next(r["selectivity_mean"] for r in out["fidelity"] if r["config"] == mid)
+        base = baselines(budget, args.n_ctx)
+        if "recall" in tasks:
+            out["recall"] += bench_recall(cap, base, args.n_queries)
+        if "fidelity" in tasks:
+            out["fidelity"] += bench_fidelity(lm, cap, ids, args.positions, base)
+        if "decode" in tasks:
+            dec = [c for c in saap_cfgs if c[0] == mid or c[0] == f"saap ℓ={args.ells[0]}"]
+            out["decode"] = bench_decode(lm, cap, dec + base, args.gen_tokens, args.repeats)
+    if "passkey" in tasks:
+        out["passkey"] = bench_passkey(lm, str(model_dir), args.passkey_ells)
     out["machine"]["loadavg_end"] = open("/proc/loadavg").read().strip()
     if args.json:
         args.json.write_text(json.dumps(out, indent=1))

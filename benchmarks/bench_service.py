@@ -23,7 +23,7 @@ from conftest import MODEL_CACHE, natural_document  # noqa: E402
 from decoder.generate import ContextKV, generate  # noqa: E402
 from decoder.model import load_model  # noqa: E402
 from decoder.prefill import prefill  # noqa: E402
-from indexer import get_method  # noqa: E402
+from indexer import DecodeContext, get_method  # noqa: E402
 from storage.artifacts import ContextStore  # noqa: E402
 from storage.keys import PromptHash  # noqa: E402
 from storage.tier import DramTier  # noqa: E402
@@ -64,7 +64,8 @@ def main() -> None:
             for name, over in [("full", {}), ("topk", {"ratio": 0.05}), ("streaming", {})]:
                 m = get_method(name)
                 p = m.Params().with_overrides(over)
-                res = generate(lm, ctx, m.open(None, p, n), p, q_ids, max_tokens=args.new)
+                planner = m.open(None, p, DecodeContext(n, lm.spec, len(q_ids) + args.new))
+                res = generate(lm, ctx, planner, p, q_ids, max_tokens=args.new)
                 steps = max(len(res.token_ids) - 1, 1)
                 dec[name] = {"tokens_per_s": steps / res.decode_s, "ttft_s": res.ttft_s, "kv_fraction": res.stats.kv_fraction}
         row = {"n_tokens": n, "prefill_tokens_per_s": n / t_prefill, "write_s": t_write, "bytes": manifest["bytes"],

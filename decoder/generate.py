@@ -2,9 +2,10 @@
 
 The model runs the question and each generated token through transformers' own modules; the
 attention hook (`decoder/attention.py`) hands every layer's attention to `DecodeStep.attend`, which
-plans (the method selects context positions for this layer and step) and runs (exact attention
-over sink + window + selection, plus the request's own tokens). The context's K/V come from the
-DRAM tier, loaded lazily per layer on first use.
+*plans* (the method's planner picks context positions for this layer and step) and *runs* (an
+attention backend computes exact attention over the frame and the plan, `decoder/backends/`).
+The context's K/V come from the caller's tiers already where the backend reads them (the GPU
+tier on a GPU worker, DRAM in offload mode or on a CPU worker): nothing is copied per step.
 """
 
 from __future__ import annotations
@@ -15,47 +16,67 @@ from dataclasses import dataclass, field
 
 import torch
 
-from decoder.attention import dense_attention, merge_selection, sparse_attention
-from indexer.base import KVView, MethodParams, MethodSession
+from decoder.backends import AttentionBackend, default_backend_name, frame_fraction, get_backend
+from indexer.base import KVView, MethodParams, Planner
 
 
 class ContextKV:
-    """Per-layer access to a context's persisted K/V; `load(name, layer)` goes through the DRAM tier."""
+    """Per-layer access to a context's K/V; `load(name, layer)` returns the tensor where the backend
+    reads it (a tier's resident copy) in the model's dtype."""
 
-    def __init__(self, n_tokens: int, load: Callable[[str, int], torch.Tensor], device: str = "cpu"):
+    def __init__(self, n_tokens: int, load: Callable[[str, int], torch.Tensor]):
         self.n_tokens = n_tokens
         self._load = load
-        self.device = device
 
     def layer(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        k = self._load("kv/k", layer).to(self.device, non_blocking=True)
-        v = self._load("kv/v", layer).to(self.device, non_blocking=True)
-        return k, v
+        return self._load("kv/k", layer), self._load("kv/v", layer)
 
 
-@dataclass
 class StepStats:
-    steps: int = 0
-    touched_sum: float = 0.0  # sum over (layer, kv head, query token) of fraction of visible KV read
-    touched_n: int = 0
-    select_s: float = 0.0
-    attend_s: float = 0.0
+    """Decode statistics, accumulated on the model's device and read back once, at the end."""
+
+    def __init__(self, n_layers: int, device):
+        self.steps = 0
+        self.plan_s = 0.0  # host time spent in plan() (launch time on a GPU)
+        self.run_s = 0.0  # host time spent in the backend (launch time on a GPU)
+        self._touched = torch.zeros(n_layers, dtype=torch.float64, device=device)  # per layer: sum of fractions
+        self._count = [0] * n_layers  # per layer: (kv head, query token) pairs summed
+
+    def add(self, layer: int, frac: torch.Tensor) -> None:  # frac [KVH, T]
+        self._touched[layer] += frac.sum()
+        self._count[layer] += frac.numel()
 
     @property
     def kv_fraction(self) -> float:
-        return self.touched_sum / max(self.touched_n, 1)
+        """Mean fraction of the visible KV read per (layer, kv head, query token)."""
+        n = sum(self._count)
+        return float(self._touched.sum()) / n if n else 0.0
+
+    def per_layer(self) -> list[float]:
+        got = self._touched.cpu().tolist()
+        return [s / c if c else 0.0 for s, c in zip(got, self._count)]
 
 
 class DecodeStep:
-    def __init__(self, spec, ctx: ContextKV, session: MethodSession, params: MethodParams, model_dtype):
+    """One request's attention for every layer of every step: plan, run, update."""
+
+    def __init__(self, spec, ctx: ContextKV, planner: Planner, params: MethodParams, backend: AttentionBackend,
+                 device):
         self.spec = spec
         self.ctx = ctx
-        self.session = session
-        self.params = params
-        self.dtype = model_dtype
-        self.q_pos: torch.Tensor | None = None
-        self.stats = StepStats()
-        self.per_layer_touched = torch.zeros(spec.num_layers, dtype=torch.float64)
+        self.planner = planner
+        self.backend = backend
+        self.sink, self.window = params.frame(ctx.n_tokens)
+        self.q_pos: torch.Tensor | None = None  # [T] on the model's device
+        self.stats = StepStats(spec.num_layers, device)
+
+    def _planning_view(self, q: torch.Tensor, kv: KVView) -> tuple[torch.Tensor, KVView]:
+        """The planner runs where the context lives: with it in host memory (offload), the query and
+        its positions go to the host (the request-local rows stay where they are)."""
+        if kv.ctx_k.device == q.device:
+            return q, kv
+        dev = kv.ctx_k.device
+        return q.to(dev), KVView(kv.ctx_k, kv.ctx_v, kv.loc_k, kv.loc_v, kv.q_pos.to(dev))
 
     def attend(self, layer: int, query, key, value, scaling) -> torch.Tensor:
         # query [1, H, T, D]; key/value [1, KVH, M, D]: the request's own tokens incl. this step's
@@ -63,30 +84,21 @@ class DecodeStep:
         kvh, g = spec.num_kv_heads, spec.group_size
         _, h, t, d = query.shape
         ctx_k, ctx_v = self.ctx.layer(layer)
-        ctx_k, ctx_v = ctx_k.to(query.dtype), ctx_v.to(query.dtype)
         q = query[0].reshape(kvh, g, t, d)  # q head i*G + j belongs to kv head i (repeat_kv order)
         kv = KVView(ctx_k, ctx_v, key[0], value[0], self.q_pos)
         t0 = time.perf_counter()
-        custom = self.session.attend(layer, q, kv)
-        sel = self.session.select(layer, q, kv) if custom is None else None
+        pq, pkv = self._planning_view(q, kv)
+        plan = self.planner.plan(layer, pq, pkv)
         t1 = time.perf_counter()
-        if custom is not None:
-            out, frac = custom
-            frac = frac.double().cpu()
-        elif sel is None:
-            out = dense_attention(q, ctx_k, ctx_v, key[0], value[0], scaling)
-            frac = torch.ones(kvh, t, dtype=torch.float64)
-        else:
-            idx = merge_selection(sel, self.q_pos, self.params.sink, self.params.window)
-            out = sparse_attention(q, idx, ctx_k, ctx_v, key[0], value[0], scaling)
-            frac = (idx >= 0).sum(-1).double() / (self.q_pos[None, :].double() + 1)
+        out = self.backend.run(q, kv, plan, self.sink, self.window, scaling)
         t2 = time.perf_counter()
-        self.session.append(layer, key[0, :, -t:], value[0, :, -t:], self.q_pos)
-        self.stats.select_s += t1 - t0
-        self.stats.attend_s += t2 - t1
-        self.stats.touched_sum += float(frac.sum())
-        self.stats.touched_n += frac.numel()
-        self.per_layer_touched[layer] += float(frac.mean())
+        new_k, new_v = key[0, :, -t:], value[0, :, -t:]
+        if pq.device != q.device:
+            new_k, new_v = new_k.to(pq.device), new_v.to(pq.device)
+        self.planner.update(layer, new_k, new_v, pkv.q_pos)
+        self.stats.plan_s += t1 - t0
+        self.stats.run_s += t2 - t1
+        self.stats.add(layer, frame_fraction(plan, kv, self.sink, self.window))
         return out.reshape(h, t, d).transpose(0, 1).unsqueeze(0)  # [1, T, H, D]
 
 
@@ -96,30 +108,34 @@ class GenerationResult:
     finish_reason: str = "length"
     ttft_s: float = 0.0
     decode_s: float = 0.0
-    stats: StepStats = field(default_factory=StepStats)
+    stats: StepStats | None = None
 
 
 @torch.inference_mode()
 def generate(
     lm,
     ctx: ContextKV,
-    session: MethodSession,
+    planner: Planner,
     params: MethodParams,
     question_ids: list[int],
     *,
+    backend: AttentionBackend | str | None = None,
     max_tokens: int = 64,
     temperature: float = 0.0,
     seed: int | None = None,
     on_token: Callable[[int], None] | None = None,
     should_stop: Callable[[], bool] | None = None,
 ) -> GenerationResult:
-    """Greedy (temperature 0) or temperature sampling over context + question."""
+    """Greedy (temperature 0) or temperature sampling over context + question. `backend`: an
+    attention backend or its name; default `triton` on a GPU when available, else `torch_ref`."""
     from transformers import DynamicCache
 
     model = lm.model
     device = next(model.parameters()).device
+    if backend is None or isinstance(backend, str):
+        backend = get_backend(backend or default_backend_name(device))
     n = ctx.n_tokens
-    step = DecodeStep(lm.spec, ctx, session, params, model.dtype)
+    step = DecodeStep(lm.spec, ctx, planner, params, backend, device)
     cache = DynamicCache(config=model.config)
     gen = torch.Generator(device="cpu")
     if seed is not None:
@@ -129,34 +145,36 @@ def generate(
     inp = torch.tensor([question_ids], dtype=torch.long, device=device)
     pos = n
     t_first = None
-    for i in range(max_tokens):
-        t = inp.shape[1]
-        step.q_pos = torch.arange(pos, pos + t, device=device)
-        out = model(
-            input_ids=inp, position_ids=step.q_pos[None], past_key_values=cache,
-            use_cache=True, logits_to_keep=1, ctx_step=step,
-        )
-        step.stats.steps += 1
-        logits = out.logits[0, -1].float()
-        if temperature <= 0:
-            tok = int(torch.argmax(logits))
-        else:
-            probs = torch.softmax(logits / temperature, dim=-1).cpu()
-            tok = int(torch.multinomial(probs, 1, generator=gen))
-        if t_first is None:
-            t_first = time.perf_counter()
-            res.ttft_s = t_first - t_start
-        pos += t
-        if tok in lm.eos_token_ids:
-            res.finish_reason = "stop"
-            break
-        res.token_ids.append(tok)
-        if on_token is not None:
-            on_token(tok)
-        if should_stop is not None and should_stop():
-            res.finish_reason = "cancelled"
-            break
-        inp = torch.tensor([[tok]], dtype=torch.long, device=device)
+    try:
+        for _ in range(max_tokens):
+            t = inp.shape[1]
+            step.q_pos = torch.arange(pos, pos + t, device=device)
+            out = model(
+                input_ids=inp, position_ids=step.q_pos[None], past_key_values=cache,
+                use_cache=True, logits_to_keep=1, ctx_step=step,
+            )
+            step.stats.steps += 1
+            logits = out.logits[0, -1].float()
+            if temperature <= 0:
+                tok = int(torch.argmax(logits))
+            else:
+                probs = torch.softmax(logits / temperature, dim=-1).cpu()
+                tok = int(torch.multinomial(probs, 1, generator=gen))
+            if t_first is None:
+                t_first = time.perf_counter()
+                res.ttft_s = t_first - t_start
+            pos += t
+            if tok in lm.eos_token_ids:
+                res.finish_reason = "stop"
+                break
+            res.token_ids.append(tok)
+            if on_token is not None:
+                on_token(tok)
+            if should_stop is not None and should_stop():
+                res.finish_reason = "cancelled"
+                break
+            inp = torch.tensor([[tok]], dtype=torch.long, device=device)
+    finally:
+        planner.close()  # the request ends here, also on an error
     res.decode_s = time.perf_counter() - (t_first or t_start)
-    session.close()  # the request ends here (a session dropped on an error is released when collected)
     return res

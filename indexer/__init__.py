@@ -1,10 +1,12 @@
 """Sparse-attention methods: one module per method, one interface (`indexer.base`)."""
 
 from indexer.base import (  # noqa: F401
+    DecodeContext,
     IndexReader,
     KVView,
     MethodParams,
-    MethodSession,
+    Plan,
+    Planner,
     PrefillCapture,
     SparseMethod,
     get_method,

@@ -1,12 +1,15 @@
-"""Selection helpers shared by the sparse methods: positions -> K/V rows, candidate scoring and
-top-K, duplicate removal, nearest centroids and CSR cluster expansion. Pure tensor functions over
-the decode layout (`indexer.base.KVView`): context rows [KVH, N, D], request-local rows [KVH, M, D],
-absolute positions with -1 for an empty slot. Not a method (the leading underscore keeps method
-discovery from importing it as one)."""
+"""Selection helpers shared by the planners: positions -> K/V rows, the selectable range, candidate
+scoring and top-K, duplicate removal, nearest centroids and CSR cluster expansion with a fixed
+width. Pure tensor functions over the decode layout (`indexer.base.KVView`): context rows
+[KVH, N, D], absolute positions, -1 for an empty slot. Every function keeps shapes fixed by its
+arguments and reads nothing back on the host, so a planner built from them is sync-free.
+Not a method (the leading underscore keeps method discovery from importing it as one)."""
 
 from __future__ import annotations
 
 import torch
+
+from indexer.base import frame_bounds, frame_rows
 
 
 def gather_rows(x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
@@ -25,21 +28,37 @@ def gather_rows(x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
         rows = x.as_strided(((h - 1) * step + n, *tail), x.stride()[1:])
     else:
         rows, step = x.contiguous().reshape(h * n, *tail), n
-    flat = idx + torch.arange(h, device=idx.device).view(h, *([1] * (idx.dim() - 1))) * step
+    flat = idx.long() + torch.arange(h, device=idx.device).view(h, *([1] * (idx.dim() - 1))) * step
     return rows.index_select(0, flat.reshape(-1)).view(*idx.shape, *tail)
 
 
-def gather_positions(pos: torch.Tensor, ctx: torch.Tensor, loc: torch.Tensor, maybe_local: bool = True) -> torch.Tensor:
-    """pos [KVH, T, P] absolute positions (-1 = none) -> rows [KVH, T, P, D] from ctx [KVH, N, D] or
-    loc [KVH, M, D] (positions >= N are request-local). Invalid slots get an arbitrary row (mask them)."""
+def bmm_f32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """a [B, M, K] @ b [B, K, N] -> [B, M, N] float32, accumulated in float32. On a GPU, bf16/fp16
+    operands stay in their dtype (cuBLAS with a float32 output): no float32 copy of a large b, such
+    as a 128K-token context's keys (512 MB per layer at the 8B shape). Elsewhere both are upcast."""
+    if a.is_cuda and a.dtype == b.dtype and a.dtype in (torch.bfloat16, torch.float16):
+        return torch.bmm(a, b, out_dtype=torch.float32)
+    return torch.bmm(a.float(), b.float())
+
+
+def gather_context(ctx: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+    """pos [KVH, T, P] context positions (-1 = none) -> rows [KVH, T, P, D] of ctx [KVH, N, D].
+    Invalid slots get an arbitrary row (mask them)."""
     kvh, t, p = pos.shape
-    n, m, d = ctx.shape[1], loc.shape[1], ctx.shape[2]
-    flat = pos.reshape(kvh, t * p)
-    head = torch.arange(kvh, device=pos.device)[:, None]
-    out = ctx[head, flat.clamp(0, n - 1)]  # [KVH, T*P, D] (advanced indexing: no copy of ctx)
-    if maybe_local and m > 0 and bool((flat >= n).any()):
-        out = torch.where((flat >= n)[..., None], loc[head, (flat - n).clamp(0, m - 1)], out)
-    return out.view(kvh, t, p, d)
+    n = ctx.shape[1]
+    return gather_rows(ctx, pos.reshape(kvh, t * p).clamp(0, n - 1)).view(kvh, t, p, ctx.shape[-1])
+
+
+def selectable(pos: torch.Tensor, q_pos: torch.Tensor, n_ctx: int, sink: int, window: int) -> torch.Tensor:
+    """pos [..., T, P] positions -> bool: inside the context and outside the frame's sink and
+    window for that query token (what a plan may select; `indexer.base.frame_bounds`)."""
+    s_end, w_lo = frame_bounds(q_pos, n_ctx, sink, window)
+    return (pos >= s_end) & (pos < w_lo[:, None])
+
+
+def selectable_mask(q_pos: torch.Tensor, n_ctx: int, sink: int, window: int) -> torch.Tensor:
+    """[T, N] bool: which context positions a plan may select, per query token."""
+    return selectable(torch.arange(n_ctx, device=q_pos.device).expand(q_pos.shape[0], n_ctx), q_pos, n_ctx, sink, window)
 
 
 def dedup_positions(pos: torch.Tensor, size: int) -> torch.Tensor:
@@ -61,41 +80,55 @@ def dedup_positions(pos: torch.Tensor, size: int) -> torch.Tensor:
     return torch.where(keep, rows, -1).view_as(pos)
 
 
-def candidate_mass(q: torch.Tensor, cand: torch.Tensor, kv) -> torch.Tensor:
-    """Group attention mass restricted to a candidate set.
+def frame_logsumexp(q: torch.Tensor, kv, sink: int, window: int) -> torch.Tensor:
+    """[KVH, G, T] fp32: log sum exp(q·k / sqrt(D)) per query head over the rows the frame attends
+    (the sink, the context part of the recent window, the visible request-local rows). Fixed shape:
+    sink + window context rows (masked past the context) and every local slot (masked by q_pos)."""
+    kvh, g, t, d = q.shape
+    n = kv.n_ctx
+    rows, ok, _ = frame_rows(None, kv.q_pos, n, kvh, sink, window)  # [KVH, T, R]
+    k_rows = gather_context(kv.ctx_k, rows)  # [KVH, T, R, D]
+    qf = q.float()
+    s_ctx = torch.einsum("hgtd,htrd->hgtr", qf, k_rows.float()).masked_fill(~ok[:, None], float("-inf"))
+    m = kv.loc_k.shape[1]
+    loc_ok = (n + torch.arange(m, device=q.device))[None, :] <= kv.q_pos[:, None]  # [T, M]
+    s_loc = torch.einsum("hgtd,hmd->hgtm", qf, kv.loc_k.float()).masked_fill(~loc_ok[None, None], float("-inf"))
+    return torch.logsumexp(torch.cat([s_ctx, s_loc], dim=-1) * d ** -0.5, dim=-1)
 
-    q [KVH, G, T, D]; cand [KVH, T, U] positions in [0, N + M) (-1 = empty, no duplicates).
-    Returns [KVH, T, U]: sum over the group of softmax(q·k / sqrt(D)) over the query's visible
-    candidates (what `indexer.topk.group_attention_mass` computes over all tokens); -1 where the
-    slot is empty or after the query (causal).
+
+def candidate_mass(q: torch.Tensor, cand: torch.Tensor, ctx_k: torch.Tensor, ok: torch.Tensor,
+                   frame_lse: torch.Tensor | None = None) -> torch.Tensor:
+    """Group attention mass restricted to a candidate set of context positions.
+
+    q [KVH, G, T, D]; cand [KVH, T, U] context positions; ok [KVH, T, U] which slots count (valid,
+    selectable, no duplicates). Returns [KVH, T, U]: sum over the group of softmax(q·k / sqrt(D)),
+    each head's softmax taken over its ok candidates and, when `frame_lse` ([KVH, G, T], from
+    `frame_logsumexp`) is given, over the frame's rows too; -1 where not ok.
+
+    Pass `frame_lse` when ranking for a plan: the group sum weighs each head by its own normaliser,
+    and over the candidates alone a head that puts most of its mass on the sink (common in real
+    models) is normalised over its small remainder and outweighs the rest of its group, so the pooled
+    ranking departs from the oracle's (`indexer.topk`: softmax over every visible token). With the
+    frame in the denominator, candidates = every selectable token gives exactly the oracle's score
+    (measured on real captured Q/K: benchmarks/RESULTS_ctkvr_kivf.md, plan/run section).
     """
     kvh, g, t, d = q.shape
-    u = cand.shape[-1]
-    n, m = kv.ctx_k.shape[1], kv.loc_k.shape[1]
-    valid = (cand >= 0) & (cand <= kv.q_pos[None, :, None])
-    in_ctx = valid & (cand < n)
-    k_sel = gather_rows(kv.ctx_k, torch.where(in_ctx, cand, 0).reshape(kvh, t * u)).view(kvh, t, u, d)
-    s = torch.einsum("hgtd,htud->hgtu", q, k_sel)  # [KVH, G, T, U]
-    if m > 0:  # request-local candidates: score all M local keys (few), pick per slot
-        s_loc = torch.einsum("hgtd,hmd->hgtm", q, kv.loc_k)
-        li = (cand - n).clamp(0, m - 1)[:, None].expand(kvh, g, t, u)
-        s = torch.where((valid & ~in_ctx)[:, None], s_loc.gather(-1, li), s)
-    s = (s * d ** -0.5).float().masked_fill(~valid[:, None], float("-inf"))
-    mass = torch.softmax(s, dim=-1).sum(dim=1)  # rows with no valid slot give NaN, masked next
-    return torch.where(valid, mass, -1.0)
+    k_sel = gather_context(ctx_k, torch.where(ok, cand, 0))  # [KVH, T, U, D]
+    s = torch.einsum("hgtd,htud->hgtu", q.float(), k_sel.float()) * d ** -0.5
+    s = s.masked_fill(~ok[:, None], float("-inf"))
+    lse = torch.logsumexp(s, dim=-1)  # [KVH, G, T]
+    if frame_lse is not None:
+        lse = torch.logaddexp(lse, frame_lse)
+    mass = torch.exp(s - lse[..., None]).sum(dim=1)  # rows with nothing at all give NaN, masked next
+    return torch.where(ok, mass, -1.0)
 
 
-def top_positions(mass: torch.Tensor, cand: torch.Tensor, k: int) -> torch.Tensor:
-    """The k candidates of largest mass -> positions [KVH, T, min(k, U)] (-1 where none is left)."""
+def top_positions(score: torch.Tensor, cand: torch.Tensor, k: int) -> torch.Tensor:
+    """The k candidates of largest score (score < 0 = not a candidate) -> positions
+    [KVH, T, min(k, U)] int32, best first, -1 where none is left."""
     k = min(k, cand.shape[-1])
-    val, at = torch.topk(mass, k, dim=-1, sorted=True)
-    return torch.where(val >= 0, cand.gather(-1, at), -1)
-
-
-def local_positions(kv, kvh: int, t: int) -> torch.Tensor:
-    """Every request-local position n..n+M-1, as a [KVH, T, M] candidate block."""
-    loc = torch.arange(kv.n_ctx, kv.n_ctx + kv.n_local, device=kv.q_pos.device)
-    return loc.expand(kvh, t, kv.n_local)
+    val, at = torch.topk(score, k, dim=-1, sorted=True)
+    return torch.where(val >= 0, cand.gather(-1, at), -1).to(torch.int32)
 
 
 def nearest_centroid(x: torch.Tensor, cent: torch.Tensor, c_sq: torch.Tensor | None = None) -> torch.Tensor:
@@ -109,72 +142,34 @@ def nearest_centroid(x: torch.Tensor, cent: torch.Tensor, c_sq: torch.Tensor | N
     return s.argmax(-1)
 
 
-def expand_clusters(probe: torch.Tensor, order: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
-    """Key ids of the probed clusters as one padded block.
+def probe_width(offsets: torch.Tensor, nprobe: int) -> int:
+    """Host int: the most keys `nprobe` clusters can hold, over heads: the sum of the nprobe largest
+    cluster sizes. offsets [KVH, C + 1] (any device; read once, when a planner opens a layer)."""
+    sizes = (offsets[:, 1:] - offsets[:, :-1]).long()
+    p = min(nprobe, sizes.shape[1])
+    return int(sizes.topk(p, dim=-1).values.sum(-1).max().item()) if p > 0 else 0
 
-    probe [KVH, T, P] cluster ids; order [KVH, N]; offsets [KVH, C + 1] -> [KVH, T, U] key ids
-    (-1 = padding), U = the largest total size of a row's probed clusters.
+
+def expand_clusters(probe: torch.Tensor, order: torch.Tensor, offsets: torch.Tensor, width: int) -> torch.Tensor:
+    """Key ids of the probed clusters as one padded block of a fixed width.
+
+    probe [KVH, T, P] cluster ids; order [KVH, N]; offsets [KVH, C + 1] -> [KVH, T, width] key ids
+    (-1 = padding). `width` should be `probe_width(offsets, P)` (then nothing is cut); a smaller
+    width keeps the first `width` keys of the concatenation in probe order.
     """
     kvh, t, p = probe.shape
+    dev = probe.device
+    if width == 0:
+        return torch.full((kvh, t, 0), -1, dtype=torch.int64, device=dev)
     flat = probe.reshape(kvh, t * p)
+    offsets = offsets.long()
     start = offsets.gather(1, flat).view(kvh, t, p)
     size = offsets.gather(1, flat + 1).view(kvh, t, p) - start
     end = size.cumsum(-1)  # [KVH, T, P] end of each probed cluster in the concatenation
-    u = int(end[..., -1].max()) if end.numel() else 0
-    if u == 0:
-        return torch.empty(kvh, t, 0, dtype=torch.int64, device=probe.device)
-    j = torch.arange(u, device=probe.device).expand(kvh, t, u).contiguous()
+    j = torch.arange(width, device=dev).expand(kvh, t, width).contiguous()
     which = torch.searchsorted(end.contiguous(), j, right=True).clamp(max=p - 1)  # probed cluster holding slot j
     src = start.gather(-1, which) + j - (end - size).gather(-1, which)
     valid = j < end[..., -1:]
     n = order.shape[1]
-    ids = gather_rows(order, src.clamp(0, n - 1).reshape(kvh, t * u)).view(kvh, t, u).long()
+    ids = gather_rows(order, src.clamp(0, n - 1).reshape(kvh, t * width)).view(kvh, t, width).long()
     return torch.where(valid, ids, -1)
-
-
-class RequestBuckets:
-    """The bucket (cluster) of every key a request appends, per layer, for methods whose context keys
-    sit in buckets (kivf, saap). Private to one session: the persisted partition is never written.
-
-    Request keys arrive in position order (offsets 0, 1, ... after the context). A step's keys are
-    bucketed by `select`, which runs before their `append`; `todo` tells each caller which offsets
-    are still unbucketed, so no key is bucketed twice. Capacity doubles, so a request of M tokens
-    copies O(M) ids in all instead of O(M^2), and the bookkeeping is host integers: no step reads a
-    device value back."""
-
-    def __init__(self) -> None:
-        self._ids: dict[int, torch.Tensor] = {}  # layer -> [KVH, capacity] int64
-        self._n: dict[int, int] = {}  # layer -> leading request keys bucketed
-        self._appended: dict[int, int] = {}  # layer -> request keys seen by `append`
-
-    def count(self, layer: int) -> int:
-        return self._n.get(layer, 0)
-
-    def todo(self, layer: int, m: int) -> range:
-        """Offsets of the first `m` request keys that are not bucketed yet."""
-        return range(self.count(layer), m)
-
-    def appended(self, layer: int, t: int) -> range:
-        """`append` of the next `t` keys: the offsets among them still to bucket."""
-        total = self._appended[layer] = self._appended.get(layer, 0) + t
-        return self.todo(layer, total)
-
-    def add(self, layer: int, start: int, ids: torch.Tensor) -> None:
-        """ids [KVH, T]: the buckets of request keys at offsets start .. start + T - 1."""
-        end = start + ids.shape[1]
-        cur = self._ids.get(layer)
-        if cur is None or cur.shape[1] < end:
-            cap = max(end, 16, 2 * (0 if cur is None else cur.shape[1]))
-            grown = torch.zeros(ids.shape[0], cap, dtype=torch.int64, device=ids.device)
-            if cur is not None:
-                grown[:, : cur.shape[1]] = cur
-            cur = self._ids[layer] = grown
-        cur[:, start:end] = ids
-        self._n[layer] = max(self.count(layer), end)
-
-    def view(self, layer: int, m: int | None = None) -> torch.Tensor:
-        """[KVH, m] buckets of the first m request keys (default: all bucketed)."""
-        return self._ids[layer][:, : self.count(layer) if m is None else m]
-
-    def as_dict(self) -> dict[int, torch.Tensor]:
-        return {layer: self.view(layer) for layer in self._ids}

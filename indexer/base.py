@@ -1,19 +1,41 @@
-"""The sparse-method interface. Every method (full, topk, streaming, csattn, ...) is one module in
-`indexer/` that defines a `SparseMethod` subclass decorated with `@register`; the service finds it
-by name, so adding a method is adding a file.
+"""The sparse-method interface: methods *plan*, attention backends *run*.
+
+Every method (full, topk, streaming, csattn, ...) is one module in `indexer/` that defines a
+`SparseMethod` subclass decorated with `@register`; the service finds it by name, so adding a
+method is adding a file. The split follows flashinfer's `plan()`/`run()` and vLLM's metadata
+builder / attention impl: a method decides *which* context tokens a query attends; it never
+computes attention. `decoder/backends/` computes it (`torch_ref`, the reference; `offload`,
+context K/V in host memory; `triton`, fused kernels).
 
 Life cycle, in faiss terms (`train/add/search`):
 
-* `build(prefill, params, env) -> {name: tensor}`: prefill worker, once per context. Input: the
+* `validate_configuration(spec, params, env) -> [reasons]`: empty when the method can run here.
+* `build(capture, params, env) -> {name: tensor}`: prefill worker, once per context. Input: the
   captured post-RoPE Q/K/V of every layer. Output: arrays with a leading layer dimension, persisted
-  with the context (`storage/artifacts.py`), loaded lazily per layer by the decode worker.
-* `open(index, params, n_ctx, env) -> MethodSession`: decode worker, once per request. The session holds
-  the request's private state; the persisted arrays (shared by all requests, cached in DRAM) are
-  never mutated.
-* `session.select(layer, q, kv) -> positions`: once per layer and decode step ("plan"); the
-  decoder unions the result with sink + recent window and runs exact attention over it ("run").
-* `session.append(layer, k, v, positions)`: the keys the request just appended (question and
-  generated tokens), for methods that keep their index current while decoding.
+  with the context (`storage/artifacts.py`), served per layer by the decode worker's tiers
+  (GPU > DRAM > zarr) and never written afterwards.
+* `open(index, params, ctx) -> Planner`: decode worker, once per request; the planner holds the
+  request's private state.
+* `planner.plan(layer, q, kv) -> Plan`: once per layer and decode step. The context positions the
+  query group attends besides the *frame* (below), as a fixed-shape tensor.
+* `planner.update(layer, k, v, positions)`: after the step's attention; the planner commits what
+  it learned from the step (CTkvr's centroid FIFO, LFPS's score tables). `plan` only reads state,
+  so a plan can be made ahead or thrown away.
+
+The decode frame (attended by every backend, for every method; `frame_bounds`):
+
+* the first `sink` context tokens, the context tokens inside the recent `window` of the query, and
+  **every request-local token** (question + generated so far, causal). A request's own tokens are
+  bounded by the service (question + max_tokens), so attending all of them costs at most a few
+  hundred rows, needs no search and no index, and removes every request-length-dependent shape
+  from the plans;
+* plus the plan's positions: context positions in [0, N) outside the sink and the window (a
+  backend masks any that fall inside them, so nothing is counted twice).
+
+Plans are fixed-shape and sync-free: `positions` is [KVH, T, K] int32 with K fixed by
+(params, n_ctx, the index) and -1 for an empty slot; nothing in `plan`/`update` reads a device
+value back on the host (no `.item()`, `bool(t)`, `nonzero`, data-dependent shapes), so a decode
+step can be captured in a CUDA graph.
 
 Parameters are one pydantic model per method (`extra="forbid"`, every field constrained), so bad
 values are rejected with a 4xx before any work starts. Fields listed in `build_fields` change the
@@ -25,6 +47,7 @@ from __future__ import annotations
 
 import importlib
 import logging
+import math
 import os
 import pkgutil
 from abc import ABC, abstractmethod
@@ -74,8 +97,24 @@ class MethodEnv:
         return cls(Path(os.environ.get("CTXCACHE_DATA_DIR", "data")))
 
 
+def budget(n: int, *, k: int | None = None, ratio: float | None = None, default: int | None = None) -> int:
+    """Tokens a top-K method selects over a context of n tokens: `k` if set, else ceil(ratio·n),
+    else `default`; at least 1, at most n. The one budget rule every method uses (plans are sized
+    from the context, never from the request's growing length)."""
+    if k is not None:
+        got = k
+    elif ratio is not None:
+        got = math.ceil(ratio * n)
+    elif default is not None:
+        got = default
+    else:
+        raise ValueError("budget needs k, ratio or a default")
+    return max(1, min(got, n))
+
+
 class MethodParams(BaseModel):
-    """Decode frame shared by every method: exact attention over sink + recent window + selection."""
+    """The decode frame shared by every method: exact attention over the sink, the recent window,
+    the request's own tokens and the plan's positions."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -89,6 +128,11 @@ class MethodParams(BaseModel):
 
     def with_overrides(self, overrides: dict) -> "MethodParams":
         return type(self).model_validate({**self.model_dump(), **overrides})
+
+    def frame(self, n_ctx: int) -> tuple[int, int]:
+        """(sink, window) the backend attends for a context of n_ctx tokens. A method whose dense
+        part depends on the context length (SAAP's `recent`) widens the window here."""
+        return self.sink, self.window
 
 
 @dataclass
@@ -110,13 +154,26 @@ class PrefillCapture:
         return self.k.shape[2]
 
 
+@dataclass(frozen=True)
+class DecodeContext:
+    """What `open` learns about the request: the context length, the model's shape, the most
+    request-local tokens the request can have (question + max new tokens: private state that grows
+    with the request is allocated once at this size) and the method environment."""
+
+    n_ctx: int
+    spec: object = None
+    max_local: int = 1024
+    env: MethodEnv | None = None
+
+
 @dataclass
 class KVView:
     """Keys/values one decode step may look at, for one layer.
 
-    ctx_k/ctx_v: the persisted context [KVH, N, D]; loc_k/loc_v: the request's own tokens
-    [KVH, M, D] (the last T of them are this step's queries). Positions: context 0..N-1, then
-    N..N+M-1. q_pos: [T] absolute positions of the query tokens.
+    ctx_k/ctx_v: the persisted context [KVH, N, D] (positions 0..N-1); loc_k/loc_v: the request's own
+    tokens [KVH, M, D] at positions N..N+M-1. M may be a capacity: slots after the last query are
+    unused, and which ones a query sees follows from q_pos alone (local slot j is visible to query
+    t iff N + j <= q_pos[t]). q_pos: [T] absolute positions of the query tokens, on the query's device.
     """
 
     ctx_k: torch.Tensor
@@ -129,13 +186,69 @@ class KVView:
     def n_ctx(self) -> int:
         return self.ctx_k.shape[1]
 
+
+def frame_bounds(q_pos: torch.Tensor, n_ctx: int, sink: int, window: int) -> tuple[int, torch.Tensor]:
+    """The frame's context part per query token: the sink is [0, s_end), the window is
+    [w_lo[t], n_ctx); a plan selects in [s_end, w_lo[t]). Returns (s_end, w_lo [T] int64).
+
+    Queries are request tokens (q_pos >= n_ctx), so the window covers at most `window` - 1 context
+    tokens, and none once the request is `window` tokens long."""
+    s_end = min(sink, n_ctx)
+    w_lo = (q_pos.long() - window + 1).clamp(min=s_end, max=n_ctx)
+    return s_end, w_lo
+
+
+def frame_rows(positions: torch.Tensor | None, q_pos: torch.Tensor, n_ctx: int, kvh: int, sink: int, window: int
+               ) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """Context rows one step attends, fixed shape: (rows [KVH, T, R] int64 in [0, N), ok [KVH, T, R]
+    bool, n_frame). R = n_frame + K; the first n_frame = s_end + window slots are the sink and the
+    window (ok where inside the context), the last K the plan's positions (ok where valid and not
+    already in the sink or window: duplicates are masked here, never sorted away)."""
+    s_end, w_lo = frame_bounds(q_pos, n_ctx, sink, window)
+    t = q_pos.shape[0]
+    dev = q_pos.device
+    win = w_lo[:, None] + torch.arange(window, device=dev)  # [T, W]
+    fixed = torch.cat([torch.arange(s_end, device=dev).expand(t, s_end), win], dim=-1)
+    fixed_ok = torch.cat([torch.ones(t, s_end, dtype=torch.bool, device=dev), win < n_ctx], dim=-1)
+    rows, ok = fixed.expand(kvh, t, -1), fixed_ok.expand(kvh, t, -1)
+    if positions is not None:
+        pos = positions.to(dev).long()
+        pos_ok = (pos >= s_end) & (pos < w_lo[None, :, None])
+        rows, ok = torch.cat([rows, pos], dim=-1), torch.cat([ok, pos_ok], dim=-1)
+    return rows.clamp(0, max(n_ctx - 1, 0)), ok, s_end + window
+
+
+@dataclass
+class Plan:
+    """One layer's decode-step plan: what the query group attends besides the frame.
+
+    positions: [KVH, T, K] int32 context positions in [0, N), distinct within a row, -1 = empty
+        slot; K is fixed for (params, n_ctx, index), never by the step. None = dense attention over
+        every visible token.
+    bypass: optional [KVH, G, T] bool: query heads that ignore `positions` (frame only), e.g.
+        LFPS's highly sparse heads.
+    rest_logit / rest_value: optional pseudo-token standing for the context tokens a head does not
+        attend (LFPS's bypass output: the mean value, weighted by a log-normal estimate of their
+        mass): logit [KVH, G, T] fp32 (-inf = none), value [KVH, D].
+    """
+
+    positions: torch.Tensor | None
+    bypass: torch.Tensor | None = None
+    rest_logit: torch.Tensor | None = None
+    rest_value: torch.Tensor | None = None
+
+    @classmethod
+    def dense(cls) -> "Plan":
+        return cls(None)
+
     @property
-    def n_local(self) -> int:
-        return self.loc_k.shape[1]
+    def is_dense(self) -> bool:
+        return self.positions is None
 
 
 class IndexReader:
-    """Lazy, per-layer access to one method's persisted arrays (through the DRAM tier)."""
+    """Per-layer access to one method's persisted arrays, served by the decode worker's tiers
+    (resident on the planning device after the first use). Read only."""
 
     def __init__(self, load_layer, names: list[str]):
         self._load_layer = load_layer  # (name, layer) -> tensor
@@ -145,31 +258,32 @@ class IndexReader:
         return self._load_layer(name, layer)
 
 
-class MethodSession(ABC):
-    """Per-request state of a method. Private to one request."""
+class Planner(ABC):
+    """Per-request state of a method. Private to one request.
+
+    `graph_safe`: whether a one-token step's plan()/update() may be captured once in a CUDA graph
+    and replayed (`decoder.runner`): True unless plan()/update() branch on host-side state that
+    changes per step (csattn with a search period > 1 reuses a plan by a host-side count) or
+    allocate persistent state after the request's first one-token step. Host-side counters kept for
+    `stats()` only are allowed; they undercount replayed steps."""
+
+    graph_safe: bool = True
 
     @abstractmethod
-    def select(self, layer: int, q: torch.Tensor, kv: KVView) -> torch.Tensor | None:
-        """q: [KVH, G, T, D] post-RoPE queries. Return positions [KVH, T, K] (int64, -1 = empty
-        slot) in [0, N + M) shared by the GQA group, or None for dense attention over everything."""
+    def plan(self, layer: int, q: torch.Tensor, kv: KVView) -> Plan:
+        """q: [KVH, G, T, D] post-RoPE queries on the planning device. Fixed shape, no host sync."""
 
-    def append(self, layer: int, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor) -> None:
-        """k, v: [KVH, T, D] keys/values the request just appended at `positions` [T]."""
-
-    def attend(self, layer: int, q: torch.Tensor, kv: KVView) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """Optional: compute the attention output itself, for methods whose output is not exact
-        attention over a token set (e.g. LFPS's bypass for highly sparse heads). Return
-        (out [KVH, G, T, D], fraction of visible KV read [KVH, T]) or None to use select()."""
-        return None
-
-    def close(self) -> None:
-        """Optional: release what the session holds besides memory (csattn's worker thread) when
-        the request ends; `decoder.generate.generate` calls it. Idempotent."""
+    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor) -> None:
+        """k, v: [KVH, T, D] keys/values the request just appended at `positions` [T], after the
+        step's attention. Commit what this layer's last plan learned (optional)."""
 
     def stats(self) -> dict:
         """Method-specific numbers of this request (JSON-able), returned in the completion's
-        `stats.method_stats` (e.g. SAAP's selectivity per step). Empty by default."""
+        `stats.method_stats`. Read back from the device here, never during a step. Empty by default."""
         return {}
+
+    def close(self) -> None:
+        """Release what the planner holds besides memory. Idempotent."""
 
 
 class SparseMethod(ABC):
@@ -177,11 +291,6 @@ class SparseMethod(ABC):
     Params: ClassVar[type[MethodParams]] = MethodParams
     version: ClassVar[int] = 1  # bump when the persisted layout of `build` changes
     has_index: ClassVar[bool] = False  # True when `build` persists arrays
-
-    def host_resident(self, params: MethodParams) -> bool:
-        """True: the decoder keeps this request's context K/V and index arrays in host memory even
-        when the model runs on a GPU; the session ships what attention needs (csattn's offload mode)."""
-        return False
 
     def validate_configuration(self, spec, params: MethodParams, env: MethodEnv | None = None) -> list[str]:
         """Reasons this method cannot run for this model/params (empty = fine)."""
@@ -191,8 +300,7 @@ class SparseMethod(ABC):
         return {}
 
     @abstractmethod
-    def open(self, index: IndexReader | None, params: MethodParams, n_ctx: int,
-             env: MethodEnv | None = None) -> MethodSession: ...
+    def open(self, index: IndexReader | None, params: MethodParams, ctx: DecodeContext) -> Planner: ...
 
     def index_id(self, params: MethodParams, spec=None, env: MethodEnv | None = None) -> str:
         """The identity of the index `build` makes from these params: `<name>-<sha256 of version and
@@ -220,7 +328,7 @@ def _discover() -> None:
     import indexer
 
     for mod in pkgutil.iter_modules(indexer.__path__):
-        if not mod.name.startswith("_") and mod.name != "base":
+        if not mod.name.startswith("_") and mod.name != "base" and not mod.ispkg:  # packages hold helpers (kernels/)
             try:
                 importlib.import_module(f"indexer.{mod.name}")
             except Exception as e:  # noqa: BLE001 - one broken method module must not take the service down

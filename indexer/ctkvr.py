@@ -18,43 +18,65 @@ Build (prefill worker, once per context; `build_fields`: `n_centroids`, `list_si
     should rank every key a decode query can see (the paper does the same, Q^(c)·K over all K).
   * The work is chunked over centroids so one layer never materialises more than ~2^24 scores.
 
-Decode (`select`, per layer and step; all KV heads and query tokens batched, no Python loops)
+Decode: `plan` (per layer and step; all KV heads and query tokens batched, fixed shapes, no host
+sync) selects context positions only -- the frame (sink, recent window, every request-local token)
+is attended by the backend anyway (`indexer.base`):
   1. recall: cosine of each query head to its centroid head, max over the group (paper Alg. 2
-     lines 1-2) -> the C' = `probe` [4] best centroids per KV head and query token -> gather their
-     lists -> deduplicated union (a scatter into a per-row table, no sort; `dedup_positions`).
-  2. the request's own tokens (question + generated, positions n..n+M-1) are always candidates too:
-     they are few, and nothing else could ever select one that has left the recent window.
-  3. rerank: exact scores over the candidates, pooled over the group as in `indexer/topk.py` -- sum
-     over the group's heads of softmax(q·k / sqrt(D)) taken over the candidate set. (The paper uses
-     the max over the group; the sum is used here so that, when the candidates are every visible
-     token, the selection is exactly the oracle's.) Top-ρ' -> positions [KVH, T, K'] (int64, -1 =
-     empty slot); K' = min(budget, candidates). The budget is `k` if set, else ceil(`ratio` x
-     visible tokens) if set, else 512 (the paper's ρ'); same precedence as `topk` (k over ratio).
-     The decode frame adds sink + recent window.
-  4. dynamic centroid update (paper §3.1.3): after the step, the last query of the step (unit-norm
-     per head) and its rerank top-ρ (which may include request-local positions) are pushed into
-     the session's qcIVF, evicting its oldest entry. The session's qcIVF is the persisted C
-     entries followed by a private ring of capacity F = min(`fifo`, C) [64]: a push evicts the
-     oldest persisted centroid until the ring is full, then the oldest pushed one, so the index
-     always holds C entries (a strict FIFO when F = C; F bounds the per-request memory to
-     F x KVH x (G·D·4 + ρ·8) bytes per layer). `fifo` = 0 turns the update off. The persisted
-     arrays are only read (through `IndexReader`); evicted persisted entries are masked, never
-     overwritten, so concurrent sessions on the same index never see each other's updates.
+     lines 1-2), over the C persisted entries and the F entries of the request's FIFO (below), with
+     -inf for evicted / empty ones -> the C' = `probe` [4] best entries per KV head and query token
+     -> gather their lists -> candidates = the deduplicated union [KVH, T, C'·ρ] (a scatter into a
+     per-row table, no sort; `dedup_positions`), minus positions outside the selectable range
+     (sink, window: `_select.selectable`).
+  2. rerank: exact scores over the candidates, pooled over the group as in `indexer/topk.py` -- sum
+     over the group's heads of softmax(q·k / sqrt(D)), each head's softmax taken over the
+     candidates *and the frame's rows* (`_select.candidate_mass` with `frame_lse`: without the frame in the denominator
+     a head that parks its mass on the sink would outweigh the others). (The paper uses the max
+     over the group; the sum is used here so that, when the candidates are every selectable token,
+     the plan is exactly the oracle's, `topk`.) Top-ρ' -> `Plan.positions` [KVH, T, K] int32,
+     -1 = empty slot, K = min(ρ', C'·ρ). ρ' = `k` if set, else ceil(`ratio` x n_ctx) if set, else
+     512 (the paper's ρ'); `indexer.base.budget`, sized from the context, never from the request's
+     length.
+  3. dynamic centroid update (paper §3.1.3), split the plan/update way: `plan` computes the push --
+     the step's last query (unit-norm per head) and its rerank top-ρ (selectable context
+     positions: the sink and the positions then inside the window are not in it) -- and keeps it
+     as this layer's pending push; `update` commits it; a plan that is not followed by an update
+     pushes nothing. The request's qcIVF is the
+     persisted C entries followed by a private ring of capacity F = min(`fifo`, C) [64]: a push
+     evicts the oldest persisted centroid until the ring is full, then the oldest pushed one, so
+     the index always holds exactly C live entries (a strict FIFO when F = C; F bounds the
+     per-request memory to F x KVH x (G·D·dtype + ρ·4) bytes per layer). `fifo` = 0 turns the
+     update off. The ring is allocated once, at the layer's first plan, and only written in place;
+     its fill state is one device counter (pushes so far), from which the "evicted persisted
+     centroids" [C] and "filled slots" [F] masks and the write slot are derived on the device, so
+     the cosines always run over C + F entries and a step is CUDA-graph capturable. The persisted
+     arrays are only read: concurrent requests on one index never see each other's pushes.
 
-Cost per layer and step: C·G·D for the cosines, C'·ρ·log for the union, (C'·ρ + M)·G·D for the
-rerank; independent of n except through C and ρ.
+Cost per layer and step: (C + F)·G·D for the cosines, C'·ρ for the union, (C'·ρ + sink + window +
+request tokens)·G·D for the rerank; independent of n except through C and ρ (and the O(n) dedup
+table, written, never initialised).
+
+On a GPU the plan runs fused (`indexer/kernels/ivf.py`: probe, gather + dedup + rerank logits,
+group mass + top-K, 3 launches instead of ~130 small kernels; `update` is one more launch). This
+torch code is the reference and the CPU path; the fused plan selects the same positions per row
+(in candidate order rather than best first: no consumer depends on the order; ties and rounding:
+the kernel module's docstring). `planner.fused`: None = fused for CUDA tensors (the default), True =
+also on the CPU through Triton's interpreter (tests), False = always torch.
 """
 
 from __future__ import annotations
 
-import math
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from pydantic import Field
 
-from indexer._select import candidate_mass, dedup_positions, gather_rows, local_positions, top_positions
-from indexer.base import MethodParams, MethodSession, PrefillCapture, SparseMethod, register
+from indexer._select import (
+    candidate_mass, dedup_positions, frame_logsumexp, gather_rows, selectable, top_positions,
+)
+from indexer.base import (
+    MethodParams, Plan, Planner, PrefillCapture, SparseMethod, budget, register,
+)
 
 DEFAULT_BUDGET = 512  # ρ' of the paper
 _SCORE_CHUNK = 1 << 24  # scores materialised at once by the build (64 MiB of fp32)
@@ -68,9 +90,9 @@ class CTkvrParams(MethodParams):
         1280, ge=1, le=1 << 22, description="ρ: key ids kept per centroid and KV head (2.5 x the default budget); capped at n"
     )
     probe: int = Field(4, ge=1, le=65536, description="C': centroids whose lists are recalled per step")
-    k: int | None = Field(None, ge=1, le=1 << 22, description="ρ': tokens selected per step after the rerank; overrides ratio")
+    k: int | None = Field(None, ge=1, le=1 << 22, description="ρ': context tokens selected per step after the rerank; overrides ratio")
     ratio: float | None = Field(
-        None, gt=0.0, le=1.0, description="fraction of visible tokens selected per step (when k is unset)"
+        None, gt=0.0, le=1.0, description="fraction of the context selected per step (when k is unset); None = 512 tokens"
     )
     fifo: int = Field(
         64, ge=0, le=65536, description="dynamic centroid update: pushed (query, list) entries kept per request; 0 = off"
@@ -82,14 +104,8 @@ class CTkvrParams(MethodParams):
         c = self.n_centroids if self.n_centroids is not None else min(2048, n // 16)
         return max(1, min(c, n))
 
-    def budget(self, n_visible: int) -> int:
-        if self.k is not None:
-            k = self.k
-        elif self.ratio is not None:
-            k = math.ceil(self.ratio * n_visible)
-        else:
-            k = DEFAULT_BUDGET
-        return max(1, min(k, n_visible))
+    def budget(self, n_ctx: int) -> int:
+        return budget(n_ctx, k=self.k, ratio=self.ratio, default=DEFAULT_BUDGET)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -115,77 +131,159 @@ def centroid_lists(qc: torch.Tensor, keys: torch.Tensor, rho: int) -> torch.Tens
 
 
 # ---------------------------------------------------------------------------------------------
-# Session
+# Rerank (shared with indexer/kivf.py)
+
+
+# ---------------------------------------------------------------------------------------------
+# Planner
 
 
 class _Fifo:
-    """One layer's private qcIVF entries (dynamic centroid update): a ring of `cap` slots."""
+    """One layer's private qcIVF entries (the dynamic centroid update): a ring of `cap` slots,
+    allocated once and then only written in place (a captured CUDA graph keeps reading the same
+    storage). `pushes` [1] is the fill state, on the device: the first min(pushes, cap) slots hold
+    an entry, the first min(pushes, cap) persisted centroids are evicted, the next write goes to
+    slot pushes % cap."""
 
-    def __init__(self, kvh: int, g: int, d: int, rho: int, cap: int, dtype, device):
+    def __init__(self, kvh: int, g: int, d: int, rho: int, c: int, cap: int, dtype, device):
         self.cent = torch.zeros(kvh, cap, g, d, dtype=dtype, device=device)  # unit-norm queries
-        self.lists = torch.full((kvh, cap, rho), -1, dtype=torch.int64, device=device)
+        self.lists = torch.full((kvh, cap, rho), -1, dtype=torch.int32, device=device)  # context positions
+        self.pushes = torch.zeros(1, dtype=torch.int64, device=device)
+        self.share = torch.zeros(1, dtype=torch.float32, device=device)  # sum over committed pushes of the probe share
         self.cap = cap
-        self.pushes = 0
+        self._ar_c = torch.arange(c, device=device)
+        self._ar_f = torch.arange(cap, device=device)
 
-    @property
-    def filled(self) -> int:
-        return min(self.pushes, self.cap)
+    def masks(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(evicted [C], filled [F]) bool, derived from the device counter."""
+        live = self.pushes.clamp(max=self.cap)
+        return self._ar_c < live, self._ar_f < live
 
-    def push(self, cent: torch.Tensor, lst: torch.Tensor) -> None:  # [KVH, G, D], [KVH, <= rho]
-        slot = self.pushes % self.cap
-        self.cent[:, slot] = cent
-        self.lists[:, slot] = -1
-        self.lists[:, slot, : lst.shape[-1]] = lst
+    def push(self, cent: torch.Tensor, lst: torch.Tensor) -> None:  # [KVH, G, D], [KVH, rho] int32
+        slot = self.pushes % self.cap  # [1], on the device
+        self.cent.index_copy_(1, slot, cent[:, None].to(self.cent.dtype))
+        self.lists.index_copy_(1, slot, lst[:, None])
         self.pushes += 1
 
 
-class _CTkvrSession(MethodSession):
-    def __init__(self, index, params: CTkvrParams, n_ctx: int):
+def _ivf():
+    """The fused kernels (indexer/kernels/ivf.py), or None where Triton is missing."""
+    try:
+        from indexer.kernels import ivf
+    except ImportError:
+        return None
+    return ivf
+
+
+@dataclass
+class _FusedPush:
+    tensors: tuple  # (query [KVH, G, D], list [KVH, rho] int32, probed FIFO entries per row [KVH·T] int32)
+    n_probed: int  # KVH·T·probe: the share's denominator
+
+
+class _CTkvrPlanner(Planner):
+    def __init__(self, index, params: CTkvrParams, ctx):
         if index is None:
             raise ValueError("ctkvr needs its built index (qcIVF); build it at registration")
         self.index = index
         self.params = params
-        self.n_ctx = n_ctx
-        self.fifo: dict[int, _Fifo] = {}
+        self.n_ctx = ctx.n_ctx
+        self.k = params.budget(ctx.n_ctx)
+        self.sink, self.window = params.frame(ctx.n_ctx)
+        self.fifo: dict[int, _Fifo] = {}  # layer -> the request's pushed entries
+        self._pending: dict[int, tuple | _FusedPush] = {}  # layer -> (query, list, share) or the fused plan's push
+        self._steps: dict[int, int] = {}  # layer -> committed pushes (their probe shares add up in fifo.share)
+        self.fused: bool | None = None  # None: fused kernels for CUDA tensors; True: also on CPU (interpreter)
 
-    def select(self, layer, q, kv):
-        kvh, g, t, d = q.shape
-        cent = self.index.layer("centroids", layer).to(q.device, q.dtype)  # [KVH, C, G, D], shared: read only
-        lists = self.index.layer("lists", layer).to(q.device)  # [KVH, C, rho] int32, shared: read only
-        c, rho = cent.shape[1], lists.shape[2]
-        qn = F.normalize(q, dim=-1)
+    def _fused_ok(self, q, probe: int, entries: int) -> bool:
+        if self.fused is False or (self.fused is None and not q.is_cuda):
+            return False
+        ivf = _ivf()
+        return ivf is not None and not ivf.unsupported(q, ctkvr_probe=probe, entries=entries)
 
-        # 1. recall: cosine per query head vs the same head of each centroid, max over the group
-        cos = torch.einsum("hgtd,hcgd->htcg", qn, cent).amax(-1)  # [KVH, T, C]
+    def _layer_fifo(self, layer: int, kvh: int, g: int, d: int, rho: int, c: int, dtype, device) -> _Fifo:
         fifo = self.fifo.get(layer)
-        if fifo is not None and fifo.filled:
-            f = fifo.filled
-            cos[..., :f] = float("-inf")  # the f oldest persisted centroids were evicted by pushes
-            cos_f = torch.einsum("hgtd,hfgd->htfg", qn, fifo.cent[:, :f]).amax(-1)  # [KVH, T, f]
-            cos = torch.cat([cos, cos_f], dim=-1)
-        p = min(self.params.probe, c)
-        top = torch.topk(cos, p, dim=-1).indices.reshape(kvh, t * p)  # [KVH, T*P] entry ids
-        ids = gather_rows(lists, top.clamp(max=c - 1)).long()  # [KVH, T*P, rho]
-        if fifo is not None and fifo.filled:
-            from_fifo = (top >= c)[..., None]
-            ids = torch.where(from_fifo, gather_rows(fifo.lists, (top - c).clamp(min=0)), ids)
+        if fifo is None:  # lazily, at the layer's first plan (empty: reading it changes nothing)
+            fifo = self.fifo[layer] = _Fifo(kvh, g, d, rho, c, min(self.params.fifo, c), dtype, device)
+        return fifo
 
-        # 2. candidates: dedup union of the recalled lists + the request's own tokens
-        cand = torch.cat([ids.view(kvh, t, p * rho), local_positions(kv, kvh, t)], dim=-1)
-        cand = dedup_positions(cand, kv.n_ctx + kv.n_local)  # [KVH, T, U]
+    def plan(self, layer, q, kv):
+        kvh, g, t, d = q.shape
+        n = self.n_ctx
+        cent = self.index.layer("centroids", layer)  # [KVH, C, G, D] unit-norm, shared: read only
+        lists = self.index.layer("lists", layer)  # [KVH, C, rho] int32, shared: read only
+        c, rho = cent.shape[1], lists.shape[2]
+        if self._fused_ok(q, min(self.params.probe, c), c + (min(self.params.fifo, c) if self.params.fifo else 0)):
+            return self._plan_fused(layer, q, kv, cent, lists)
+        qn = F.normalize(q.float(), dim=-1).to(cent.dtype)  # [KVH, G, T, D]
 
-        # 3. rerank by exact group mass over the candidates; one sorted top-K serves both the
-        #    selection (top-rho') and the update (top-rho)
-        mass = candidate_mass(q, cand, kv)  # [KVH, T, U]
-        k = self.params.budget(int(kv.q_pos.max()) + 1)
-        ranked = top_positions(mass, cand, max(k, rho) if self.params.fifo > 0 else k)  # best first
-
-        # 4. dynamic centroid update: the step's last query and its rerank top-rho
+        # 1. recall: cosine per query head vs the same head of each entry, max over the group, over
+        #    the C persisted + F pushed entries (exactly C of them live); the P best entries' lists
+        cos = torch.einsum("hgtd,hcgd->htcg", qn, cent).amax(-1).float()  # [KVH, T, C]
+        fifo = None
         if self.params.fifo > 0:
-            if fifo is None:
-                fifo = self.fifo[layer] = _Fifo(kvh, g, d, rho, min(self.params.fifo, c), q.dtype, q.device)
-            fifo.push(qn[:, :, -1], ranked[:, -1, :rho])
-        return ranked[..., :k]
+            fifo = self._layer_fifo(layer, kvh, g, d, rho, c, cent.dtype, q.device)
+            evicted, filled = fifo.masks()
+            cos_f = torch.einsum("hgtd,hfgd->htfg", qn, fifo.cent).amax(-1).float()  # [KVH, T, F]
+            neg = float("-inf")
+            cos = torch.cat([cos.masked_fill(evicted, neg), cos_f.masked_fill(~filled, neg)], dim=-1)  # [KVH, T, C + F]
+        p = min(self.params.probe, c)
+        top = torch.topk(cos, p, dim=-1).indices.reshape(kvh, t * p)  # [KVH, T*P] entry ids in [0, C + F)
+        ids = gather_rows(lists, top.clamp(max=c - 1))  # [KVH, T*P, rho]
+        if fifo is not None:
+            from_fifo = top >= c
+            ids = torch.where(from_fifo[..., None], gather_rows(fifo.lists, (top - c).clamp(min=0)), ids)
+
+        # 2. candidates: the deduplicated union of the recalled lists, selectable positions only
+        cand = ids.view(kvh, t, p * rho).long()  # [KVH, T, U]
+        cand = torch.where(selectable(cand, kv.q_pos, n, self.sink, self.window), cand, -1)
+        cand = dedup_positions(cand, n)
+
+        # 3. rerank by exact group mass over the candidates; one sorted top-K serves both the plan
+        #    (top-rho') and the pending FIFO push (top-rho)
+        frame_lse = frame_logsumexp(q, kv, self.sink, self.window)  # [KVH, G, T]
+        mass = candidate_mass(q, cand, kv.ctx_k, cand >= 0, frame_lse)  # [KVH, T, U]
+        ranked = top_positions(mass, cand, max(self.k, rho) if fifo is not None else self.k)  # best first, int32
+        if fifo is not None:  # committed by update()
+            share = from_fifo.float().mean()
+            self._pending[layer] = (qn[:, :, -1], ranked[:, -1, :rho], share)
+        return Plan(ranked[..., : min(self.k, ranked.shape[-1])].contiguous())
+
+    def _plan_fused(self, layer, q, kv, cent, lists):
+        """The same plan in 3 Triton launches (indexer/kernels/ivf.py); the pending push is the
+        kernels' (query, list, probed-FIFO counts), committed by one more launch in update()."""
+        kvh, g, t, d = q.shape
+        fifo = None
+        if self.params.fifo > 0:
+            fifo = self._layer_fifo(layer, kvh, g, d, lists.shape[2], cent.shape[1], cent.dtype, q.device)
+        pos, pending = _ivf().ctkvr_plan(q, kv, cent, lists, fifo, sink=self.sink, window=self.window, k=self.k,
+                                         probe=self.params.probe)
+        if fifo is not None:
+            self._pending[layer] = _FusedPush(pending, kvh * t * min(self.params.probe, cent.shape[1]))
+        return Plan(pos)
+
+    def update(self, layer, k, v, positions):
+        pending = self._pending.pop(layer, None)
+        if pending is None:
+            return
+        fifo = self.fifo[layer]
+        if isinstance(pending, _FusedPush):
+            _ivf().fifo_push(fifo, pending.tensors, pending.n_probed)  # the push and the share, one launch
+        else:
+            query, lst, share = pending
+            fifo.push(query, lst)
+            fifo.share += share
+        self._steps[layer] = self._steps.get(layer, 0) + 1
+
+    def stats(self):
+        if not self._steps:
+            return {}
+        layers = sorted(self._steps)
+        shares = torch.cat([self.fifo[layer].share / self._steps[layer] for layer in layers]).cpu().tolist()
+        return {"fifo_pushes": max(self._steps.values()), "fifo_probe_share": sum(shares) / len(shares)}
+
+    def close(self):
+        self._pending.clear()
 
 
 @register
@@ -210,5 +308,5 @@ class CTkvr(SparseMethod):
             lists[layer] = centroid_lists(qc[layer], k[layer], rho).cpu()
         return {"centroids": centroids.cpu(), "lists": lists}
 
-    def open(self, index, params, n_ctx, env=None):
-        return _CTkvrSession(index, params, n_ctx)
+    def open(self, index, params, ctx):
+        return _CTkvrPlanner(index, params, ctx)

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-from indexer.base import MethodParams, MethodSession, SparseMethod, register
+from indexer.base import MethodParams, Plan, Planner, SparseMethod, register
 
 
-class _Dense(MethodSession):
-    def select(self, layer, q, kv):
-        return None
+class _Dense(Planner):
+    def plan(self, layer, q, kv):
+        return Plan.dense()
 
 
 @register
@@ -15,5 +15,5 @@ class Full(SparseMethod):
     name = "full"
     Params = MethodParams
 
-    def open(self, index, params, n_ctx, env=None):
+    def open(self, index, params, ctx):
         return _Dense()

@@ -14,7 +14,9 @@ Build (prefill worker; `build_fields`: `n_clusters`, `kmeans_iters`, `seed`)
     so ascending ids inside a cluster), `offsets` [L, KVH, C + 1] int32 = where each cluster's
     slice of `order` starts (empty clusters are allowed: equal consecutive offsets).
 
-Decode (`select`, per layer and step; all KV heads and query tokens batched, no Python loops)
+Decode: `plan` (per layer and step; all KV heads and query tokens batched, fixed shapes, no host
+sync) selects context positions only -- the frame (sink, recent window, every request-local token)
+is attended by the backend anyway, so request keys are never assigned to clusters (`indexer.base`):
   1. probe: centroid scores pooled over the GQA group the way `indexer/topk.py` pools keys: sum
      over the group's heads of softmax(q·c / sqrt(D)) over the C centroids (per-head softmax, so a
      head with large logits does not drown the others). Measured on captured 2K Q/K (C = 45,
@@ -23,18 +25,29 @@ Decode (`select`, per layer and step; all KV heads and query tokens batched, no 
      the softmaxes. The `nprobe` best clusters per KV head and query token; when `nprobe` is unset,
      ceil(`scan` [4] x K x C / n) clusters, i.e. about `scan` x K keys scanned (CTkvr's default
      recall set is ~4 x K after deduplication, so the two are compared at a similar scan).
-  2. candidates: every key of the probed clusters (the CSR slices are expanded into one padded
-     [KVH, T, U] block with a searchsorted over the probed clusters' cumulative sizes), plus the
-     request's own keys that fall in a probed cluster. Request keys are assigned to their nearest
-     (L2) centroid in the session's private state, on `append` (or at `select` for keys not
-     appended yet, i.e. this step's); the persisted arrays are never written.
-  3. exact rerank over the candidates by group mass (sum over the group of softmax(q·k / sqrt(D))
-     over the candidates, `indexer._select.candidate_mass`), top-K with K = `k` if set, else
-     ceil(`ratio` [0.05] x visible tokens) (the `topk` convention), capped by the number of
-     candidates. The decode frame adds sink + recent window. With nprobe = C every key is a
-     candidate and the selection is the exact oracle's.
+  2. candidates: every key of the probed clusters, expanded from the CSR slices into one padded
+     [KVH, T, W] block (`_select.expand_clusters`). W is static: `_select.probe_width`, the sum of
+     the nprobe largest clusters of the layer (max over heads), computed once per layer in `open`
+     (the only host read of index data; never on the step path), so nothing is ever cut and the
+     shape does not depend on which clusters a query probes. Positions the frame attends (sink,
+     window) are masked out.
+  3. exact rerank over the candidates by group mass (sum over the group of softmax(q·k / sqrt(D)),
+     each head's softmax over the candidates and the frame's rows: `_select.candidate_mass` with
+     `frame_lse`, as CTkvr), top-K -> `Plan.positions` [KVH, T, min(K, W)]
+     int32 (-1 = empty slot); K = `k` if set, else ceil(`ratio` [0.05] x n_ctx)
+     (`indexer.base.budget`: sized from the context, never from the request's length). With
+     nprobe = C every selectable key is a candidate and the selection is the exact top-K of the
+     same pooled score.
 
-Cost per layer and step: C·G·D for the probe, (scanned keys + M')·G·D for the rerank.
+Cost per layer and step: C·G·D for the probe, (W + sink + window + request tokens)·G·D for the
+rerank (W >= the keys actually probed: the padding is the price of a fixed shape; unbalanced
+clusters widen it).
+
+On a GPU the plan runs fused (`indexer/kernels/ivf.py`: probe logits, probe top-nprobe + CSR slices,
+expansion + rerank logits, group mass + top-K: 4 launches); this torch code is the reference and the
+CPU path. The fused plan selects the same positions per row (in candidate order rather than best
+first; ties and rounding: the kernel module's docstring). `planner.fused`: None = fused for CUDA
+tensors, True = also on the CPU through Triton's interpreter (tests), False = always torch.
 """
 
 from __future__ import annotations
@@ -45,8 +58,8 @@ import numpy as np
 import torch
 from pydantic import Field
 
-from indexer._select import RequestBuckets, candidate_mass, expand_clusters, nearest_centroid, top_positions
-from indexer.base import MethodParams, MethodSession, PrefillCapture, SparseMethod, register
+from indexer._select import candidate_mass, expand_clusters, frame_logsumexp, probe_width, selectable, top_positions
+from indexer.base import MethodParams, Plan, Planner, PrefillCapture, SparseMethod, budget, register
 
 
 # Below this many keys one k-means is a few ms of work and OpenMP's thread start/spin costs more than it
@@ -64,8 +77,8 @@ class KIVFParams(MethodParams):
         None, ge=1, le=65536, description="clusters probed per step (C = exact top-K); None = enough for scan x K keys"
     )
     scan: float = Field(4.0, ge=1.0, le=1000.0, description="when nprobe is unset: keys scanned per selected key, on average")
-    k: int | None = Field(None, ge=1, le=1 << 22, description="tokens selected per step; overrides ratio")
-    ratio: float = Field(0.05, gt=0.0, le=1.0, description="fraction of visible tokens selected per step")
+    k: int | None = Field(None, ge=1, le=1 << 22, description="context tokens selected per step; overrides ratio")
+    ratio: float = Field(0.05, gt=0.0, le=1.0, description="fraction of the context selected per step")
 
     build_fields = frozenset({"n_clusters", "kmeans_iters", "seed"})
 
@@ -73,9 +86,8 @@ class KIVFParams(MethodParams):
         c = self.n_clusters if self.n_clusters is not None else min(4096, max(16, 4 * round(math.sqrt(n))))
         return max(1, min(c, n))
 
-    def budget(self, n_visible: int) -> int:
-        k = self.k if self.k is not None else math.ceil(self.ratio * n_visible)
-        return max(1, min(k, n_visible))
+    def budget(self, n_ctx: int) -> int:
+        return budget(n_ctx, k=self.k, ratio=self.ratio)
 
     def probes(self, budget: int, n: int, c: int) -> int:
         p = self.nprobe if self.nprobe is not None else math.ceil(self.scan * budget * c / max(n, 1))
@@ -117,57 +129,55 @@ def probe_scores(q: torch.Tensor, cent: torch.Tensor) -> torch.Tensor:
 
 
 # ---------------------------------------------------------------------------------------------
-# Session
+# Planner
 
 
-class _KIVFSession(MethodSession):
-    def __init__(self, index, params: KIVFParams, n_ctx: int):
+class _KIVFPlanner(Planner):
+    def __init__(self, index, params: KIVFParams, ctx):
         if index is None:
             raise ValueError("kivf needs its built index (k-means IVF); build it at registration")
+        if ctx.spec is None:
+            raise ValueError("kivf sizes its candidate blocks per layer at open: pass the model spec in DecodeContext")
         self.index = index
-        self.params = params
-        self.n_ctx = n_ctx
-        self.buckets = RequestBuckets()  # the cluster of each request key (private)
+        self.n_ctx = ctx.n_ctx
+        self.k = params.budget(ctx.n_ctx)
+        self.sink, self.window = params.frame(ctx.n_ctx)
+        c = index.layer("centroids", 0).shape[1]
+        self.nprobe = params.probes(self.k, ctx.n_ctx, c)
+        # static candidate width per layer: the nprobe largest clusters (host ints, read once here)
+        self.width = [probe_width(index.layer("offsets", layer), self.nprobe) for layer in range(ctx.spec.num_layers)]
+        self.fused: bool | None = None  # None: fused kernels for CUDA tensors; True: also on CPU (interpreter)
 
-    @property
-    def local_assign(self) -> dict[int, torch.Tensor]:
-        """layer -> [KVH, M] cluster of each request key so far."""
-        return self.buckets.as_dict()
+    def _fused_ok(self, q) -> bool:
+        if self.fused is False or (self.fused is None and not q.is_cuda):
+            return False
+        try:
+            from indexer.kernels import ivf
+        except ImportError:  # no Triton: torch
+            return False
+        return not ivf.unsupported(q)
 
-    def append(self, layer, k, v, positions):
-        todo = self.buckets.appended(layer, k.shape[1])  # select bucketed this step's keys already
-        if todo:
-            cent = self.index.layer("centroids", layer).to(k.device)
-            self.buckets.add(layer, todo.start, nearest_centroid(k[:, k.shape[1] - len(todo):], cent))
+    def plan(self, layer, q, kv):
+        cent = self.index.layer("centroids", layer)  # [KVH, C, D] fp32, shared: read only
+        order = self.index.layer("order", layer)  # [KVH, N] int32
+        offsets = self.index.layer("offsets", layer)  # [KVH, C + 1] int32
+        if self._fused_ok(q):
+            from indexer.kernels import ivf
 
-    def select(self, layer, q, kv):
-        kvh, g, t, d = q.shape
-        cent = self.index.layer("centroids", layer).to(q.device)  # [KVH, C, D] fp32, shared: read only
-        order = self.index.layer("order", layer).to(q.device)  # [KVH, N] int32 (not widened: O(N) per step)
-        offsets = self.index.layer("offsets", layer).to(q.device).long()  # [KVH, C + 1]
-        c = cent.shape[1]
+            return Plan(ivf.kivf_plan(q, kv, cent, order, offsets, width=self.width[layer], sink=self.sink,
+                                      window=self.window, k=self.k, nprobe=self.nprobe))
 
         # 1. probe: per-head softmax over the centroids, summed over the group
-        k = self.params.budget(int(kv.q_pos.max()) + 1)
-        score = probe_scores(q, cent)  # [KVH, T, C]
-        probe = torch.topk(score, self.params.probes(k, order.shape[1], c), dim=-1).indices  # [KVH, T, P]
+        probe = torch.topk(probe_scores(q, cent), self.nprobe, dim=-1).indices  # [KVH, T, P]
 
-        # 2. candidates: keys of the probed clusters + request keys assigned to a probed cluster
-        cand = expand_clusters(probe, order, offsets)  # [KVH, T, U]
-        m = kv.n_local
-        if m > 0:
-            todo = self.buckets.todo(layer, m)
-            if todo:  # this step's keys (append comes after select)
-                self.buckets.add(layer, todo.start, nearest_centroid(kv.loc_k[:, todo.start:m], cent))
-            assign = self.buckets.view(layer, m)  # [KVH, M]
-            probed = torch.zeros(kvh, t, c, dtype=torch.bool, device=q.device).scatter_(-1, probe, True)
-            hit = probed.gather(-1, assign[:, None, :].expand(kvh, t, m))  # [KVH, T, M]
-            loc = torch.arange(kv.n_ctx, kv.n_ctx + m, device=q.device).expand(kvh, t, m)
-            cand = torch.cat([cand, torch.where(hit, loc, -1)], dim=-1)
+        # 2. candidates: keys of the probed clusters (distinct: each key sits in one cluster),
+        #    a fixed-width block; positions the frame attends are dropped
+        cand = expand_clusters(probe, order, offsets, self.width[layer])  # [KVH, T, W]
+        ok = (cand >= 0) & selectable(cand, kv.q_pos, self.n_ctx, self.sink, self.window)
 
         # 3. exact rerank by group mass, top-K
-        mass = candidate_mass(q, cand, kv)
-        return top_positions(mass, cand, k)
+        mass = candidate_mass(q, cand, kv.ctx_k, ok, frame_logsumexp(q, kv, self.sink, self.window))
+        return Plan(top_positions(mass, cand, self.k))
 
 
 @register
@@ -195,5 +205,5 @@ class KIVF(SparseMethod):
                 )
         return {"centroids": cent, "order": order, "offsets": offsets}
 
-    def open(self, index, params, n_ctx, env=None):
-        return _KIVFSession(index, params, n_ctx)
+    def open(self, index, params, ctx):
+        return _KIVFPlanner(index, params, ctx)

@@ -1,7 +1,8 @@
 """`lfps`: Learn From the Past for Sparse indexing (papers/lfps.txt §4, App. B).
 
 The paper's equations were lost in extraction; this is a reconstruction from its prose. Each choice
-the prose leaves open is marked RECONSTRUCTED, with the reason.
+the prose leaves open is marked RECONSTRUCTED, with the reason; each change forced by the decode
+frame or by fixed-shape planning is marked ADAPTED.
 
 Score tables. Per KV head, a *vertical* table V[j] (importance of absolute position j) and a
 *slash* table S[o] (importance of relative offset o = t - j), both exponentially decayed sums of
@@ -28,71 +29,119 @@ Prefill (`build`), per layer and KV head:
 * per query head, the ratio of the variance of the last prefill query's logits to that query's
   squared norm, Var_j(q·k_j) / |q|^2 (`var_ratio` [L, H]), "a global prior reused during decoding".
 
-Decode step, per layer, KV head and query token t (batched over heads and tokens):
-1. Head sparsity (per query head): sink mass A_s = sum over sink tokens of exp(s_j) (exact), local
-   mass A_l = sum over the last `local` [5] positions (exact), global mass from a log-normal model
-   of the logits: s ~ N(mu, sigma^2) with mu = q·mean_k·scale and sigma^2 = var_ratio·|q|^2·scale^2,
-   so A_g = n_nonsink · exp(mu + sigma^2 / 2) (the mean of a log-normal).
+Decode: the planner plans, a backend runs (`indexer.base`). The backend attends the frame: the
+first n_sink = min(`sink`, N) context tokens, the context part of the recent `window` and every
+request-local token (question + generated). `plan(layer, q, kv)` only reads the tables and returns
+what else to attend; `update(layer, ...)` commits the table update the layer's last plan computed.
+Per layer, KV head and query token t (batched over heads and tokens, fixed shapes, no host sync):
+1. Head sparsity (per query head): sink mass A_s = sum over the sink tokens of exp(s_j) (exact),
+   local mass A_l = sum over the last `local` [5] positions (exact; they are request-local rows
+   or context rows depending on the position, gathered with a fixed shape), global mass from a
+   log-normal model of the logits: s ~ N(mu, sigma^2) with mu = q·mean_k·scale and
+   sigma^2 = var_ratio·|q|^2·scale^2, so A_g = (t + 1 - n_sink) · exp(mu + sigma^2 / 2).
    RECONSTRUCTED (Eq. 6): sparsity = A_s / (A_s + max(A_g, A_l)): "by dynamically comparing" the
    global estimate (better for flat heads) and the local mass (better for concentrated heads), the
    larger one stands for the non-sink mass. A head with sparsity > `bypass_threshold` [0.85] is
-   highly sparse: it skips steps 2-4 (no search, no table update) and its output is
-   RECONSTRUCTED (bypass output): exact attention over sink + window plus one pseudo-token
-   (mean_k, mean_v) standing for the n_rest unattended positions, with weight n_rest·exp(mu +
-   sigma^2/2) (the same log-normal estimate), i.e. "the sink value combined with the mean of the
-   other values". It needs `attend()`; layers with no bypassed head use `select()`.
-2. Initial candidates: C0 = {j : V[j] > tau_V} ∪ {j : S[t - j] > tau_S}, j over the visible
-   non-sink positions.
+   highly sparse: the plan marks it in `Plan.bypass` [KVH, G, T] (it attends the frame only, not
+   the plan's positions) and it takes no part in the group's ranking or the table update.
+   RECONSTRUCTED (bypass output, "the sink value combined with the mean of the other values"): a
+   bypassed head attends the frame plus one pseudo-token (mean_k, mean_v) standing for the n_rest
+   context tokens outside the frame, with weight n_rest·exp(mu + sigma^2/2) (the same log-normal
+   estimate): `Plan.rest_logit` = log(n_rest) + mu + sigma^2/2 for bypassed heads (-inf for the
+   others), `Plan.rest_value` = mean_v [KVH, D]. The backend puts the pseudo-token into the softmax.
+   ADAPTED (the frame): the exact part is the frame, so a request-local token outside the window is
+   attended exactly and n_rest counts context tokens only. Before the frame existed the exact part
+   was sink + window (request tokens included) and the pseudo-token also stood for request tokens
+   older than the window; while a request has fewer than `window` tokens the two are the same.
+2. Initial candidates: C0 = {j : V[j] > tau_V} ∪ {j : S[t - j] > tau_S}, j over the non-sink
+   context positions.
    RECONSTRUCTED (Eq. 8): tau = mean + lam·(max - mean)·sqrt(3 / kurtosis), kurtosis the 4th
-   standardised moment of the table over the visible positions, 3 the kurtosis of a Gaussian. It
-   has the three properties the prose states: larger lam -> higher threshold -> fewer candidates;
-   higher kurtosis (sharper pattern) -> lower threshold -> larger budget; lam in [0.1, 0.4]. And
-   tau >= mean, so every initial candidate survives step 3 at offset 0. Measured on the captured 2K
-   document (one decode query, every 3rd layer, all KV heads): lam 0.1 / 0.2 / 0.3 / 0.4 -> 18.8 /
-   14.5 / 11.6 / 9.7% of positions after expansion, holding 79 / 73 / 66 / 61% of the exact top-5%;
-   the session's candidate fraction over 16 queries x 30 layers at lam 0.2 is 13.4% (the small
-   model's attention is flatter than the paper's Llama-3.1-8B, where it reports 1.2-8%).
+   standardised moment of the table over the non-sink context positions, 3 the kurtosis of a
+   Gaussian. It has the three properties the prose states: larger lam -> higher threshold -> fewer
+   candidates; higher kurtosis (sharper pattern) -> lower threshold -> larger budget; lam in
+   [0.1, 0.4]. And tau >= mean, so every initial candidate survives step 3 at offset 0. Measured on
+   the captured 2K document (one decode query, every 3rd layer, all KV heads): lam 0.1 / 0.2 / 0.3
+   / 0.4 -> 18.8 / 14.5 / 11.6 / 9.7% of positions after expansion, holding 79 / 73 / 66 / 61% of
+   the exact top-5% (the small model's attention is flatter than the paper's Llama-3.1-8B, where it
+   reports 1.2-8%).
+   ADAPTED: the statistics run over the context's non-sink positions (the window's context part
+   included); request-local tokens are attended by the frame, never candidates, and have no
+   vertical entry. Before, they counted too: the request's recent tokens, heavily attended, raised
+   the tables' maximum and so the thresholds; without them the candidate set is somewhat larger
+   and recall somewhat higher (benchmarks/RESULTS_psa_lfps.md).
 3. Expansion: E = {j + d : j in C0, d in {-1, 0, +1, +2}, V[j + d] > mean(V) or
-   S[t - j - d] > mean(S)} (means over the visible non-sink positions).
-4. Candidates = E ∪ sink ∪ window (what gets an exact q·k; its size / visible is the reported
-   candidate fraction). Exact group scores on them (sum over the group's non-bypassed heads of
-   softmax over the candidates, as `topk`) -> top-K of the non-sink, non-window candidates, K =
-   ratio·visible [5%] (or `k`) -> attention over sink ∪ window ∪ top-K (the frame).
-5. Table update with that attention: per head, the weights over the attended set with the sink
-   removed and renormalised, averaged over the group's non-bypassed heads, halved:
-   V <- gamma·V + w/2 at the positions, S <- gamma·S + w/2 at the offsets t - j.
+   S[t - j - d] > mean(S)}, restricted to the positions a plan may select (outside the sink and the
+   window: the frame attends those anyway).
+   ADAPTED (fixed width): E is a mask over the N context positions whose size depends on the data.
+   Its `max_candidates`·N [0.3] members of largest table score V[j] + S[t - j] (both tables carry
+   the same total mass, so the sum is the tables' prediction of j's weight) are kept, in one
+   `topk`: the candidate block is [KVH, T, C] with C fixed by (params, N). On the 2K document E
+   averages 14% of the context per (KV head, step), its 99th percentile is 30%, so 0.3 cuts ~1% of
+   the rows and changes no measured number (benchmarks/RESULTS_psa_lfps.md). The price of the fixed
+   width: the exact scoring costs C rows at every step whatever E's real size. At 128K and 0.3 that
+   is 39322 key rows per KV head and step (30% of a full K read) plus a top-39322 over 131072 table
+   scores; the paper's 1.2-2% candidates at 128K would fit a cap of ~0.05.
+4. Exact q·k on the candidates, the sink, the window's context rows and the request-local rows;
+   the group's score of a candidate is the sum over its non-bypassed heads of its softmax weight
+   over all of these (as `topk`; every head when the whole group is bypassed). The top-K
+   candidates, K = `budget(N)` (ratio [5%] of the context, or `k`), are the plan's positions
+   [KVH, T, K] int32 (-1 where fewer candidates exist).
+5. Table update with the attention of that plan (frame + top-K): per head, the weights with the
+   sink removed and renormalised, averaged over the group's non-bypassed heads, halved:
+   V <- gamma·V + w/2 at the positions, S <- gamma·S + w/2 at the offsets t - j. A KV head whose
+   whole group is bypassed is neither decayed nor updated (the paper: highly sparse heads "skip
+   steps 2) 3) and 4)"). plan() computes the update, update() applies it (tokens of a multi-token
+   step in order, decay gamma per token).
+   ADAPTED: only context positions are written. The weights are normalised over everything the
+   step attended (request-local tokens included, as before the frame), but a request-local
+   token's vertical entry would never be read (it is never a candidate) and its slash offset
+   o <= (tokens the request has) is smaller than the offset of any context position at any later
+   step, so it would never be read either.
 
 The question (a step of T > 1 tokens). ADAPTED: in the paper the prompt, question included, is
 prefilled with full attention and the tables come from its last steps, i.e. from the question. Here
 the context is prefilled once without any question, so with `dense_prompt` [on] a multi-token step
-is treated as the end of the prefill: dense attention (`select` returns None) and each token's
-exact weights (sink removed, renormalised, group mean, halved) update the tables in order. Measured
-on the passkey document (560 tokens, 5 keys): without it LFPS answered 0/5 (the tables only know
-the noise at the end of the context, and a position that is never a candidate is never attended,
-so it never enters the tables); with it 2/5 (full attention 4/5, exact top-5% 5/5; see
+is treated as the end of the prefill: the plan is dense (`Plan.dense()`) and update() writes each
+token's exact weights (over every visible token, sink removed, renormalised, group mean, halved)
+into the tables in order. Measured on the passkey document (560 tokens, 5 keys): without it LFPS
+answered 0/5 (the tables only know the noise at the end of the context, and a position that is
+never a candidate is never attended, so it never enters the tables); with it 5/5 (2/5 while the
+tables' statistics still counted the request's tokens; full attention 4/5, exact top-5% 5/5; see
 benchmarks/RESULTS_psa_lfps.md). With `dense_prompt` off, the T tokens are planned from the same
-tables and the T updates are applied in order (decay gamma per token).
+tables and their T updates are applied in order.
 
-State isolation: the persisted tables are shared (IndexReader, DRAM tier) and never written. A
-session copies a layer's tables on its first update (copy-on-write) into private buffers that grow
-with the request (vertical over positions, slash over offsets): 2·KVH·(N + M)·4 bytes per layer.
+State isolation: the persisted tables are shared (IndexReader, tiers) and never written. A planner
+copies a layer's tables at its first plan into private buffers of fixed capacity: vertical over the
+N context positions, slash over offsets up to N + `ctx.max_local` (the farthest offset a request
+token can have), KVH·(2N + max_local)·4 bytes per layer. Offsets past the capacity (a request
+longer than max_local) are neither read nor written.
 
-Reporting: `session.stats()` gives the candidate fraction (exact q·k per visible position, a fully
-bypassed KV head counts its sink + window), the bypassed fraction of query heads, per layer too.
+Offload mode: the planner runs where the context lives (host memory) while the request-local rows
+stay on the GPU; the few local rows it needs (the local-mass probe, the softmax denominators) are
+gathered on their device and moved to the query's.
+
+Reporting: `stats()` gives the candidate fraction (exact q·k per visible token: candidates + the
+frame; a fully bypassed KV head counts the frame only), the bypassed fraction of query heads, the
+fraction of (KV head, token) rows whose expanded set was cut by `max_candidates`, per layer too,
+and the number of dense question steps. Accumulated on the device, read back in `stats()` only.
+`search(layer, q, kv)` is plan() without its bookkeeping: the plan, the pending update, the
+candidates and the sparsity estimates (tests and benchmarks inspect them).
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from pydantic import Field
 
-from indexer._select import gather_positions
-from indexer.base import MethodParams, MethodSession, SparseMethod, register
+from indexer._select import gather_context, gather_rows
+from indexer.base import MethodParams, Plan, Planner, SparseMethod, budget, frame_bounds, register
 
 OFFSETS = (-1, 0, 1, 2)
+NEG_INF = float("-inf")
 
 
 class LFPSParams(MethodParams):
@@ -100,8 +149,13 @@ class LFPSParams(MethodParams):
     table_sink: int = Field(4, ge=0, le=4096, description="first positions kept out of the tables and means (build)")
     gamma: float = Field(0.95, gt=0.0, lt=1.0, description="decay of the score tables (build and decode)")
     lam: float = Field(0.2, ge=0.1, le=0.4, description="candidate threshold hyper-parameter (paper: 0.1-0.4)")
-    ratio: float = Field(0.05, gt=0.0, le=1.0, description="top-K budget as a fraction of visible tokens")
+    ratio: float = Field(0.05, gt=0.0, le=1.0, description="top-K budget as a fraction of the context")
     k: int | None = Field(None, ge=1, le=1 << 22, description="top-K budget in tokens; overrides ratio")
+    max_candidates: float = Field(
+        0.3, gt=0.0, le=1.0,
+        description="most candidates scored exactly per step, as a fraction of the context (a fixed width; "
+                    "a larger expanded set keeps its members of largest table score). At least the top-K budget",
+    )
     bypass: bool = Field(True, description="skip the search for highly sparse heads (sink + mean output)")
     bypass_threshold: float = Field(0.85, gt=0.0, le=1.0, description="sparsity above which a head is bypassed")
     local: int = Field(5, ge=1, le=4096, description="recent positions in the local mass of the sparsity estimate")
@@ -111,9 +165,13 @@ class LFPSParams(MethodParams):
 
     build_fields = frozenset({"init_steps", "table_sink", "gamma"})
 
-    def budget(self, n_visible: int) -> int:
-        k = self.k if self.k is not None else math.ceil(self.ratio * n_visible)
-        return max(1, min(k, n_visible))
+    def budget(self, n_ctx: int) -> int:
+        """K: plan positions per (KV head, token), from the context length."""
+        return budget(n_ctx, k=self.k, ratio=self.ratio)
+
+    def candidate_width(self, n_ctx: int) -> int:
+        """C: candidate slots per (KV head, token), at least K, at most N."""
+        return max(self.budget(n_ctx), min(n_ctx, math.ceil(self.max_candidates * n_ctx)))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -145,7 +203,7 @@ def init_tables(q: torch.Tensor, k: torch.Tensor, steps: int, gamma: float, tabl
 
 
 def _masked_moments(x: torch.Tensor, valid: torch.Tensor):
-    """Mean, max and kurtosis of x over `valid` along the last dim."""
+    """Mean, max, kurtosis and variance of x over `valid` along the last dim."""
     cnt = valid.sum(-1).clamp(min=1).to(x.dtype)
     mean = (x * valid).sum(-1) / cnt
     c = torch.where(valid, x - mean[..., None], torch.zeros_like(x))
@@ -188,236 +246,284 @@ def expand_candidates(c0: torch.Tensor, keep: torch.Tensor, offsets=OFFSETS) -> 
     return out & keep
 
 
-def mask_to_index(mask: torch.Tensor) -> torch.Tensor:
-    """[..., P] bool -> [..., C] positions of the True entries in increasing order, -1 padded."""
-    shape = mask.shape
-    flat = mask.reshape(-1, shape[-1])
-    rank = torch.cumsum(flat, dim=-1) - 1  # slot of each True entry
-    c = int(rank[:, -1].max()) + 1 if flat.numel() else 0
-    out = torch.full((flat.shape[0], c + 1), -1, dtype=torch.long, device=mask.device)  # last column: dump
-    cols = torch.arange(shape[-1], device=mask.device).expand_as(flat)
-    out.scatter_(1, torch.where(flat, rank, c), cols)
-    return out[:, :c].reshape(*shape[:-1], c)
+def cap_candidates(mask: torch.Tensor, score: torch.Tensor, width: int) -> torch.Tensor:
+    """mask [..., N] bool, score [..., N] -> [..., width] positions of the `width` members of largest
+    score (all of them when there are fewer), -1 for empty slots; any order. Fixed shape."""
+    val, idx = torch.topk(score.masked_fill(~mask, NEG_INF), min(width, mask.shape[-1]), dim=-1, sorted=False)
+    return torch.where(val > NEG_INF, idx, -1)
 
 
-def _logsumexp_masked(s: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
-    return torch.logsumexp(s.masked_fill(~valid, float("-inf")), dim=-1)
+def local_rows(kv, pos: torch.Tensor, device) -> torch.Tensor:
+    """pos [T, P] absolute positions (any valid or not: clamped) -> key rows [KVH, T, P, D] on `device`:
+    context rows below N, request-local rows from N on, chosen per position with `torch.where` (a fixed
+    shape; invalid positions get an arbitrary row). The request-local rows are gathered on their own
+    device (the GPU in offload mode, where the planner runs on the host) and only those rows move."""
+    n, m = kv.n_ctx, kv.loc_k.shape[1]
+    kvh = kv.ctx_k.shape[0]
+    t, p = pos.shape
+    flat = pos.reshape(1, t * p).expand(kvh, t * p)
+    rows = gather_rows(kv.ctx_k, flat.clamp(0, n - 1))  # [KVH, T·P, D]
+    if m > 0:
+        li = (flat - n).clamp(0, m - 1).to(kv.loc_k.device)
+        loc = gather_rows(kv.loc_k, li).to(device=device, dtype=rows.dtype)
+        rows = torch.where((flat < n)[..., None], rows, loc)
+    return rows.view(kvh, t, p, -1)
 
 
 # ---------------------------------------------------------------------------------------------
-# Session
+# Planner
 
 
-class _Plan:
-    __slots__ = ("sel", "bypass", "out", "frac", "candidates", "sparsity")
+@dataclass
+class TableUpdate:
+    """What update() adds to a layer's tables: both are multiplied by `decay` [KVH], then the weights
+    are scatter-added: vertical at `vert_at` [KVH, X], slash at `slash_at` [KVH, Y] (valid indexes;
+    weight 0 where nothing is added)."""
 
-    def __init__(self, sel, bypass, out, frac, candidates, sparsity):
-        self.sel, self.bypass, self.out, self.frac = sel, bypass, out, frac
-        self.candidates = candidates  # [KVH, T, C] positions that got an exact q·k (-1 padded)
-        self.sparsity = sparsity  # [KVH, G, T] estimated sink share of the attention
+    decay: torch.Tensor
+    vert_at: torch.Tensor
+    vert_w: torch.Tensor
+    slash_at: torch.Tensor
+    slash_w: torch.Tensor
 
 
-class _LFPSSession(MethodSession):
-    def __init__(self, index, params: LFPSParams, n_ctx: int):
+@dataclass
+class Search:
+    """One layer's plan and everything behind it (tests and benchmarks inspect it)."""
+
+    plan: Plan
+    update: TableUpdate
+    candidates: torch.Tensor | None = None  # [KVH, T, C] positions scored exactly besides the frame (-1 empty)
+    sparsity: torch.Tensor | None = None  # [KVH, G, T] estimated sink share (None: bypass off)
+    stats: torch.Tensor | None = None  # [3]: mean candidate fraction, bypassed fraction, capped fraction
+
+
+class _LFPSPlanner(Planner):
+    """One request: private copies of the score tables (made at a layer's first plan), the pending
+    table update of each layer's last plan, and device-side statistics."""
+
+    def __init__(self, index, params: LFPSParams, ctx):
         self.index = index
         self.params = params
-        self.n_ctx = n_ctx
-        self._tables: dict[int, list[torch.Tensor]] = {}  # layer -> [vertical, slash] private copies
-        self._pending: tuple[int, torch.Tensor, torch.Tensor] | None = None  # (layer, q_pos, sel)
-        self._acc: dict[int, list[float]] = {}  # layer -> [cand frac sum, bypass frac sum, steps]
-        self.last: dict[int, _Plan] = {}  # layer -> the latest step's plan (inspection, tests)
-        self._prompt_steps: dict[int, int] = {}  # layer -> dense prompt steps
+        self.n_ctx = n = ctx.n_ctx
+        self.sink, self.window = params.frame(n)
+        self.n_sink = min(params.sink, n)  # the frame's sink (queries are request tokens: q_pos >= N)
+        self.k = params.budget(n)
+        self.width = params.candidate_width(n)
+        self.slash_cap = n + ctx.max_local  # offsets 0 .. N + max_local - 1
+        self._tables: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # layer -> (vertical [KVH, N], slash)
+        self._pending: dict[int, TableUpdate] = {}
+        self._acc: dict[int, torch.Tensor] = {}  # layer -> [3] device sums of Search.stats
+        self._steps: dict[int, int] = {}  # layer -> sparse steps accumulated
+        self._prompt_steps: dict[int, int] = {}  # layer -> dense question steps
 
-    # -- tables -----------------------------------------------------------------------------------
+    # -- tables -------------------------------------------------------------------------------------
 
-    def _view(self, layer: int, need: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Tables covering positions / offsets [0, need): the private copy if this session has one,
-        else the persisted arrays (read only), zero-padded."""
+    def tables(self, layer: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+        """This request's (vertical [KVH, N], slash [KVH, N + max_local]) of a layer, fp32: copied from
+        the persisted arrays (never written) at the first call, once, at full capacity."""
         own = self._tables.get(layer)
-        if own is not None:
-            self._reserve(layer, need)
-            return own[0][:, :need], own[1][:, :need]
-        vert, slash = self.index.layer("vertical", layer), self.index.layer("slash", layer)
-        if need > vert.shape[1]:
-            vert = F.pad(vert, (0, need - vert.shape[1]))
-            slash = F.pad(slash, (0, need - slash.shape[1]))
-        return vert[:, :need], slash[:, :need]
-
-    def _reserve(self, layer: int, need: int) -> list[torch.Tensor]:
-        own = self._tables.get(layer)
-        if own is None:  # copy on first write: the persisted tables are shared and stay untouched
-            vert, slash = self.index.layer("vertical", layer), self.index.layer("slash", layer)
-            cap = max(need, vert.shape[1]) + 256
-            own = [F.pad(vert.float(), (0, cap - vert.shape[1])), F.pad(slash.float(), (0, cap - slash.shape[1]))]
-            self._tables[layer] = own
-        elif need > own[0].shape[1]:
-            grow = max(need, 2 * own[0].shape[1]) - own[0].shape[1]
-            own[0] = F.pad(own[0], (0, grow))
-            own[1] = F.pad(own[1], (0, grow))
+        if own is None:
+            v0, s0 = self.index.layer("vertical", layer), self.index.layer("slash", layer)
+            kvh = v0.shape[0]
+            vert = torch.zeros(kvh, self.n_ctx, dtype=torch.float32, device=device)
+            slash = torch.zeros(kvh, self.slash_cap, dtype=torch.float32, device=device)
+            nv, ns = min(self.n_ctx, v0.shape[1]), min(self.slash_cap, s0.shape[1])
+            vert[:, :nv].copy_(v0[:, :nv])
+            slash[:, :ns].copy_(s0[:, :ns])
+            own = self._tables[layer] = (vert, slash)
         return own
 
-    def _update(self, layer: int, pos: torch.Tensor, w: torch.Tensor, upd: torch.Tensor, q_pos: torch.Tensor):
-        """pos [KVH, T, C] attended positions (-1 none), w [KVH, T, C] update weights (already halved,
-        sink removed), upd [KVH, T] whether this (head, token) updates. Tokens applied in order."""
-        p = self.params
-        own = self._reserve(layer, int(q_pos.max()) + 1)
-        vert, slash = own
-        kvh, t, c = pos.shape
-        u = upd.to(vert.dtype)
-        later = torch.flip(torch.cumsum(torch.flip(u, [1]), 1), [1]) - u  # updates after token t
-        decay_total = p.gamma ** u.sum(1)  # [KVH]
-        scale = (p.gamma ** later) * u  # [KVH, T]
-        ww = torch.where(pos >= 0, w * scale[..., None], torch.zeros_like(w)).reshape(kvh, -1)
-        pj = pos.clamp(min=0).reshape(kvh, -1)
-        off = (q_pos[None, :, None] - pos).clamp(min=0).reshape(kvh, -1)
-        vert.mul_(decay_total[:, None]).scatter_add_(1, pj, ww)
-        slash.mul_(decay_total[:, None]).scatter_add_(1, off, ww)
+    # -- the step -------------------------------------------------------------------------------------
 
-    # -- the step ---------------------------------------------------------------------------------
+    def plan(self, layer, q, kv):
+        s = self.search(layer, q, kv)
+        self._pending[layer] = s.update
+        if s.plan.is_dense:
+            self._prompt_steps[layer] = self._prompt_steps.get(layer, 0) + 1
+        if s.stats is not None:
+            acc = self._acc.get(layer)
+            self._acc[layer] = s.stats if acc is None else acc + s.stats
+            self._steps[layer] = self._steps.get(layer, 0) + 1
+        return s.plan
 
-    def _plan(self, layer: int, q: torch.Tensor, kv, want_output: bool) -> _Plan:
+    def update(self, layer, k, v, positions):
+        u = self._pending.pop(layer, None)
+        if u is None:
+            return
+        vert, slash = self._tables[layer]
+        vert.mul_(u.decay[:, None]).scatter_add_(1, u.vert_at, u.vert_w)
+        slash.mul_(u.decay[:, None]).scatter_add_(1, u.slash_at, u.slash_w)
+
+    def search(self, layer: int, q: torch.Tensor, kv) -> Search:
+        """The plan for one layer and step, and the table update it implies. Reads state only."""
+        if q.shape[2] > 1 and self.params.dense_prompt:
+            return self._prompt_search(layer, q, kv)
         p = self.params
         dev = q.device
         kvh, g, t, d = q.shape
+        n, ns = self.n_ctx, self.n_sink
         scale = d ** -0.5
-        q_pos = kv.q_pos
-        nv = int(q_pos.max()) + 1
-        vis = (q_pos + 1).to(torch.float32)  # [T]
-        n_sink = min(p.sink, int(q_pos.min()) + 1)
-        j = torch.arange(nv, device=dev)
-        visible = j[None, :] <= q_pos[:, None]  # [T, nv]
-        is_sink = j < n_sink
-        in_window = (j[None, :] > q_pos[:, None] - p.window) & visible  # [T, nv]
-        region = visible & ~is_sink[None, :]  # non-sink visible positions
-        if t > 1 and p.dense_prompt:
-            return self._prompt_step(layer, q, kv, nv, n_sink, visible)
+        qf = q.float()
+        q_pos = kv.q_pos.long()  # [T]
+        vert, slash = self.tables(layer, dev)
+        s_end, w_lo = frame_bounds(q_pos, n, self.sink, self.window)  # s_end == ns
+        n_loc = (q_pos - n + 1).clamp(min=0)  # [T] request-local tokens visible to each query
 
-        # 1) head sparsity (per query head) -----------------------------------------------------
-        mean_k = self.index.layer("mean_k", layer).to(q.dtype)  # [KVH, D]
-        mean_v = self.index.layer("mean_v", layer).to(q.dtype)
-        var_ratio = self.index.layer("var_ratio", layer).to(q.dtype).view(kvh, g)  # [KVH, G]
-        lp = q_pos[:, None] - torch.arange(p.local, device=dev)[None, :]  # [T, local]
-        lp = torch.where(lp >= n_sink, lp, -1)
-        sw = torch.arange(n_sink, device=dev)[None, :].expand(t, n_sink)
-        probe = torch.cat([sw, lp], dim=-1).expand(kvh, t, -1)  # sink, then local positions
-        s_probe = torch.einsum("hgtd,htpd->hgtp", q, gather_positions(probe, kv.ctx_k, kv.loc_k)).float() * scale
-        log_sink = _logsumexp_masked(s_probe[..., :n_sink], torch.ones_like(s_probe[..., :n_sink], dtype=torch.bool))
-        log_local = _logsumexp_masked(s_probe[..., n_sink:], (lp >= 0)[None, None].expand_as(s_probe[..., n_sink:]))
-        mu = torch.einsum("hgtd,hd->hgt", q, mean_k).float() * scale
-        sig2 = var_ratio[..., None].float() * (q.float() ** 2).sum(-1) * scale * scale
-        n_rest_all = (vis - n_sink).clamp(min=1)  # [T]
-        log_global = torch.log(n_rest_all) + mu + sig2 / 2
-        sparsity = torch.sigmoid(log_sink - torch.maximum(log_global, log_local))  # [KVH, G, T]
-        if p.bypass and n_sink > 0:
+        # 1) head sparsity (per query head) -> bypass --------------------------------------------
+        s_sink = torch.einsum("hgtd,hsd->hgts", qf, kv.ctx_k[:, :ns].float()) * scale  # [KVH, G, T, ns]
+        bypass = sparsity = rest_logit = None
+        if p.bypass:
+            mean_k = self.index.layer("mean_k", layer).float()  # [KVH, D]
+            var_ratio = self.index.layer("var_ratio", layer).float().view(kvh, g)
+            lp = q_pos[:, None] - torch.arange(p.local, device=dev)[None, :]  # [T, local] the last positions
+            s_lp = torch.einsum("hgtd,htld->hgtl", qf, local_rows(kv, lp, dev).float()) * scale
+            log_sink = torch.logsumexp(s_sink, dim=-1)  # -inf without a sink: never bypassed
+            log_local = torch.logsumexp(s_lp.masked_fill(~(lp >= ns)[None, None], NEG_INF), dim=-1)
+            mu = torch.einsum("hgtd,hd->hgt", qf, mean_k) * scale
+            sig2 = var_ratio[..., None] * (qf * qf).sum(-1) * (scale * scale)
+            log_global = torch.log((q_pos + 1 - ns).clamp(min=1).float()) + mu + sig2 / 2
+            sparsity = torch.sigmoid(log_sink - torch.maximum(log_global, log_local))  # [KVH, G, T]
             bypass = sparsity > p.bypass_threshold
+            n_rest = (w_lo - s_end).float()  # [T] context tokens outside the frame
+            log_rest = torch.log(n_rest.clamp(min=1)) + mu + sig2 / 2
+            rest_logit = torch.where(bypass & (n_rest > 0), log_rest, NEG_INF)
+            active = ~bypass
         else:
-            bypass = torch.zeros_like(sparsity, dtype=torch.bool)
-        active = ~bypass  # heads that search
+            active = torch.ones(kvh, g, t, dtype=torch.bool, device=dev)
         group_active = active.any(1)  # [KVH, T]
 
-        # 2-3) candidates from the tables ---------------------------------------------------------
-        vert, slash = self._view(layer, nv)  # [KVH, nv]
-        if t == 1:  # slash_at[j] = S[t - j]: the table read backwards
-            slash_at = slash.flip(-1)[:, None]  # [KVH, 1, nv]
-        else:
-            slash_at = slash[:, (q_pos[:, None] - j[None, :]).clamp(min=0)]  # [KVH, T, nv]
-        vert_t = vert[:, None, :].expand(kvh, t, nv)
-        c0, keep = initial_candidates(vert_t.float(), slash_at.float(), region[None].expand(kvh, t, nv), p.lam)
-        cand = expand_candidates(c0, keep) | is_sink[None, None] | in_window[None]  # [KVH, T, nv]
-        cand = cand & visible[None]
-        n_sw = (is_sink[None] | in_window).sum(-1).float()  # [T]
-        cand_frac = torch.where(group_active, cand.sum(-1).float(), n_sw[None]) / vis[None]
+        # 2-3) candidates from the tables, capped to a fixed width ---------------------------------
+        j = torch.arange(n, device=dev)
+        off = q_pos[:, None] - j[None, :]  # [T, N] offsets t - j (>= 1)
+        slash_at = slash.index_select(1, off.clamp(max=self.slash_cap - 1).reshape(-1)).view(kvh, t, n)
+        slash_at = torch.where(off < self.slash_cap, slash_at, 0.0)  # S[t - j]; 0 past the capacity
+        vert_t = vert[:, None, :].expand(kvh, t, n)
+        region = (j >= ns).expand(kvh, t, n)  # the tables' statistics: non-sink context positions
+        c0, keep = initial_candidates(vert_t, slash_at, region, p.lam)
+        sel_ok = (j[None, :] >= s_end) & (j[None, :] < w_lo[:, None])  # [T, N] a plan may select
+        expanded = expand_candidates(c0, keep) & sel_ok[None]  # [KVH, T, N]
+        count = expanded.sum(-1)  # [KVH, T]
+        cand = cap_candidates(expanded, vert_t + slash_at, self.width)  # [KVH, T, C]
+        cand_ok = cand >= 0
 
-        # 4) exact scores on the candidates -> top-K ---------------------------------------------
-        idx = mask_to_index(cand)  # [KVH, T, C]
-        ok = idx >= 0
-        kk = gather_positions(idx, kv.ctx_k, kv.loc_k)
-        s = torch.einsum("hgtd,htcd->hgtc", q, kk).float() * scale
-        s = s.masked_fill(~ok[:, None], float("-inf"))
-        pc = idx.clamp(min=0)
-        fixed = ok & ((pc < n_sink) | (pc > q_pos[None, :, None] - p.window))  # sink or window
-        mass = torch.softmax(s, dim=-1)
-        heads = torch.where(group_active[:, None], active, torch.ones_like(active))  # all-bypassed: any
-        gmass = (mass * heads[..., None]).sum(1)  # [KVH, T, C]
-        budget = p.budget(nv)
-        rank = gmass.masked_fill(~ok | fixed, float("-inf"))
-        kk_ = min(budget, rank.shape[-1])
-        top = torch.topk(rank, kk_, dim=-1)
-        chosen = torch.zeros_like(ok).scatter_(-1, top.indices, torch.isfinite(top.values))
-        sel = torch.where(torch.isfinite(top.values), torch.gather(idx, -1, top.indices), -1)  # [KVH, T, K]
+        # 4) exact scores over candidates + frame -> group mass -> top-K ---------------------------
+        wpos = w_lo[:, None] + torch.arange(self.window, device=dev)[None, :]  # [T, W] window rows
+        w_ok = wpos < n
+        s_win = torch.einsum("hgtd,htwd->hgtw", qf,
+                             gather_context(kv.ctx_k, wpos.expand(kvh, t, -1)).float()) * scale
+        s_win = s_win.masked_fill(~w_ok[None, None], NEG_INF)
+        loc_vis = (n + torch.arange(kv.loc_k.shape[1], device=dev))[None, :] <= q_pos[:, None]  # [T, M]
+        s_loc = torch.einsum("hgtd,hmd->hgtm", qf, kv.loc_k.to(dev).float()) * scale
+        s_loc = s_loc.masked_fill(~loc_vis[None, None], NEG_INF)
+        s_cand = torch.einsum("hgtd,htcd->hgtc", qf, gather_context(kv.ctx_k, cand).float()) * scale
+        s_cand = s_cand.masked_fill(~cand_ok[:, None], NEG_INF)
+        s_all = torch.cat([s_sink, s_win, s_loc, s_cand], dim=-1)  # [KVH, G, T, ns + W + M + C]
+        heads = torch.where(group_active[:, None], active, True).float()  # all bypassed: rank with all
+        c = cand.shape[-1]
+        mass = (torch.softmax(s_all, dim=-1)[..., -c:] * heads[..., None]).sum(1)  # [KVH, T, C]
+        val, at = torch.topk(torch.where(cand_ok, mass, -1.0), min(self.k, c), dim=-1, sorted=False)
+        picked = val >= 0
+        positions = torch.where(picked, cand.gather(-1, at), -1).to(torch.int32)  # [KVH, T, K]
+        chosen = torch.zeros_like(cand_ok).scatter_(-1, at, picked)  # [KVH, T, C]
 
-        # 5) table update with the attention over sink + window + top-K ---------------------------
-        attended = fixed | chosen  # [KVH, T, C]
-        att = torch.softmax(s.masked_fill(~attended[:, None], float("-inf")), dim=-1)  # [KVH, G, T, C]
-        w = att.masked_fill((pc < n_sink)[:, None], 0.0)
-        w = w / w.sum(-1, keepdim=True).clamp_min(1e-30)  # sink removed, renormalised
-        w = (w * active[..., None]).sum(1) / active.sum(1).clamp(min=1)[..., None]  # [KVH, T, C] group mean
-        if bool(group_active.any()):
-            self._update(layer, idx, 0.5 * w, group_active, q_pos)
+        # 5) the table update: attention over frame + top-K, sink removed, renormalised, halved ----
+        attended = torch.cat([w_ok.expand(kvh, t, -1), loc_vis.expand(kvh, t, -1), chosen], dim=-1)
+        att = torch.softmax(s_all[..., ns:].masked_fill(~attended[:, None], NEG_INF), dim=-1)  # sink removed
+        act = active.float()
+        w = (att * act[..., None]).sum(1) / act.sum(1).clamp(min=1)[..., None]  # [KVH, T, W + M + C]
+        m = kv.loc_k.shape[1]
+        ctx_pos = torch.cat([torch.where(w_ok, wpos, -1).expand(kvh, t, -1), cand], dim=-1)  # [KVH, T, W + C]
+        ctx_w = torch.cat([w[..., :self.window], w[..., self.window + m:]], dim=-1)
+        upd = self._token_update(ctx_pos, ctx_w, group_active, q_pos)
 
-        out = None
-        frac = torch.where(group_active, attended.sum(-1).float(), n_sw[None] + 1) / vis[None]
-        if want_output and bool(bypass.any()):
-            vv = gather_positions(idx, kv.ctx_v, kv.loc_v).float()  # [KVH, T, C, D]
-            out_sparse = torch.einsum("hgtc,htcd->hgtd", att, vv)  # = the frame's attention over the selection
-            # bypass: sink + window exact, plus the mean pseudo-token for the n_rest other positions
-            n_rest = vis[None] - fixed.sum(-1).float()  # [KVH, T]
-            log_mean = torch.log(n_rest.clamp(min=1))[:, None] + mu + sig2 / 2  # [KVH, G, T]
-            log_mean = torch.where(n_rest[:, None] > 0, log_mean, torch.full_like(log_mean, float("-inf")))
-            s_b = torch.cat([s.masked_fill(~fixed[:, None], float("-inf")), log_mean[..., None]], dim=-1)
-            p_b = torch.softmax(s_b, dim=-1)
-            out_bypass = torch.einsum("hgtc,htcd->hgtd", p_b[..., :-1], vv)
-            out_bypass = out_bypass + p_b[..., -1:] * mean_v.float()[:, None, None]
-            out = torch.where(bypass[..., None], out_bypass, out_sparse).to(q.dtype)
+        # statistics (device): exact q·k per visible token, bypassed heads, cut candidate sets
+        frame = s_end + w_ok.sum(-1) + n_loc  # [T]
+        scored = frame[None] + torch.where(group_active, cand_ok.sum(-1), 0)
+        zero = torch.zeros((), device=dev)
+        stats = torch.stack([
+            (scored.float() / (q_pos + 1).float()[None]).mean(),
+            bypass.float().mean() if bypass is not None else zero,
+            (count > c).float().mean(),
+        ])
+        plan = Plan(positions)
+        if p.bypass:
+            mean_v = self.index.layer("mean_v", layer)
+            plan = Plan(positions, bypass=bypass, rest_logit=rest_logit, rest_value=mean_v)
+        return Search(plan, upd, candidates=cand, sparsity=sparsity, stats=stats)
 
-        acc = self._acc.setdefault(layer, [0.0, 0.0, 0])
-        acc[0] += float(cand_frac.mean())
-        acc[1] += float(bypass.float().mean())
-        acc[2] += 1
-        plan = _Plan(sel, bypass, out, frac, idx, sparsity)
-        self.last[layer] = plan
-        return plan
+    def _token_update(self, pos, w, upd, q_pos) -> TableUpdate:
+        """pos [KVH, T, X] context positions attended (-1 none), w [KVH, T, X] their weights (sink
+        removed, renormalised, group mean), upd [KVH, T] which (head, token) update. Tokens in order:
+        a token's weights are decayed by the later updating tokens; both tables by all of them."""
+        kvh, t, x = pos.shape
+        u = upd.float()
+        later = torch.flip(torch.cumsum(torch.flip(u, [1]), 1), [1]) - u  # updating tokens after t
+        coef = 0.5 * self.params.gamma ** later * u  # [KVH, T]
+        ww = torch.where(pos >= 0, w * coef[..., None], 0.0)
+        off = q_pos[None, :, None] - pos  # [KVH, T, X] offsets t - j
+        off_ok = (pos >= 0) & (off < self.slash_cap)
+        return TableUpdate(
+            decay=self.params.gamma ** u.sum(1),
+            vert_at=pos.clamp(0, self.n_ctx - 1).reshape(kvh, -1), vert_w=ww.reshape(kvh, -1),
+            slash_at=off.clamp(0, self.slash_cap - 1).reshape(kvh, -1),
+            slash_w=torch.where(off_ok, ww, 0.0).reshape(kvh, -1),
+        )
 
-    def _prompt_step(self, layer, q, kv, nv, n_sink, visible) -> _Plan:
-        """A step of T > 1 tokens (the question) ends the paper's prefill: dense attention (the frame's,
-        select returns None), and the tokens' exact weights enter the tables in order."""
+    def _prompt_search(self, layer, q, kv) -> Search:
+        """A step of T > 1 tokens (the question) ends the paper's prefill: a dense plan, and the tokens'
+        exact weights enter the tables in order. Tokens are processed in chunks so the [KVH, G, T', N]
+        score block stays bounded; the update is summed into table-sized deltas."""
+        dev = q.device
         kvh, g, t, d = q.shape
-        k_all = torch.cat([kv.ctx_k, kv.loc_k], dim=1)[:, :nv]  # [KVH, nv, D]
-        s = torch.einsum("hgtd,hnd->hgtn", q, k_all).float() * d ** -0.5
-        w = torch.softmax(s.masked_fill(~visible[None, None], float("-inf")), dim=-1)
-        w[..., :n_sink] = 0
-        w = (w / w.sum(-1, keepdim=True).clamp_min(1e-30)).mean(1)  # [KVH, T, nv]
-        idx = torch.arange(nv, device=q.device).expand(kvh, t, nv)
-        self._update(layer, idx, 0.5 * w, torch.ones(kvh, t, dtype=torch.bool, device=q.device), kv.q_pos)
-        self._prompt_steps[layer] = self._prompt_steps.get(layer, 0) + 1
-        none = torch.zeros(kvh, g, t, dtype=torch.bool, device=q.device)
-        plan = _Plan(None, none, None, None, idx, torch.zeros(kvh, g, t, device=q.device))
-        self.last[layer] = plan
-        return plan
-
-    def attend(self, layer, q, kv):
-        plan = self._plan(layer, q, kv, want_output=True)
-        if plan.out is None:  # no bypassed head: plain attention over the selection (the frame)
-            self._pending = (layer, kv.q_pos, plan.sel)
-            return None
-        return plan.out, plan.frac
-
-    def select(self, layer, q, kv):
-        pend, self._pending = self._pending, None
-        if pend is not None and pend[0] == layer and pend[1] is kv.q_pos:
-            return pend[2]
-        return self._plan(layer, q, kv, want_output=False).sel  # called without attend(): no bypass
+        n, ns = self.n_ctx, self.n_sink
+        scale = d ** -0.5
+        vert, slash = self.tables(layer, dev)
+        q_pos = kv.q_pos.long()
+        m = kv.loc_k.shape[1]
+        loc_k = kv.loc_k.to(dev).float()
+        ctx_k = kv.ctx_k  # scored in its own dtype (a bf16 context is not copied to fp32 whole)
+        gamma = self.params.gamma
+        vert_w = torch.zeros(kvh, n, device=dev)
+        slash_w = torch.zeros(kvh, self.slash_cap, device=dev)
+        j = torch.arange(n, device=dev)
+        chunk = max(1, (1 << 26) // (kvh * g * (n + m)))  # score blocks of at most 256 MB (fp32)
+        for a in range(0, t, chunk):
+            qc, pc = q[:, :, a:a + chunk].float(), q_pos[a:a + chunk]
+            tc = qc.shape[2]
+            s = torch.cat([torch.einsum("hgtd,hnd->hgtn", qc.to(ctx_k.dtype), ctx_k).float(),
+                           torch.einsum("hgtd,hmd->hgtm", qc, loc_k)], dim=-1) * scale
+            loc_vis = (n + torch.arange(m, device=dev))[None, :] <= pc[:, None]
+            s[..., n:] = s[..., n:].masked_fill(~loc_vis[None, None], NEG_INF)
+            w = torch.softmax(s[..., ns:], dim=-1).mean(1)[..., :n - ns]  # [KVH, T', N - ns]: sink removed
+            coef = 0.5 * gamma ** (t - 1 - torch.arange(a, a + tc, device=dev)).float()  # [T']
+            wc = w * coef[None, :, None]
+            vert_w[:, ns:] += wc.sum(1)
+            off = (pc[:, None] - j[None, ns:]).clamp(max=self.slash_cap - 1)  # [T', N - ns]
+            ok = (pc[:, None] - j[None, ns:]) < self.slash_cap
+            slash_w.scatter_add_(1, off.reshape(1, -1).expand(kvh, -1),
+                                 torch.where(ok[None], wc, 0.0).reshape(kvh, -1))
+        every = torch.arange(self.slash_cap, device=dev).expand(kvh, -1)
+        upd = TableUpdate(decay=torch.full((kvh,), gamma ** t, device=dev), vert_at=j.expand(kvh, -1), vert_w=vert_w,
+                          slash_at=every, slash_w=slash_w)
+        return Search(Plan.dense(), upd)
 
     def stats(self) -> dict:
-        per = {l: (a[0] / a[2], a[1] / a[2]) for l, a in sorted(self._acc.items()) if a[2]}
+        per = {layer: (acc / self._steps[layer]).tolist() for layer, acc in sorted(self._acc.items())}
         nl = max(len(per), 1)
+        ps = self._prompt_steps
         return {
             "candidate_fraction": sum(v[0] for v in per.values()) / nl,
             "bypass_fraction": sum(v[1] for v in per.values()) / nl,
+            "capped_fraction": sum(v[2] for v in per.values()) / nl,
             "candidate_fraction_per_layer": [round(v[0], 4) for v in per.values()],
             "bypass_fraction_per_layer": [round(v[1], 4) for v in per.values()],
-            "dense_prompt_steps": sum(self._prompt_steps.values()) // max(len(self._prompt_steps), 1),
+            "dense_prompt_steps": sum(ps.values()) // max(len(ps), 1),
         }
+
+    def close(self) -> None:
+        self._tables.clear()
+        self._pending.clear()
 
 
 @register
@@ -450,7 +556,7 @@ class LFPS(SparseMethod):
         mean_v = v[:, :, ts:].float().mean(2)
         return {"vertical": vert, "slash": slash, "mean_k": mean_k, "mean_v": mean_v, "var_ratio": var_ratio}
 
-    def open(self, index, params, n_ctx, env=None):
+    def open(self, index, params, ctx):
         if index is None:
             raise ValueError("lfps needs its index (score tables); build it at prefill")
-        return _LFPSSession(index, params, n_ctx)
+        return _LFPSPlanner(index, params, ctx)

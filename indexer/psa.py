@@ -1,4 +1,4 @@
-"""`psa`: Progressive Sparse Attention (papers/psa.txt §3.2, Algorithm 1).
+"""`psa`: Progressive Sparse Attention (papers/psa.txt §3.2, Algorithm 1), as a fixed-shape plan.
 
 Prefill (`build`): the context keys are cut into blocks of `block_size` tokens [32]; per block and
 KV head we persist its bounding cuboid and mean, `block_meta` [L, KVH, blocks, 3, D] fp16 with rows
@@ -6,83 +6,101 @@ KV head we persist its bounding cuboid and mean, `block_meta` [L, KVH, blocks, 3
 contains every key of the block and the criticality below stays an upper bound. The last block may
 be partial.
 
-Decode, per layer, KV head and query token:
+Decode. The paper walks the blocks in descending criticality, microbatch by microbatch, merging
+each block's attention into a running output and stopping once the estimated attention mass
+reaches eps. Its output is exact attention over the processed blocks, so here the planner returns
+the *set* of processed context tokens and the backend attends it with the frame (frame ∪ plan =
+the progressive output O_acc / AS_acc). The walk itself is replaced by cumulative ops over a fixed
+number of candidates, so a plan has a fixed shape and never waits on the device:
 
-1. Criticality of each block. `criticality="cuboid"` (default): the exact upper bound of q·k over
-   the cuboid, sum_d max(q_d·min_d, q_d·max_d) = q⁺·max + q⁻·min (Quest-style); `"center"`:
-   q·(min + max)/2 (our reading of ArkVale's "cuboid-mean", which the paper names as its default
-   without defining it); `"mean"`: q·mean of the block's keys (InfLLM-style).
-   GQA pooling (the G query heads of a KV head share one block order, because a block is loaded per
-   KV head): per head, softmax over blocks of the scaled bound (c_hb·scale), summed over the
-   group's heads -- the same pooling as `topk`'s group attention mass, so heads with different
-   logit scales stay comparable. Measured on the captured 2K document (8 queries x 30 layers,
-   eps 0.9 / 0.95, recall of the exact top-5%): this pooling 0.870 / 0.908 recall, 0.071 / 0.052
-   output error; the alternative "max over heads of the logit relative to the head's best block"
-   0.862 / 0.903 and 0.075 / 0.056, at the same KV touched (0.41 / 0.51).
-2. The dense part is processed first (microbatch 0): every block holding a sink token or a token
-   of the recent window, plus the request-local tail that is not yet a full block. It adds to
-   AS_acc but not to AS_min (it is not part of the ranked order).
-3. The remaining blocks are processed in descending criticality, `microbatch` blocks at a time,
-   with the running softmax merge: running max logit m, AS_acc = sum exp(s - m) of everything
-   processed, O_acc = sum exp(s - m)·v, and AS_min = the smallest block sum seen so far (a partial
-   block's sum is scaled to a full block first, so it never pulls AS_min down by being short).
-   After each microbatch, per query head, P_acc = AS_acc / (AS_acc + AS_min·N_left); the KV head
-   stops when every query head of its group has P_acc >= eps [0.95]. Stopping per group (not per
-   query head) is what a block loader shared by the group does; each head then has P_acc >= eps.
-   eps = 1 processes every block, i.e. exact attention (AS_min can underflow to 0, so eps = 1 is
-   special-cased to "until no block is left").
+1. Dense part (always processed, counted in AS_acc, not ranked): every request-local token the
+   query sees and every context block holding a sink token or a context token of the recent
+   window (its tokens outside the frame are planned; the frame attends the rest). The blocks that
+   can hold a window token are the last few of the context, known from n_ctx and `window`.
+2. Criticality of every other context block (one pass over the metadata). `criticality="cuboid"`
+   (default): the exact upper bound of q·k over the cuboid, sum_d max(q_d·min_d, q_d·max_d) =
+   q⁺·max + q⁻·min (Quest-style); `"center"`: q·(min + max)/2 (our reading of ArkVale's
+   "cuboid-mean", which the paper names as its default without defining it); `"mean"`: q·mean of
+   the block's keys (InfLLM-style). GQA pooling (the G query heads of a KV head share one block
+   order, because a block is loaded per KV head): per head, softmax over blocks of the scaled bound,
+   summed over the group's heads -- the same pooling as `topk`'s group attention mass, so heads with
+   different logit scales stay comparable. Measured on the captured 2K document (8 queries x 30
+   layers, eps 0.9 / 0.95, recall of the exact top-5%): this pooling 0.870 / 0.908 recall, 0.071 /
+   0.052 output error; the alternative "max over heads of the logit relative to the head's best
+   block" 0.862 / 0.903 and 0.075 / 0.056, at the same KV touched (0.41 / 0.51).
+3. The B_max best blocks, in order (B_max = ceil(`max_ratio` · blocks), a host int from the params
+   and n_ctx: the plan's width), get their exact sums AS_b = sum exp(q·k·scale) per query head in
+   one vectorized pass. After i + 1 blocks: AS_acc = dense part + cumsum, AS_min = cummin of the
+   block sums (a partial block's sum scaled to a full block first, so it never pulls AS_min down by
+   being short), N_left = ranked blocks not yet processed (all of them, not only the B_max), and
+   P_acc = AS_acc / (AS_acc + AS_min·N_left). The rule is checked where the paper checks it, after
+   every `microbatch` blocks (and after the last ranked block); the KV head stops at the first check
+   where every query head of its group has P_acc >= eps (stopping per group is what a block loader
+   shared by the group does). Blocks after the stop point become -1. eps = 1 processes every block,
+   i.e. exact attention (AS_min can underflow to 0, so eps = 1 means "until no block is left").
+   A head that has not reached eps after B_max blocks stops there (`max_ratio` < 1 only; the
+   default 1.0 is the paper's uncapped rule; `stats()["capped_fraction"]` counts those).
 
-   AS_min·N_left is the paper's estimate of the unprocessed mass. It is an upper bound only when
-   blocks arrive in decreasing order of their true exp-sums (tested on synthetic data where they
-   do). The cuboid bound of 64-dim keys is loose, so on real data the order is only approximate:
-   on the captured 2K document at eps 0.95 (16 queries x 30 layers x 9 heads) the estimate at stop
-   averages 0.982 but the true mass of the processed set 0.944; 32% of (head, step) pairs end
-   under eps, 10% under 0.883, the worst at 0.056 (a head whose peak block has 60 blocks with a
-   larger bound ranked before it). Details and a block-size sweep: benchmarks/RESULTS_psa_lfps.md.
+Cost: one pass over the block metadata (criticality, a sort of the blocks) plus exact q·k over the
+B_max candidate blocks and the dense part. The fixed shape is the price of no host sync: the plan
+scores all B_max candidates, also those after the stop point, so `max_ratio` is what bounds the work
+of a step. At the default (1.0, the paper's uncapped rule) that is every key of the context, as for
+dense attention; a serving config sets it to the processed fraction it expects, with a margin. When
+max_ratio·T >= 1 the plan scores every key in one GEMM and sums blocks by a reshape (cheaper than
+gathering the candidates); otherwise it gathers the candidate blocks' keys only.
 
-Fit to the decode frame: `execute="select"` (default) returns the tokens of every processed block;
-exact attention over sink + window + that set (the frame's `sparse_attention`) *is* the progressive
-output, because the dense part covers sink + window. `execute="progressive"` returns the merged
-output O_acc / AS_acc itself through `attend()` (no second pass; the recall harness then has no
-token set to score). Both give the same output (tested).
+AS_min·N_left is the paper's estimate of the unprocessed mass. It is an upper bound only when
+blocks arrive in decreasing order of their true sums (tested on synthetic data where they do). The
+cuboid bound of 64-dim keys is loose, so on real data the order is only approximate and the true
+mass of the processed set can end under eps for some heads (measured: RESULTS_psa_lfps.md).
 
-Request-local tokens: as they fill whole blocks (a block is complete once all its tokens precede
-this step's first query) the session builds their cuboid metadata privately (fp32) and ranks them
-like context blocks; the not-yet-full tail is always attended (part of the dense part). The
-persisted metadata is read-only and shared.
+Plan: positions [KVH, T, (F + B_max)·block_size] int32: the dense-part blocks' planned tokens (F =
+blocks that can hold a sink or window token), then the processed ranked blocks' tokens, -1 padded.
+Request-local tokens are never planned (the frame attends all of them).
 
-Budget reporting: `session.stats()` gives the mean number of blocks touched per (layer, KV head,
-token) step and per layer, and the mean estimated mass P_acc at stop.
+Stats (`stats()`): blocks processed per (layer, KV head, token) step, dense-part blocks included;
+the mean estimated mass P_acc at the stop; the fraction of (KV head, token) steps cut by
+`max_ratio`. `plan` keeps its numbers aside, `update` adds them to device accumulators (a plan that
+is thrown away is not counted), `stats()` reads them back once.
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Literal
 
 import torch
 import torch.nn.functional as F
 from pydantic import Field
 
-from indexer._select import gather_positions
-from indexer.base import MethodParams, MethodSession, SparseMethod, register
+from indexer._select import gather_rows
+from indexer.base import MethodParams, Plan, Planner, SparseMethod, budget, frame_bounds, register
 
 META_MIN, META_MAX, META_MEAN = 0, 1, 2
 FP16_MAX = 65504.0
+NEG_INF = float("-inf")
 
 
 class PSAParams(MethodParams):
     block_size: int = Field(32, ge=1, le=4096, description="tokens per KV block (build)")
     eps: float = Field(0.95, gt=0.0, le=1.0, description="stop once the estimated attention mass reaches eps")
-    microbatch: int = Field(4, ge=1, le=1 << 16, description="blocks processed per progressive iteration")
+    microbatch: int = Field(4, ge=1, le=1 << 16, description="blocks processed between two checks of the stop rule")
     criticality: Literal["cuboid", "center", "mean"] = Field(
         "cuboid", description="block score: cuboid upper bound, q·cuboid center, or q·mean"
     )
-    execute: Literal["select", "progressive"] = Field(
-        "select", description="select: return the processed tokens; progressive: return the merged output"
+    max_ratio: float = Field(
+        1.0, gt=0.0, le=1.0,
+        description="most ranked context blocks processed per step, as a fraction of the context's blocks "
+                    "(fixes the plan's width and the work per step; 1.0 = the paper's uncapped rule)",
     )
 
     build_fields = frozenset({"block_size"})
+
+    def max_blocks(self, n_ctx: int) -> int:
+        """B_max: ranked blocks a plan holds at most, for a context of n_ctx tokens."""
+        nb = -(-n_ctx // self.block_size)
+        return min(budget(nb, ratio=self.max_ratio), nb) if nb else 0
 
 
 # ---------------------------------------------------------------------------------------------
@@ -113,19 +131,23 @@ def block_metadata(k: torch.Tensor, block_size: int) -> torch.Tensor:
 
 
 # ---------------------------------------------------------------------------------------------
-# Decode: the progressive pass
+# Decode: the progressive rule, fixed shape
 
 
 def block_criticality(q: torch.Tensor, meta: torch.Tensor, kind: str) -> torch.Tensor:
-    """q [KVH, G, T, D], meta [KVH, B, 3, D] -> per-head score [KVH, G, T, B] (q·k scale, unscaled)."""
-    meta = meta.to(q.dtype)
+    """q [KVH, G, T, D], meta [KVH, B, 3, D] -> per-head score [KVH, G, T, B] fp32 (q·k scale, unscaled).
+
+    One GEMM over the metadata as stored: the cuboid bound q⁺·max + q⁻·min is [q⁻ | q⁺]·[min | max]
+    (rows 0 and 1 of a block's metadata are adjacent, so [min | max] is a view). On a GPU the GEMM
+    reads the fp16 metadata in place (fp32 accumulation, fp16 result: the bound holds to fp16
+    rounding); on the CPU it runs in fp32."""
+    cdt = meta.dtype if q.is_cuda else torch.float32
     if kind == "mean":
-        return torch.einsum("hgtd,hbd->hgtb", q, meta[:, :, META_MEAN])
-    if kind == "center":
-        return torch.einsum("hgtd,hbd->hgtb", q, 0.5 * (meta[:, :, META_MIN] + meta[:, :, META_MAX]))
-    return torch.einsum("hgtd,hbd->hgtb", q.clamp(min=0), meta[:, :, META_MAX]) + torch.einsum(
-        "hgtd,hbd->hgtb", q.clamp(max=0), meta[:, :, META_MIN]
-    )
+        qq, mm = q, meta[:, :, META_MEAN]  # [KVH, B, D] view
+    else:
+        qq = torch.cat([q.clamp(max=0), q.clamp(min=0)] if kind == "cuboid" else [0.5 * q, 0.5 * q], dim=-1)
+        mm = meta[:, :, META_MIN:META_MAX + 1].flatten(2)  # [KVH, B, 2D] view: (min, max)
+    return torch.einsum("hgtd,hbd->hgtb", qq.to(cdt), mm.to(cdt)).float()
 
 
 def group_order(crit: torch.Tensor, scale: float) -> torch.Tensor:
@@ -134,190 +156,190 @@ def group_order(crit: torch.Tensor, scale: float) -> torch.Tensor:
     return torch.softmax(crit * scale, dim=-1).sum(1)
 
 
-class ProgressiveResult:
-    __slots__ = ("positions", "out", "blocks_used", "mass_est", "tokens")
+def dense_part_blocks(n_ctx: int, block_size: int, sink: int, window: int) -> tuple[int, int]:
+    """Host ints (sink blocks, first block that can hold a context token of the window): the blocks
+    [0, sink blocks) and [first, blocks) can belong to a step's dense part; no other can. A query
+    sits at q_pos >= n_ctx, so the window's context part lies in [n_ctx - window + 1, n_ctx)."""
+    nb = -(-n_ctx // block_size)
+    n_sb = -(-min(sink, n_ctx) // block_size)
+    first = (max(n_ctx - window + 1, 0) // block_size) if window >= 2 else nb
+    return n_sb, max(first, n_sb)
 
-    def __init__(self, positions, out, blocks_used, mass_est, tokens):
-        self.positions = positions  # [KVH, T, P] every processed position, -1 = none
-        self.out = out  # [KVH, G, T, D] or None
-        self.blocks_used = blocks_used  # [KVH, T] blocks touched (dense part's blocks + ranked ones)
-        self.mass_est = mass_est  # [KVH, G, T] P_acc at stop
-        self.tokens = tokens  # [KVH, T] positions processed
+
+@dataclass
+class ProgressivePlan:
+    positions: torch.Tensor  # [KVH, T, (F + B_max)·bs] int32: planned context positions, -1 = none
+    blocks: torch.Tensor  # [KVH, T] int64: blocks processed (dense-part blocks + ranked ones)
+    ranked: torch.Tensor  # [KVH, T, B_max] int64: the candidate blocks, best first (past n_ranked: any)
+    used: torch.Tensor  # [KVH, T] int64: how many of them were processed
+    mass_est: torch.Tensor  # [KVH, G, T] fp32: P_acc at the stop
+    capped: torch.Tensor  # [KVH, T] bool: stopped by B_max before the rule was met
 
 
 @torch.no_grad()
-def progressive_attention(
+def progressive_plan(
     q: torch.Tensor,  # [KVH, G, T, D]
     ctx_k: torch.Tensor,  # [KVH, N, D]
-    ctx_v: torch.Tensor,
-    loc_k: torch.Tensor,  # [KVH, M, D]
-    loc_v: torch.Tensor,
+    loc_k: torch.Tensor,  # [KVH, M, D] request-local keys (slot j at position N + j)
     q_pos: torch.Tensor,  # [T]
-    meta: torch.Tensor,  # [KVH, B, 3, D]: context blocks then complete local blocks
+    meta: torch.Tensor,  # [KVH, blocks, 3, D] persisted block metadata
     block_size: int,
     *,
     eps: float,
     microbatch: int,
     sink: int,
     window: int,
+    max_blocks: int,
     criticality: str = "cuboid",
-    with_output: bool = True,
-) -> ProgressiveResult:
-    """Algorithm 1 of the PSA paper, batched over KV heads and query tokens (rows that have reached
-    eps stop changing; the loop ends when every row is done)."""
+    score_all: bool | None = None,
+) -> ProgressivePlan:
+    """Algorithm 1 of the PSA paper over the B_max best-ranked blocks, batched over KV heads and
+    query tokens, without a loop (see the module docstring). `score_all`: compute q·k for every
+    context key instead of gathering the candidate blocks (same result; default: when
+    max_blocks·T >= blocks, where it is the cheaper of the two)."""
     dev = q.device
     kvh, g, t, d = q.shape
     n = ctx_k.shape[1]
+    bs = block_size
     nb = meta.shape[1]
-    nb_ctx = -(-n // block_size)
-    nb_loc = nb - nb_ctx
+    bm = min(max_blocks, nb)
+    if bm == 0:  # an empty context: nothing to plan
+        z = torch.zeros(kvh, t, dtype=torch.int64, device=dev)
+        return ProgressivePlan(torch.full((kvh, t, 0), -1, dtype=torch.int32, device=dev), z,
+                               z[..., :0], z, torch.ones(kvh, g, t, device=dev), z.bool())
     scale = d ** -0.5
-    ar = torch.arange(block_size, device=dev)
+    s_end, w_lo = frame_bounds(q_pos, n, sink, window)  # sink [0, s_end), window [w_lo[t], n)
+    n_sb, first_w = dense_part_blocks(n, bs, sink, window)
+
     bidx = torch.arange(nb, device=dev)
-    start = torch.where(bidx < nb_ctx, bidx * block_size, n + (bidx - nb_ctx) * block_size)  # [B]
-    length = torch.where(bidx < nb_ctx, (n - start).clamp(max=block_size), torch.full_like(bidx, block_size))
-    blocked_end = n + nb_loc * block_size  # positions >= this are the request-local tail
-    blk_tok = torch.where(ar < length[:, None], start[:, None] + ar, -1)  # [B, bs] positions, -1 = none
-    full_scale = block_size / length.clamp(min=1).float()  # [B] scales a partial block's sum to full size
+    b_end = ((bidx + 1) * bs).clamp(max=n)  # [B] one past each block's last position
+    full_scale = bs / (b_end - bidx * bs).float()  # [B] scales a partial block's sum to full size
+    forced = (bidx < n_sb)[None, :] | ((b_end[None, :] > w_lo[:, None]) & (w_lo[:, None] < n))  # [T, B]
+    n_ranked = nb - forced.sum(-1)  # [T] blocks in the ranked order
 
-    # -- dense part: blocks holding a sink or window token, + the tail ------------------------
-    lo = (q_pos - window + 1).clamp(min=0)  # [T] first window position
-    end = start + length  # [B] one past the block's last position
-    forced = (start < sink)[None, :].expand(t, nb)  # [T, B]
-    if window > 0:
-        forced = forced | ((end > lo[:, None]) & (start <= q_pos[:, None]))
-    n_forced = forced.sum(-1)  # [T]
-    f_max = int(n_forced.max()) if nb else 0
-    f_ids = torch.sort(torch.where(forced, bidx[None], nb), dim=-1).values[:, :f_max]  # [T, F], nb = none
-    f_ok = f_ids < nb
-    f_ids_c = f_ids.clamp(max=max(nb - 1, 0))
-    f_pos = start[f_ids_c][..., None] + ar  # [T, F, bs]
-    f_pos = torch.where(f_ok[..., None] & (ar < length[f_ids_c][..., None]), f_pos, -1).reshape(t, -1)
-    tail_len = int((q_pos.max() - blocked_end + 1).clamp(min=0))
-    tail = blocked_end + torch.arange(tail_len, device=dev)
-    tail = torch.where(tail[None, :] <= q_pos[:, None], tail[None, :], -1)  # [T, tail]
-    pos0 = torch.cat([f_pos, tail], dim=-1).expand(kvh, t, -1)  # [KVH, T, P0]
+    # -- rank: one pass over the metadata ------------------------------------------------------
+    crit = block_criticality(q, meta, criticality).masked_fill(forced[None, None], NEG_INF)  # [KVH, G, T, B]
+    score = group_order(crit, scale).masked_fill(forced[None], -1.0)  # [KVH, T, B]; all-forced rows: -1
+    val, top = torch.sort(score, dim=-1, descending=True)  # faster than a sorted top-k on a GPU
+    val, top = val[..., :bm], top[..., :bm]  # [KVH, T, B_max], best first
+    top_ok = val >= 0
 
-    def process(pos, maybe_local=True):  # pos [KVH, T, P] -> logits [KVH, G, T, P] (masked), values or None
-        kk = gather_positions(pos, ctx_k, loc_k, maybe_local)
-        s = torch.einsum("hgtd,htpd->hgtp", q, kk).float() * scale
-        s = s.masked_fill((pos < 0)[:, None], float("-inf"))
-        vv = gather_positions(pos, ctx_v, loc_v, maybe_local) if with_output else None
-        return s, vv
+    # -- exact sums: dense part and the candidates ---------------------------------------------
+    loc_vis = (n + torch.arange(loc_k.shape[1], device=dev))[None, :] <= q_pos[:, None]  # [T, M]
+    s_loc = torch.einsum("hgtd,hmd->hgtm", q, loc_k.to(q.dtype)).float() * scale
+    s_loc = s_loc.masked_fill(~loc_vis[None, None], NEG_INF)
+    ar = torch.arange(bs, device=dev)
+    f_ids = torch.cat([torch.arange(n_sb, device=dev), torch.arange(first_w, nb, device=dev)])  # [F]
+    f_tok = f_ids[:, None] * bs + ar  # [F, bs]
+    f_keep = forced[:, f_ids]  # [T, F]: the static dense-part blocks that are this query's
+    if score_all is None:
+        score_all = bm * t >= nb
+    if score_all:  # q·k of every key; block sums by a reshape
+        s = torch.einsum("hgtd,hnd->hgtn", q, ctx_k.to(q.dtype)).float() * scale
+        s = F.pad(s, (0, nb * bs - n), value=NEG_INF).view(kvh, g, t, nb, bs)
+        m = torch.maximum(s.amax((-1, -2)), s_loc.amax(-1))  # [KVH, G, T]
+        m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+        blk = torch.exp(s - m[..., None, None]).sum(-1)  # [KVH, G, T, B]
+        dense = (blk * forced[None, None]).sum(-1)
+        top_sum = blk.gather(-1, top[:, None].expand(kvh, g, t, bm))
+    else:  # gather the candidate blocks (and the dense-part blocks) only
+        tok = top[..., None] * bs + ar  # [KVH, T, B_max, bs]
+        k_c = gather_rows(ctx_k, tok.clamp(max=n - 1).view(kvh, -1)).view(kvh, t, bm * bs, d)
+        s_c = torch.einsum("hgtd,htpd->hgtp", q, k_c.to(q.dtype)).float() * scale
+        s_c = s_c.masked_fill(~(top_ok[..., None] & (tok < n)).view(kvh, 1, t, bm * bs), NEG_INF)
+        k_f = gather_rows(ctx_k, f_tok.clamp(max=n - 1).view(1, -1).expand(kvh, -1))  # [KVH, F·bs, D]
+        s_f = torch.einsum("hgtd,hpd->hgtp", q, k_f.to(q.dtype)).float() * scale
+        f_ok = (f_keep[..., None] & (f_tok < n)[None]).view(t, -1)  # [T, F·bs]
+        s_f = s_f.masked_fill(~f_ok[None, None], NEG_INF)
+        m = torch.maximum(torch.maximum(s_c.amax(-1), s_f.amax(-1)), s_loc.amax(-1))
+        m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+        top_sum = torch.exp(s_c - m[..., None]).view(kvh, g, t, bm, bs).sum(-1)  # [KVH, G, T, B_max]
+        dense = torch.exp(s_f - m[..., None]).sum(-1)
+    dense = dense + torch.exp(s_loc - m[..., None]).sum(-1)  # [KVH, G, T]; > 0: a query sees its own key
 
-    s0, v0 = process(pos0)
-    m_run = s0.amax(-1)  # [KVH, G, T]; finite: a query's own position is in the tail (never in a block)
-    p0 = torch.exp(s0 - m_run[..., None])
-    l_acc = p0.sum(-1)
-    o_acc = torch.einsum("hgtp,htpd->hgtd", p0, v0.float()) if with_output else None
-    as_min = torch.full_like(l_acc, float("inf"))
+    # -- the stop rule, by cumulative ops -------------------------------------------------------
+    top_sum = torch.where(top_ok[:, None], top_sum, torch.zeros_like(top_sum))
+    done = torch.arange(1, bm + 1, device=dev)  # blocks processed after candidate i
+    as_acc = dense[..., None] + top_sum.cumsum(-1)  # [KVH, G, T, B_max]
+    as_min = torch.where(top_ok[:, None], top_sum * full_scale[top][:, None], torch.full_like(top_sum, math.inf))
+    as_min = as_min.cummin(-1).values
+    n_left = (n_ranked[:, None] - done[None, :]).clamp(min=0)  # [T, B_max]
+    rest = torch.where(n_left[None, None] > 0, as_min * n_left[None, None].float(), torch.zeros_like(as_min))
+    p_acc = torch.where(rest > 0, as_acc / (as_acc + rest), torch.ones_like(as_acc))
+    head_ok = (n_left <= 0)[None, None].expand_as(p_acc) if eps >= 1.0 else p_acc >= eps
+    check = (done % microbatch == 0) | (done == bm) | (done[None, :] == n_ranked[:, None])  # [T, B_max]
+    stop = head_ok.all(1) & check[None] & top_ok  # [KVH, T, B_max]
+    stopped = stop.any(-1)
+    first = stop.to(torch.int32).argmax(-1).long()  # the first stop point
+    used = torch.where(stopped, first + 1, top_ok.sum(-1))  # [KVH, T]
+    at = (used - 1).clamp(min=0)[:, None, :, None].expand(kvh, g, t, 1)
+    mass_est = torch.where(used[:, None] > 0, p_acc.gather(-1, at)[..., 0], torch.ones_like(dense))
 
-    # -- ranked blocks ------------------------------------------------------------------------
-    crit = block_criticality(q, meta, criticality)  # [KVH, G, T, B]
-    crit = crit.masked_fill(forced[None, None], float("-inf"))
-    score = group_order(crit, scale).masked_fill(forced[None], float("-inf"))  # [KVH, T, B]
-    order = torch.sort(score, dim=-1, descending=True).indices  # [KVH, T, B]
-    n_ranked = (nb - n_forced)[None].expand(kvh, t)  # [KVH, T]
-    done = n_ranked <= 0
-    used = torch.zeros(kvh, t, dtype=torch.long, device=dev)  # ranked blocks processed per row
-    mass = torch.ones_like(l_acc)
-    chunks: list[torch.Tensor] = []
-    i = 0
-    max_ranked = int(n_ranked.max()) if nb else 0
-    while i < max_ranked and not bool(done.all()):
-        ids = order[..., i:i + microbatch]  # [KVH, T, mb]
-        mb = ids.shape[-1]
-        rank = i + torch.arange(mb, device=dev)
-        live = (~done)[..., None] & (rank < n_ranked[..., None])  # [KVH, T, mb]
-        pos = torch.where(live[..., None], blk_tok[ids], -1).view(kvh, t, mb * block_size)
-        s, vv = process(pos, maybe_local=nb_loc > 0)
-        m_new = torch.maximum(m_run, s.amax(-1))
-        alpha = torch.exp(m_run - m_new)
-        p = torch.exp(s - m_new[..., None])  # [KVH, G, T, mb*bs]
-        blk = p.view(kvh, g, t, mb, block_size).sum(-1)  # [KVH, G, T, mb]
-        blk_min = (blk * full_scale[ids][:, None]).masked_fill(~live[:, None], float("inf")).amin(-1)
-        l_acc = l_acc * alpha + p.sum(-1)
-        as_min = torch.minimum(as_min * alpha, blk_min)
-        if with_output:
-            o_acc = o_acc * alpha[..., None] + torch.einsum("hgtp,htpd->hgtd", p, vv.float())
-        m_run = m_new
-        used = used + live.sum(-1)
-        chunks.append(pos)
-        n_left = (n_ranked - used).to(l_acc.dtype)[:, None]  # [KVH, 1, T]
-        rest = torch.where(n_left > 0, as_min * n_left, torch.zeros_like(as_min))
-        mass = l_acc / (l_acc + rest)
-        if eps >= 1.0:
-            head_ok = n_left.expand_as(mass) <= 0
-        else:
-            head_ok = mass >= eps
-        done = done | head_ok.all(1) | (used >= n_ranked)
-        i += microbatch
-    positions = torch.cat([pos0, *chunks], dim=-1)
-    out = (o_acc / l_acc[..., None]).to(q.dtype) if with_output else None
-    tokens = (positions >= 0).sum(-1)
-    return ProgressiveResult(positions, out, used + n_forced[None], mass, tokens)
+    # -- positions ------------------------------------------------------------------------------
+    keep = torch.arange(bm, device=dev)[None, None, :] < used[..., None]  # [KVH, T, B_max]
+    tok = top[..., None] * bs + ar
+    pos_r = torch.where(keep[..., None] & (tok < n), tok, -1).view(kvh, t, bm * bs)
+    f_sel = f_keep[..., None] & (f_tok[None] >= s_end) & (f_tok[None] < w_lo[:, None, None])  # [T, F, bs]
+    pos_f = torch.where(f_sel, f_tok[None], -1).view(1, t, -1).expand(kvh, t, -1)
+    positions = torch.cat([pos_f, pos_r], dim=-1).to(torch.int32)
+    blocks = used + (nb - n_ranked)[None, :]
+    return ProgressivePlan(positions, blocks, top, used, mass_est, ~stopped & (used > 0))
 
 
 # ---------------------------------------------------------------------------------------------
-# Session
+# Planner
 
 
-class _PSASession(MethodSession):
+class _PSAPlanner(Planner):
     def __init__(self, index, params: PSAParams, n_ctx: int):
         self.index = index
         self.params = params
         self.n_ctx = n_ctx
-        self._loc_meta: dict[int, torch.Tensor] = {}  # layer -> [KVH, blocks, 3, D] request-local blocks
-        self._blocks_sum: dict[int, float] = {}
-        self._steps: dict[int, int] = {}
-        self._mass_sum = 0.0
-        self._mass_n = 0
-        self.last: dict[int, ProgressiveResult] = {}
+        self.sink, self.window = params.frame(n_ctx)
+        self.max_blocks = params.max_blocks(n_ctx)
+        self._last: dict[int, ProgressivePlan] = {}  # layer -> its last plan (committed by update)
+        self._acc: dict[int, torch.Tensor] = {}  # layer -> [3] float64 sums: blocks, mass at stop, capped
+        self._rows: dict[int, int] = {}  # layer -> (kv head, token) rows summed
+        self._heads: dict[int, int] = {}  # layer -> (query head, token) pairs summed
 
-    def _meta(self, layer: int, kv) -> torch.Tensor:
-        bs = self.params.block_size
-        ctx_meta = self.index.layer("block_meta", layer)  # persisted, shared: read only
-        n_full = max(int(kv.q_pos.min()) - kv.n_ctx, 0) // bs  # local blocks entirely before the first query
-        have = self._loc_meta.get(layer)
-        n_have = 0 if have is None else have.shape[1]
-        if n_full > n_have:
-            new = block_metadata(kv.loc_k[:, n_have * bs:n_full * bs], bs)
-            have = new if have is None else torch.cat([have, new], dim=1)
-            self._loc_meta[layer] = have
-        if have is None or n_full == 0:
-            return ctx_meta
-        return torch.cat([ctx_meta.to(have.dtype), have[:, :n_full]], dim=1)
-
-    def _run(self, layer, q, kv, with_output):
+    def plan(self, layer, q, kv):
         p = self.params
-        res = progressive_attention(
-            q, kv.ctx_k, kv.ctx_v, kv.loc_k, kv.loc_v, kv.q_pos, self._meta(layer, kv), p.block_size,
-            eps=p.eps, microbatch=p.microbatch, sink=p.sink, window=p.window, criticality=p.criticality,
-            with_output=with_output,
-        )
-        self.last[layer] = res
-        self._blocks_sum[layer] = self._blocks_sum.get(layer, 0.0) + float(res.blocks_used.double().mean())
-        self._steps[layer] = self._steps.get(layer, 0) + 1
-        self._mass_sum += float(res.mass_est.double().sum())
-        self._mass_n += res.mass_est.numel()
-        return res
+        meta = self.index.layer("block_meta", layer)  # persisted, shared: read only
+        res = progressive_plan(q, kv.ctx_k, kv.loc_k, kv.q_pos, meta, p.block_size, eps=p.eps, microbatch=p.microbatch,
+                               sink=self.sink, window=self.window, max_blocks=self.max_blocks,
+                               criticality=p.criticality)
+        self._last[layer] = res
+        return Plan(res.positions)
 
-    def attend(self, layer, q, kv):
-        if self.params.execute != "progressive":
-            return None
-        res = self._run(layer, q, kv, with_output=True)
-        return res.out, res.tokens.double() / (kv.q_pos[None, :].double() + 1)
-
-    def select(self, layer, q, kv):
-        return self._run(layer, q, kv, with_output=False).positions
+    def update(self, layer, k, v, positions):
+        res = self._last.pop(layer, None)
+        if res is None:
+            return
+        add = torch.stack([res.blocks.double().sum(), res.mass_est.double().sum(), res.capped.double().sum()])
+        if layer in self._acc:
+            self._acc[layer] += add
+        else:
+            self._acc[layer] = add
+        self._rows[layer] = self._rows.get(layer, 0) + res.blocks.numel()
+        self._heads[layer] = self._heads.get(layer, 0) + res.mass_est.numel()
 
     def stats(self) -> dict:
-        per_layer = {l: self._blocks_sum[l] / self._steps[l] for l in sorted(self._steps)}
+        layers = sorted(self._acc)
+        if not layers:
+            return {"blocks_per_step": 0.0, "blocks_per_step_per_layer": [], "mass_est_mean": None,
+                    "capped_fraction": 0.0, "max_blocks": self.max_blocks}
+        acc = torch.stack([self._acc[l] for l in layers]).cpu().tolist()  # one read back
+        per_layer = [a[0] / self._rows[l] for a, l in zip(acc, layers)]
         return {
-            "blocks_per_step": sum(per_layer.values()) / max(len(per_layer), 1),
-            "blocks_per_step_per_layer": [round(v, 2) for v in per_layer.values()],
-            "mass_est_mean": self._mass_sum / max(self._mass_n, 1),
+            "blocks_per_step": sum(per_layer) / len(per_layer),
+            "blocks_per_step_per_layer": [round(v, 2) for v in per_layer],
+            "mass_est_mean": sum(a[1] for a in acc) / sum(self._heads[l] for l in layers),
+            "capped_fraction": sum(a[2] for a in acc) / sum(self._rows[l] for l in layers),
+            "max_blocks": self.max_blocks,
         }
+
+    def close(self):
+        self._last.clear()
 
 
 @register
@@ -338,7 +360,7 @@ class PSA(SparseMethod):
             ], dim=2))
         return {"block_meta": torch.stack(metas)}  # [L, KVH, blocks, 3, D] fp16
 
-    def open(self, index, params, n_ctx, env=None):
+    def open(self, index, params, ctx):
         if index is None:
             raise ValueError("psa needs its index (block metadata); build it at prefill")
-        return _PSASession(index, params, n_ctx)
+        return _PSAPlanner(index, params, ctx.n_ctx)

@@ -5,7 +5,7 @@ keys by their nearest k-means centroid (k-means over *de-RoPE'd* keys: RoPE's ro
 long-range lookups position-dependent), queries by a classifier f_q that predicts, for a de-RoPE'd
 query, how its attention mass spreads over the key buckets. Training lives in
 `indexer/_saap_train.py` (`ctxcache train saap`); this module holds the trained-model format, the
-per-context build and the decode-time selection.
+per-context build and the decode-time planner.
 
 Trained model (one directory per LLM, default `<data_dir>/saap/<model fingerprint[:16]>/`, where
 `data_dir` is the caller's `MethodEnv` (the service passes its `--data-dir`; without one,
@@ -32,7 +32,7 @@ Trained model (one directory per LLM, default `<data_dir>/saap/<model fingerprin
 Build (prefill worker; `build_fields`: `model_dir`)
   per trained layer and KV head, every context key is de-RoPE'd (`decoder.rope.undo_rope`, the
   model's `rope_theta`, positions 0..N-1) and assigned to its nearest (L2) centroid. Stored:
-  `assign` [L, KVH, N] int32 bucket id of each key (-1 in untrained layers), `order` [L, KVH, N]
+  `assign` [L, KVH, N] int32 bucket id of each key (-1 in untrained layers; not read at decode), `order` [L, KVH, N]
   int32 key ids grouped by bucket (stable: ascending ids inside a bucket), `offsets`
   [L, KVH, C + 1] int32 CSR offsets into `order` (bucket c = order[offsets[c]:offsets[c+1]], the
   paper's Off/Idx, App. F), `balance` [L, KVH] fp32 largest / mean bucket size (0 = untrained;
@@ -40,26 +40,43 @@ Build (prefill worker; `build_fields`: `model_dir`)
   fingerprint and the trained digest (raw sha256 bytes), so a decode worker finds and checks the
   trained model without the ModelSpec.
 
-Decode (`select`, per layer and step; KV heads and query tokens batched)
-  1. the group's queries are de-RoPE'd at their positions; f_q's softmax outputs are summed over
-     the GQA group (paper §5, "batched queries"), the `nprobe` (ℓ, default 32, clamped to C)
-     highest buckets are probed. `probe="centroid"` instead ranks buckets by the group sum of
-     softmax(q'·c / sqrt(D)) over the centroids: the paper's "K-means (no rope)" baseline, on the
-     same partition.
-  2. ALL keys of the probed buckets are selected (no top-K, paper §4 "beyond top-k"): the CSR
-     slices of the context, plus the request's own keys whose bucket is probed. Request keys are
-     assigned (de-RoPE'd at their absolute positions) in the session's private state on `append`
-     (or at `select` for this step's keys); the persisted partition is never written.
-  3. the dense part: the frame's sink (default 1) and window (default 0), plus SAAP's `recent`
-     most recent tokens. The paper's "1+2047" is sized for 100K-500K contexts; here `recent`
-     defaults to n_ctx // 64 clamped to [32, 2047] (2047 from 131K tokens on; 32 at 2K, 128 at
-     8K), i.e. the paper's ~1.6% of a 128K context.
-  Selectivity (the paper's metric: fraction of the visible keys that attention reads, dense part
-  included, deduplicated) is recorded per step and layer in the session: `session.selectivity`
-  (one float per decode step, mean over the SAAP layers, KV heads and query tokens) and
-  `session.selectivity_detail` (per layer: visited fraction, bucket-only fraction of the context,
-  largest probed bucket). They are kept as device scalars and read back when asked (the
-  completion's stats), so the decode path makes no host sync for them.
+Decode (`open` once per request, `plan` per layer and step; KV heads and query tokens batched)
+  * the dense part is the frame (`SaapParams.frame`): the sink (default 1) and the `window`
+    (default 0) + `recent` most recent tokens, plus every request-local token (the frame attends
+    all of them). The paper's "1+2047" is sized for 100K-500K contexts; here `recent` defaults to
+    n_ctx // 64 clamped to [32, 2047] (2047 from 131K tokens on; 32 at 2K, 128 at 8K), i.e. the
+    paper's ~1.6% of a 128K context. The backend attends the frame as ranges: the plan holds
+    only context keys outside it.
+  * `plan`: the group's queries are de-RoPE'd at their positions (on the device); f_q's softmax
+    outputs are summed over the GQA group (paper §5, "batched queries") and the `nprobe` (ℓ,
+    default 32, clamped to C) highest buckets are probed. `probe="centroid"` instead ranks buckets
+    by the group sum of softmax(q'·c / sqrt(D)) over the centroids: the paper's "K-means (no
+    rope)" baseline, on the same partition. ALL context keys of the probed buckets are planned (no
+    top-K, paper §4 "beyond top-k"): their CSR slices, expanded into a block of a fixed width K per
+    layer (`_select.expand_clusters`), with the keys inside the frame masked to -1. K =
+    `_select.probe_width(offsets, ℓ)`, the most keys ℓ buckets of that layer hold in any KV head,
+    read once in `open` (so K depends on the index and ℓ, never on the step; a layer's GPU time is
+    set by its largest visited buckets, as the paper says). Keys are in one bucket each and the
+    probed buckets are distinct, so the planned positions are distinct without a dedup.
+  * request-local keys are not bucketed (the frame attends them all); `update` has nothing to do,
+    and the persisted partition is never written.
+  * layer 0 and every layer the trained model does not cover: `Plan.dense()`.
+  * on a GPU (index arrays and queries on CUDA) the plan is made by `indexer/kernels/saap.py` in
+    four Triton launches (de-RoPE + f_q's hidden layer; logits; softmax, group sum, top-ℓ and the
+    probed buckets' places in the row; the row itself + the selectivity record) instead of ~90
+    torch kernels. It reads the classifier's matrices in bf16 (cast once per process and device,
+    `SaapModel.kernel_layer`: half the bytes of the step's largest read) and the de-RoPE's cos/sin
+    from a table of the request's positions made in `open`. The same plan as the torch path, slot
+    for slot, up to float rounding: bf16 weights (each moved by at most 2^-9 of itself), fp32
+    summation order; a bucket at the edge of the top-ℓ may swap with a near-tie (the kernels rank
+    exact ties by bucket id). The torch path is the reference and the CPU path; tests force the
+    kernels through Triton's interpreter (`planner.use_kernels = True`).
+  Selectivity (the paper's metric: the fraction of the visible keys attention reads, dense part
+  and request tokens included; `decoder.backends.frame_fraction`) is computed by `plan` on the
+  device and written into the planner's [step, layer] table (an overwrite, so planning a step
+  again records the same value; the table is never read by planning). `stats()` reads it back
+  once: `selectivity_per_step` (mean over the SAAP layers, KV heads and query tokens),
+  `selectivity_mean` and `largest_probed_bucket`, the keys of the completion's `method_stats`.
 
 Without a trained model for the LLM, `validate_configuration` returns a reason that names the
 command that trains one; the service answers 422 `unsupported_configuration` with it at
@@ -78,8 +95,18 @@ import torch
 from pydantic import Field
 
 from decoder.rope import undo_rope
-from indexer._select import RequestBuckets, expand_clusters, nearest_centroid
-from indexer.base import MethodEnv, MethodParams, MethodSession, MethodUnavailable, PrefillCapture, SparseMethod, register
+from indexer._select import expand_clusters, nearest_centroid, probe_width, selectable
+from indexer.base import (
+    DecodeContext,
+    MethodEnv,
+    MethodParams,
+    MethodUnavailable,
+    Plan,
+    Planner,
+    PrefillCapture,
+    SparseMethod,
+    register,
+)
 from storage.keys import params_hash
 
 MODEL_FORMAT = "ctxcache-saap-model/2"
@@ -109,6 +136,10 @@ class SaapParams(MethodParams):
 
     def recent_for(self, n_ctx: int) -> int:
         return self.recent if self.recent is not None else min(2047, max(32, n_ctx // 64))
+
+    def frame(self, n_ctx: int) -> tuple[int, int]:
+        """SAAP's dense part is part of the frame: the sink and `window` + `recent` most recent tokens."""
+        return self.sink, self.window + self.recent_for(n_ctx)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -185,34 +216,53 @@ class SaapModel:
             raise FileNotFoundError(f"no trained SAAP model under {model_dir}")
         return _open_cached(str(Path(model_dir).resolve()), m["digest"], m)
 
+    @property
+    def head_dim(self) -> int:
+        return int(self.manifest["model"]["head_dim"])
+
+    def _read(self, layer: int) -> dict[str, torch.Tensor]:
+        """One layer's file (sha256-checked), batch norm folded; fp32 on the CPU, not cached."""
+        from safetensors.torch import load_file
+
+        entry = self.manifest["layers"][str(layer)]
+        path = self.dir / entry["file"]
+        if sha256_file(path) != entry["sha256"]:
+            raise ValueError(f"{path}: sha256 differs from the SAAP manifest (file changed after training?)")
+        t = load_file(str(path))
+        scale = t["bn_weight"] / torch.sqrt(t["bn_var"] + BN_EPS)
+        got = {
+            "centroids": t["centroids"],
+            "c_sq": (t["centroids"] * t["centroids"]).sum(-1),
+            "w1": t["w1"],
+            "scale": scale,
+            "shift": (t["b1"] - t["bn_mean"]) * scale + t["bn_bias"],
+            "w2": t["w2"],
+            "b2": t["b2"],
+            "centroid_scale": t.get("centroid_scale", torch.zeros(t["centroids"].shape[0])),
+        }
+        return {k: v.float().contiguous() for k, v in got.items()}
+
     def layer(self, layer: int, device: str | torch.device = "cpu") -> dict[str, torch.Tensor]:
         """centroids [KVH, C, D], c_sq [KVH, C], w1 [KVH, Hd, D], scale/shift [KVH, Hd] (b1 + batch
         norm folded), w2 [KVH, C, Hd], b2 [KVH, C], centroid_scale [KVH]; fp32 on `device`."""
         key = (layer, str(device))
         with self._lock:
             got = self._cache.get(key)
-            if got is not None:
-                return got
-            from safetensors.torch import load_file
+            if got is None:
+                got = self._cache[key] = {k: v.to(device) for k, v in self._read(layer).items()}
+            return got
 
-            entry = self.manifest["layers"][str(layer)]
-            path = self.dir / entry["file"]
-            if sha256_file(path) != entry["sha256"]:
-                raise ValueError(f"{path}: sha256 differs from the SAAP manifest (file changed after training?)")
-            t = load_file(str(path))
-            scale = t["bn_weight"] / torch.sqrt(t["bn_var"] + BN_EPS)
-            got = {
-                "centroids": t["centroids"],
-                "c_sq": (t["centroids"] * t["centroids"]).sum(-1),
-                "w1": t["w1"],
-                "scale": scale,
-                "shift": (t["b1"] - t["bn_mean"]) * scale + t["bn_bias"],
-                "w2": t["w2"],
-                "b2": t["b2"],
-                "centroid_scale": t.get("centroid_scale", torch.zeros(t["centroids"].shape[0])),
-            }
-            got = {k: v.float().to(device).contiguous() for k, v in got.items()}
-            self._cache[key] = got
+    def kernel_layer(self, layer: int, device: str | torch.device, dtype: torch.dtype = torch.bfloat16
+                     ) -> dict[str, torch.Tensor]:
+        """The weights as the GPU plan's kernels read them (`indexer.kernels.saap.kernel_weights`):
+        w1, w2 and centroids in `dtype` (round to nearest), the vectors fp32; on `device`, cached."""
+        from indexer.kernels.saap import kernel_weights
+
+        key = (layer, str(device), "kernel", dtype)
+        with self._lock:
+            got = self._cache.get(key)
+            if got is None:
+                got = self._cache[key] = {k: v.to(device) for k, v in kernel_weights(self._read(layer), dtype).items()}
             return got
 
 
@@ -260,147 +310,124 @@ def csr_partition(assign: torch.Tensor, c: int) -> tuple[torch.Tensor, torch.Ten
     return order, offsets
 
 
-# Buckets are stored like kivf's clusters (key ids sorted by bucket + CSR offsets): same reader.
-expand_buckets = expand_clusters
-
-
 # ---------------------------------------------------------------------------------------------
-# Session
+# Planner
 
 
-class _SaapSession(MethodSession):
-    def __init__(self, index, params: SaapParams, n_ctx: int, model: SaapModel):
+_KERNELS: list = []  # [module or None]: indexer.kernels.saap, imported on first need
+
+
+def saap_kernels():
+    """The fused GPU plan's module, or None where Triton is missing."""
+    if not _KERNELS:
+        try:
+            from indexer.kernels import saap as mod
+        except ImportError:
+            mod = None
+        _KERNELS.append(mod)
+    return _KERNELS[0]
+
+
+class _SaapPlanner(Planner):
+    """One request's planning: read-only over the index and the trained model; private stats."""
+
+    def __init__(self, index, params: SaapParams, ctx: DecodeContext, model: SaapModel,
+                 widths: dict[int, int], weights: dict[int, dict[str, torch.Tensor]], use_kernels: bool = False):
         self.index = index
         self.params = params
-        self.n_ctx = n_ctx
+        self.n_ctx = ctx.n_ctx
         self.model = model
-        self.recent = params.recent_for(n_ctx)
-        self.buckets = RequestBuckets()  # the bucket of each request key (private)
-        # per (step, layer): [position, visited fraction, bucket fraction, largest probed bucket] as
-        # device scalars, read back only when asked (`_materialize`): no host sync on the decode path
-        self._pending: list[torch.Tensor] = []
-        self._pending_layers: list[int] = []
-        self._detail: list[dict] = []
+        self.sink, self.window = params.frame(ctx.n_ctx)
+        self.nprobe = min(params.nprobe, model.n_clusters)
+        self.width = widths  # trained layer -> K: the most keys `nprobe` of its buckets hold (any head)
+        self._w = weights  # trained layer -> f_q and centroids (fp32) on the index's device: the torch path
+        # the fused plan (indexer/kernels/saap.py): used for queries on the index's device when set (open
+        # sets it for CUDA; tests set it to run the kernels through Triton's interpreter on the CPU)
+        self.use_kernels = use_kernels
+        self.kernel_weight_dtype = torch.bfloat16  # the dtype the kernels read w1, w2 and centroids in
+        self._rope: tuple[torch.Tensor, torch.Tensor] | None = None  # cos, sin of the request's positions
+        self._col = {layer: i for i, layer in enumerate(sorted(widths))}
+        # [step, SAAP layer, (visited fraction, largest probed bucket)], NaN = not planned; step =
+        # last query position - n_ctx, so a request of at most max_local tokens fits. Allocated on
+        # the first plan, on the query's device; written by plan(), read back only by stats().
+        self._steps = max(1, ctx.max_local)
+        self._rec: torch.Tensor | None = None
 
-    def _materialize(self) -> list[dict]:
-        if self._pending:
-            rows = torch.stack(self._pending).cpu().tolist()  # one device-to-host copy for all of them
-            self._pending.clear()
-            layers = self._pending_layers
-            self._detail += [{"pos": int(r[0]), "layer": layer, "visited": r[1], "buckets": r[2], "largest_bucket": int(r[3])}
-                             for layer, r in zip(layers, rows)]
-            self._pending_layers = []
-        return self._detail
-
-    @property
-    def selectivity_detail(self) -> list[dict]:
-        """Per step and SAAP layer: visited fraction, bucket-only fraction of the context, largest probed bucket."""
-        return self._materialize()
-
-    @property
-    def selectivity(self) -> list[float]:
-        """Per decode step: mean fraction of visible keys read by the SAAP layers (dense part included)."""
-        per_step: dict[int, list[float]] = {}
-        for d in self._materialize():
-            per_step.setdefault(d["pos"], []).append(d["visited"])
-        return [sum(v) / len(v) for v in per_step.values()]
-
-    def stats(self) -> dict:
-        sel = self.selectivity
-        return {"selectivity_mean": round(sum(sel) / len(sel), 5) if sel else None,
-                "selectivity_per_step": [round(x, 5) for x in sel],
-                "largest_probed_bucket": max((d["largest_bucket"] for d in self.selectivity_detail), default=0)}
-
-    @property
-    def local_assign(self) -> dict[int, torch.Tensor]:
-        """layer -> [KVH, M] bucket of each request key so far."""
-        return self.buckets.as_dict()
-
-    def _bucket(self, layer: int, k: torch.Tensor, start: int) -> None:
-        """Bucket request keys k [KVH, T, D] (post-RoPE) at request offsets start .. start + T - 1."""
-        w = self.model.layer(layer, k.device)
-        pos = torch.arange(self.n_ctx + start, self.n_ctx + start + k.shape[1], device=k.device)
-        kd = undo_rope(k.float(), pos, self.model.rope_theta)
-        self.buckets.add(layer, start, nearest_centroid(kd, w["centroids"], w["c_sq"]))
-
-    def append(self, layer, k, v, positions):
-        if layer in self.model.layers:
-            todo = self.buckets.appended(layer, k.shape[1])  # select bucketed this step's keys already
-            if todo:
-                self._bucket(layer, k[:, k.shape[1] - len(todo):], todo.start)
-
-    def select(self, layer, q, kv):
-        if layer not in self.model.layers:
-            return None  # layer 0 and untrained layers: full attention
-        kvh, g, t, d = q.shape
+    def plan(self, layer, q, kv):
+        if layer not in self.width:
+            return Plan.dense()  # layer 0 and layers the trained model does not cover: full attention
         dev = q.device
-        w = self.model.layer(layer, dev)
-        c = w["centroids"].shape[1]
-        order = self.index.layer("order", layer).to(dev)  # [KVH, N] int32, shared: read only
-        offsets = self.index.layer("offsets", layer).to(dev).long()  # [KVH, C + 1]
+        order = self.index.layer("order", layer)  # [KVH, N] int32, resident on the planning device
+        offsets = self.index.layer("offsets", layer)  # [KVH, C + 1] int32
+        if self.use_kernels and order.device == dev and offsets.device == dev:
+            kern = saap_kernels()
+            if kern is not None and not kern.unsupported(q.shape[-1], q.shape[1], self.model.n_clusters, self.nprobe):
+                return self._plan_kernels(kern, layer, q, kv, order, offsets)
+        w = self._w.get(layer)
+        if w is None or w["centroids"].device != dev:  # index arrays elsewhere than the queries, or the kernels' layout
+            w = self.model.layer(layer, dev)
 
-        # 1. rank buckets for the group's de-RoPE'd queries, probe the best ℓ
+        # 1. rank the buckets for the group's de-RoPE'd queries, probe the best ℓ
         qd = undo_rope(q.float(), kv.q_pos, self.model.rope_theta)  # [KVH, G, T, D]
         score = bucket_scores(qd, w, self.params.probe)  # [KVH, T, C]
-        probe = torch.topk(score, min(self.params.nprobe, c), dim=-1).indices  # [KVH, T, P]
-        probed = torch.zeros(kvh, t, c, dtype=torch.bool, device=dev).scatter_(-1, probe, True)
+        probe = torch.topk(score, self.nprobe, dim=-1).indices  # [KVH, T, P]
 
-        # 2. every key of the probed buckets: context (CSR slices) + the request's own keys
-        cand = expand_buckets(probe, order, offsets)  # [KVH, T, U]
-        n_bucket_ctx = (cand >= 0).sum(-1)  # [KVH, T]
-        parts = [cand]
-        m = kv.n_local
-        n_bucket_loc = torch.zeros_like(n_bucket_ctx)
-        if m > 0:
-            todo = self.buckets.todo(layer, m)
-            if todo:  # this step's keys (append comes after select)
-                self._bucket(layer, kv.loc_k[:, todo.start:m], todo.start)
-            la = self.buckets.view(layer, m)  # [KVH, M]
-            loc = torch.arange(self.n_ctx, self.n_ctx + m, device=dev)
-            hit = probed.gather(-1, la[:, None, :].expand(kvh, t, m)) & (loc[None, None, :] <= kv.q_pos[None, :, None])
-            parts.append(torch.where(hit, loc, -1))
-            n_bucket_loc = hit.sum(-1)
+        # 2. every context key of the probed buckets (fixed width K), minus the frame's keys
+        keys = expand_clusters(probe, order, offsets, self.width[layer])  # [KVH, T, K] int64, -1 padding
+        ok = selectable(keys, kv.q_pos, self.n_ctx, self.sink, self.window)  # padding (-1) is never selectable
+        positions = torch.where(ok, keys, -1).to(torch.int32)
+        self._record(layer, kv.q_pos, ok, probe, offsets)
+        return Plan(positions)
 
-        # 3. dense part: SAAP's recent tokens (the frame adds sink + window)
-        rec = kv.q_pos[:, None] - torch.arange(self.recent, device=dev)[None, :]  # [T, R]
-        parts.append(rec.clamp(min=-1).expand(kvh, t, self.recent))
-        self._record(layer, kv, probed, n_bucket_ctx, n_bucket_loc, offsets, probe)
-        return torch.cat(parts, dim=-1)
+    def _plan_kernels(self, kern, layer, q, kv, order, offsets) -> Plan:
+        """The same plan and record in four Triton launches (indexer/kernels/saap.py)."""
+        dev = q.device
+        w = self.model.kernel_layer(layer, dev, self.kernel_weight_dtype)  # cached; loaded in open on a GPU
+        if self._rope is None or self._rope[0].device != dev:
+            self._rope = kern.rope_table(self.n_ctx, self._steps, q.shape[-1], self.model.rope_theta, dev)
+        positions = kern.saap_plan(q, kv.q_pos, self.n_ctx, *self._rope, w, order, offsets, self.nprobe,
+                                   self.width[layer], self.sink, self.window, self.params.probe,
+                                   self._rec_table(dev), self._col[layer])
+        return Plan(positions)
 
-    def _record(self, layer, kv, probed, n_bucket_ctx, n_bucket_loc, offsets, probe) -> None:
-        """Selectivity of this step and layer: |probed-bucket keys ∪ dense part| / visible keys."""
-        kvh, t, _ = probed.shape
-        dev = probed.device
-        p = self.params
-        q_pos = kv.q_pos
-        dense = torch.cat([
-            torch.arange(p.sink, device=dev)[None, :].expand(t, p.sink),
-            q_pos[:, None] - torch.arange(p.window, device=dev)[None, :],
-            q_pos[:, None] - torch.arange(self.recent, device=dev)[None, :],
-        ], dim=-1)  # [T, S]
-        dense = torch.where((dense >= 0) & (dense <= q_pos[:, None]), dense, -1)
-        dense, _ = torch.sort(dense, dim=-1)
-        first = torch.ones_like(dense, dtype=torch.bool)
-        first[:, 1:] = dense[:, 1:] != dense[:, :-1]
-        keep = first & (dense >= 0)  # [T, S] distinct visible dense positions
-        assign_ctx = self.index.layer("assign", layer).to(dev)  # [KVH, N] int32, shared: read only
-        n_ctx = assign_ctx.shape[1]
-        pos = dense.clamp(min=0)
-        b_ctx = assign_ctx.gather(1, pos.clamp(max=n_ctx - 1).reshape(1, -1).expand(kvh, -1)).view(kvh, t, -1).long()
-        la = self.buckets.view(layer) if self.buckets.count(layer) else None
-        if la is not None:
-            b_loc = la.gather(1, (pos - n_ctx).clamp(0, la.shape[1] - 1).reshape(1, -1).expand(kvh, -1)).view(kvh, t, -1)
-            bucket = torch.where(pos[None] < n_ctx, b_ctx, b_loc)
-        else:
-            bucket = b_ctx
-        in_probed = probed.gather(-1, bucket)  # [KVH, T, S]
-        extra = (keep[None] & ~in_probed).sum(-1)
-        visited = (n_bucket_ctx + n_bucket_loc + extra).double() / (q_pos[None, :].double() + 1)
-        sizes = (offsets[:, 1:] - offsets[:, :-1]).gather(1, probe.reshape(kvh, -1))
-        largest = sizes.max() if sizes.numel() else torch.zeros((), device=dev)
-        self._pending.append(torch.stack([q_pos[-1].double(), visited.mean(), n_bucket_ctx.double().mean() / max(n_ctx, 1),
-                                          largest.double()]))
-        self._pending_layers.append(layer)
+    def _rec_table(self, dev) -> torch.Tensor:
+        if self._rec is None or self._rec.device != dev:
+            self._rec = torch.full((self._steps, len(self._col), 2), float("nan"), dtype=torch.float64, device=dev)
+        return self._rec
+
+    def _record(self, layer, q_pos, ok, probe, offsets) -> None:
+        """Selectivity of this plan (the paper's metric): keys attention reads / visible keys, per
+        KV head and query token, = (sink + the window's context part + request-local tokens + the
+        plan's keys) / (q_pos + 1), what `decoder.backends.frame_fraction` counts; and the largest
+        probed bucket. One overwrite of the (step, layer) slot: planning a step again records the same."""
+        dev = q_pos.device
+        self._rec_table(dev)
+        kvh = ok.shape[0]
+        n = self.n_ctx
+        s_end = min(self.sink, n)
+        w_lo = (q_pos.long() - self.window + 1).clamp(min=s_end, max=n)  # indexer.base.frame_bounds
+        frame = s_end + (n - w_lo) + (q_pos.long() - n + 1).clamp(min=0)  # [T] sink + window + local
+        visited = (frame[None] + ok.sum(-1)).double() / (q_pos[None].double() + 1)  # [KVH, T]
+        sizes = (offsets[:, 1:] - offsets[:, :-1]).long().gather(1, probe.reshape(kvh, -1))
+        row = torch.stack([visited.mean(), sizes.max().double()])  # [2]
+        step = (q_pos[-1:].long() - n).clamp(0, self._steps - 1)  # [1]
+        self._rec[:, self._col[layer]].index_copy_(0, step, row[None])
+
+    def stats(self) -> dict:
+        """selectivity_per_step: per decode step, the mean over SAAP layers, KV heads and query tokens
+        of the fraction of visible keys read (dense part and request tokens included);
+        selectivity_mean: their mean; largest_probed_bucket: the most keys one probed bucket held."""
+        if self._rec is None:
+            return {"selectivity_mean": None, "selectivity_per_step": [], "largest_probed_bucket": 0}
+        rec = self._rec.cpu()  # the one device-to-host copy, after the request
+        planned = ~torch.isnan(rec[..., 0])  # [S, L']
+        steps = planned.any(1)
+        vis = torch.where(planned, rec[..., 0], 0.0).sum(1) / planned.sum(1).clamp(min=1)
+        per_step = [round(float(x), 5) for x in vis[steps]]
+        largest = rec[..., 1][planned]
+        return {"selectivity_mean": round(sum(per_step) / len(per_step), 5) if per_step else None,
+                "selectivity_per_step": per_step,
+                "largest_probed_bucket": int(largest.max()) if largest.numel() else 0}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -489,14 +516,34 @@ class Saap(SparseMethod):
         ident = {**params.build_params(), "trained_model": m["digest"] if m else None}
         return f"{self.name}-{params_hash(self.name, self.version, ident)}"
 
-    def open(self, index, params, n_ctx, env=None):
+    def open(self, index, params, ctx):
         if index is None:
             raise ValueError("saap needs its built index (key buckets); build it at registration")
         ident = index.layer("model_id", 0).cpu()
         fingerprint, digest = bytes(ident[:32].tolist()).hex(), bytes(ident[32:].tolist()).hex()
-        model = self.load_model(params, fingerprint, env)
+        model = self.load_model(params, fingerprint, ctx.env)
         if model.digest != digest:
             raise MethodUnavailable(f"this context's saap index was built with trained model {digest[:16]}, but "
                              f"{model.dir} now holds {model.digest[:16]} (retrained?); delete the context and "
                              f"register it again to rebuild its index")
-        return _SaapSession(index, params, n_ctx, model)
+        # per trained layer, once per request (host reads are fine here, never in plan): the plan's
+        # width K (the nprobe largest buckets of the layer, over its KV heads) and the trained weights
+        # on the index's device (loaded and sha256-checked once per process and device): fp32 for the
+        # torch path, bf16 matrices for the fused GPU plan (index on CUDA, Triton present, shape supported)
+        nprobe = min(params.nprobe, model.n_clusters)
+        spec = ctx.spec
+        group = spec.num_heads // spec.num_kv_heads if spec is not None else 1
+        widths, weights, use_kernels, kern = {}, {}, False, None
+        for layer in sorted(model.layers):
+            offsets = index.layer("offsets", layer)
+            widths[layer] = probe_width(offsets, nprobe)
+            kern = saap_kernels() if offsets.device.type == "cuda" else None  # no Triton import for a CPU index
+            use_kernels = kern is not None and not kern.unsupported(model.head_dim, group, model.n_clusters, nprobe)
+            if use_kernels:
+                model.kernel_layer(layer, offsets.device)
+            else:
+                weights[layer] = model.layer(layer, offsets.device)
+        planner = _SaapPlanner(index, params, ctx, model, widths, weights, use_kernels)
+        if use_kernels:  # the de-RoPE table of the request's positions, made here rather than in a step
+            planner._rope = kern.rope_table(ctx.n_ctx, planner._steps, model.head_dim, model.rope_theta, offsets.device)
+        return planner

@@ -1,48 +1,52 @@
 """`topk`: exact top-K by attention score (the "Flat" oracle every top-K method is bounded by).
 
 GQA pooling: a KV head's query group shares one selection. A key's score is the attention mass the
-group puts on it, sum over the group's heads of softmax(q·k / sqrt(d)); the K keys with the largest
-group mass are selected. (Raw q·k is not comparable across heads whose logit scales differ.)
+group puts on it, sum over the group's heads of softmax(q·k / sqrt(d)) over every visible token;
+the K selectable context keys with the largest group mass are planned (the frame adds the sink, the
+window and the request's own tokens). (Raw q·k is not comparable across heads whose logit scales
+differ.) It reads every key: it is the reference, not a fast path.
 """
 
 from __future__ import annotations
 
-import math
-
 import torch
 from pydantic import Field
 
-from indexer.base import MethodParams, MethodSession, SparseMethod, register
+from indexer._select import bmm_f32, selectable_mask
+from indexer.base import MethodParams, Plan, Planner, SparseMethod, budget, register
+from indexer.kernels.select import topk_positions
 
 
 class TopKParams(MethodParams):
-    k: int | None = Field(None, ge=1, le=1 << 22, description="tokens selected per step; overrides ratio")
-    ratio: float = Field(0.05, gt=0.0, le=1.0, description="fraction of visible tokens selected per step")
+    k: int | None = Field(None, ge=1, le=1 << 22, description="context tokens selected per step; overrides ratio")
+    ratio: float = Field(0.05, gt=0.0, le=1.0, description="fraction of the context selected per step")
 
-    def budget(self, n_visible: int) -> int:
-        k = self.k if self.k is not None else math.ceil(self.ratio * n_visible)
-        return max(1, min(k, n_visible))
+    def budget(self, n_ctx: int) -> int:
+        return budget(n_ctx, k=self.k, ratio=self.ratio)
 
 
 def group_attention_mass(q: torch.Tensor, kv) -> torch.Tensor:
-    """[KVH, G, T, D] queries -> [KVH, T, N + M] attention mass per position (causal)."""
-    scale = q.shape[-1] ** -0.5
-    s = torch.cat(
-        [torch.einsum("hgtd,hnd->hgtn", q, kv.ctx_k), torch.einsum("hgtd,hmd->hgtm", q, kv.loc_k)], dim=-1
-    ) * scale
+    """[KVH, G, T, D] queries -> [KVH, T, N + M] attention mass per position (causal: local slot j
+    counts for query t iff N + j <= q_pos[t]). Scores in float32 arithmetic."""
+    kvh, g, t, d = q.shape
+    qf = q.reshape(kvh, g * t, d)
+    s = torch.cat([bmm_f32(qf, kv.ctx_k.transpose(1, 2)), bmm_f32(qf, kv.loc_k.transpose(1, 2))], dim=-1)
+    s = s.view(kvh, g, t, -1) * d ** -0.5
     pos = torch.arange(s.shape[-1], device=q.device)
     s = s.masked_fill(pos[None, :] > kv.q_pos[:, None], float("-inf"))
-    return torch.softmax(s.float(), dim=-1).sum(dim=1)
+    return torch.softmax(s, dim=-1).sum(dim=1)
 
 
-class _ExactTopK(MethodSession):
-    def __init__(self, params: TopKParams):
-        self.params = params
+class _ExactTopK(Planner):
+    def __init__(self, params: TopKParams, n_ctx: int):
+        self.k = params.budget(n_ctx)
+        self.sink, self.window = params.frame(n_ctx)
 
-    def select(self, layer, q, kv):
-        mass = group_attention_mass(q, kv)  # [KVH, T, N + M]
-        k = self.params.budget(int(kv.q_pos.max()) + 1)
-        return torch.topk(mass, k, dim=-1, sorted=False).indices
+    def plan(self, layer, q, kv):
+        n = kv.n_ctx
+        mass = group_attention_mass(q, kv)[..., :n]  # [KVH, T, N]
+        mass = mass.masked_fill(~selectable_mask(kv.q_pos, n, self.sink, self.window)[None], float("-inf"))
+        return Plan(topk_positions(mass, self.k))  # fused radix select on CUDA, torch.topk elsewhere
 
 
 @register
@@ -50,5 +54,5 @@ class TopK(SparseMethod):
     name = "topk"
     Params = TopKParams
 
-    def open(self, index, params, n_ctx, env=None):
-        return _ExactTopK(params)
+    def open(self, index, params, ctx):
+        return _ExactTopK(params, ctx.n_ctx)

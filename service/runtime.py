@@ -38,6 +38,29 @@ def resolve_device(setting: str) -> str:
     return setting
 
 
+def resolve_backend(settings: Settings, device: str) -> str:
+    """The attention backend a decode worker on `device` uses when a request names none."""
+    from decoder.backends import default_backend_name
+
+    return default_backend_name(device) if settings.attention_backend == "auto" else settings.attention_backend
+
+
+def resolve_runner(settings: Settings, device: str) -> bool:
+    """Whether the decode worker batches requests through `decoder.runner` (auto: on a GPU)."""
+    if settings.decode_runner == "auto":
+        return device.startswith("cuda")
+    return settings.decode_runner == "batched"
+
+
+def resolve_gpu_cache_bytes(settings: Settings, device: str) -> int:
+    """GPU tier capacity: the setting, or half of the device's memory (0 on a CPU worker)."""
+    if not device.startswith("cuda"):
+        return 0
+    if settings.gpu_cache_bytes is not None:
+        return settings.gpu_cache_bytes
+    return torch.cuda.get_device_properties(torch.device(device)).total_memory // 2
+
+
 @dataclass
 class Runtime:
     settings: Settings

@@ -118,6 +118,10 @@ class CompletionRequest(BaseModel):
     seed: int | None = Field(None, ge=0, description="sampling seed (temperature > 0)")
     method: str = Field("full", description="sparse method; see GET /v1/methods")
     params: dict[str, Any] = Field(default_factory=dict, description="method parameters for this request")
+    backend: Literal["torch_ref", "triton", "offload"] | None = Field(
+        None, description="attention backend for this request (default: the service's `attention_backend`): torch_ref "
+                          "(plain torch, the reference), triton (fused GPU kernels), offload (context K/V in host "
+                          "memory, only the attended rows go to the GPU)")
     stream: bool = Field(False, description="server-sent events: `token` events then one `done` event")
 
 
@@ -135,7 +139,8 @@ class CompletionResponse(BaseModel):
     token_ids: list[int]
     finish_reason: Literal["stop", "length", "cancelled"]
     usage: Usage
-    stats: dict[str, Any] = Field(description="method, ttft_ms, cache (cold/warm), load_ms, decode_tokens_per_s, kv_fraction, "
+    stats: dict[str, Any] = Field(description="method, backend, ttft_ms, cache (cold/warm), load_ms, tiers (hits/misses "
+                                              "per tier), decode_tokens_per_s, kv_fraction, plan_ms/run_ms (host time), "
                                               "method_stats (method-specific, e.g. saap's selectivity per step), ...")
 
 

@@ -36,6 +36,19 @@ class Settings(BaseSettings):
     max_new_tokens: int = Field(1024, ge=1, le=8192, description="upper bound of max_tokens per completion")
     max_ttl_seconds: int = Field(365 * 24 * 3600, ge=1, description="largest ttl_seconds accepted")
     dram_tier_bytes: int = Field(2 * 1024**3, ge=0, description="DRAM tier capacity of a decode worker (LRU by bytes)")
+    gpu_cache_bytes: int | None = Field(
+        None, ge=0, description="GPU tier capacity of a decode worker on a GPU (context K/V + index arrays resident "
+                                "across steps and requests, LRU by bytes); unset = half of the device's memory")
+    decode_runner: str = Field(
+        "auto", pattern="^(auto|batched|transformers)$",
+        description="how the decode worker runs requests: batched (decoder.runner: concurrent requests stepped "
+                    "together, CUDA-graph replay on a GPU), transformers (one at a time through the model's own "
+                    "modules, the reference); auto = batched on a GPU, transformers on a CPU")
+    decode_batch_size: int = Field(8, ge=1, le=256, description="most requests a batched decode worker steps together")
+    attention_backend: str = Field(
+        "auto", pattern="^(auto|torch_ref|triton|offload)$",
+        description="decode attention backend: auto = triton on a GPU when installed, else torch_ref; offload keeps "
+                    "context K/V in DRAM and ships the attended rows; a completion may name another one")
     prefill_chunk_tokens: int = Field(512, ge=16, le=65536, description="prefill chunk size (memory bound + progress)")
     job_lease_seconds: int = Field(60, ge=5, description="a prefill job whose worker is silent this long is requeued")
     decode_timeout_seconds: float = Field(600.0, gt=0, description="a completion waiting longer for its worker gets 504")

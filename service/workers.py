@@ -7,22 +7,24 @@ a thread of the API process in embedded mode: the same code either way.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import threading
 import time
 import uuid
 from collections import OrderedDict
+from dataclasses import dataclass
 
 import torch
 
-from decoder.generate import ContextKV, generate
-from decoder.prefill import prefill
-from indexer.base import IndexReader, MethodUnavailable, get_method
-from service.runtime import Runtime, resolve_device
-from storage.artifacts import ArtifactCorrupt, ArtifactError, ArtifactMissing, IndexArrays
+from decoder.backends import get_backend
+from decoder.generate import generate
+from decoder.pipeline import ContextTiers, build_context, open_context
+from indexer.base import MethodUnavailable, get_method
+from service.runtime import Runtime, resolve_backend, resolve_device, resolve_gpu_cache_bytes, resolve_runner
+from storage.artifacts import ArtifactCorrupt, ArtifactError, ArtifactMissing
 from storage.keys import PromptHash
-from storage.tier import DramTier
 
 log = logging.getLogger("ctxcache.worker")
 
@@ -46,13 +48,17 @@ class _Loop:
         if self._thread is not None:
             self._thread.join(timeout)
 
+    def info(self) -> dict:
+        """What this worker publishes with its heartbeat (the API's /metrics reads it)."""
+        return {}
+
     def run_forever(self) -> None:
         if self.rt.settings.torch_threads:
             torch.set_num_threads(self.rt.settings.torch_threads)
         backoff = 0.5
         while not self._stop.is_set():
             try:
-                self.rt.catalog.worker_alive(self.kind, self.wid, ttl_s=15)
+                self.rt.catalog.worker_alive(self.kind, self.wid, ttl_s=15, info=self.info())
                 self.tick()
                 backoff = 0.5
             except Exception as e:  # noqa: BLE001 - a worker must survive Redis outages and bad jobs
@@ -146,35 +152,28 @@ class PrefillWorker(_LeasedLoop):
             if tokens is None:
                 raise RuntimeError("token ids of this context are gone from the catalog; register it again")
         cat.update(cid, status="prefilling", progress=0.0, error_code="", error_message="")
-        t0 = time.perf_counter()
         last = [0.0]
 
         def progress(f: float) -> None:
-            if f - last[0] >= 0.05 or f >= 1.0:
+            if f >= 1.0:
+                cat.update(cid, status="indexing", progress=0.8)
+            elif f - last[0] >= 0.05:
                 last[0] = f
                 cat.update(cid, progress=round(0.8 * f, 3))
 
-        cap = prefill(lm, tokens, chunk_tokens=rt.settings.prefill_chunk_tokens, keep_q=bool(todo), progress=progress)
-        t_prefill = time.perf_counter() - t0
-        cat.update(cid, status="indexing", progress=0.8)
-        builds = []
-        for i, (name, entry) in enumerate(sorted(todo.items())):
+        def on_index(i: int, n: int) -> None:
+            cat.update(cid, progress=round(0.8 + 0.15 * i / n, 3))
+
+        todo_built = {}
+        for name, entry in todo.items():
             method = get_method(name)
-            params = method.Params.model_validate(entry["params"])
-            t1 = time.perf_counter()
-            arrays = method.build(cap, params, rt.method_env)
-            builds.append(IndexArrays(name, method.version, params.build_params(), entry["index_id"].split("-", 1)[1],
-                                      {k: v.cpu() for k, v in arrays.items()}, time.perf_counter() - t1))
-            cat.update(cid, progress=round(0.8 + 0.15 * (i + 1) / len(todo), 3))
-        timings = {"prefill_s": round(t_prefill, 4), "prefill_tokens_per_s": round(len(tokens) / max(t_prefill, 1e-9), 1),
-                   "index_s": {b.method: round(b.build_s, 4) for b in builds}}
-        if published:
-            manifest = rt.store.add_indexes(spec.slug, key, builds)
-        else:
-            manifest = rt.store.publish(key, spec, tokens, cap.k, cap.v, builds,
-                                        {"timings": timings, "prompt_format": rec.get("prompt_format", "chat"),
-                                         "display_name": rec.get("display_name") or "", "expires_at": rec.get("expires_at")})
-        del cap
+            todo_built[entry["index_id"]] = (method, method.Params.model_validate(entry["params"]))
+        res = build_context(lm, rt.store, key, tokens, todo_built, env=rt.method_env,
+                            chunk_tokens=rt.settings.prefill_chunk_tokens, progress=progress, on_index=on_index,
+                            manifest_extra={"prompt_format": rec.get("prompt_format", "chat"),
+                                            "display_name": rec.get("display_name") or "",
+                                            "expires_at": rec.get("expires_at")})
+        manifest = res.manifest
         if not self._ready(cid, manifest):
             rt.store.delete(spec.slug, key)  # deleted while we were building: leave nothing behind
         cat.drop_tokens(cid)
@@ -188,20 +187,124 @@ class PrefillWorker(_LeasedLoop):
 
 class DecodeWorker(_Loop):
     """Answers completion requests. Keeps a DRAM tier of artifact arrays (LRU by bytes), so only a
-    context's first question reads from disk."""
+    context's first question reads from disk, and on a GPU a GPU tier above it, so a context's K/V
+    and index arrays are copied to the device once and stay there across steps and requests.
+
+    Two ways to run a request (`decode_runner`): the transformers path (`decoder.generate`: one
+    request at a time through the model's own modules; the CPU default and the reference), or the
+    batched runner (`decoder.runner.Runner`, the GPU default): up to `decode_batch_size` requests,
+    on the same or different contexts and methods, stepped together one token at a time; a request
+    joins at the next step and leaves when it is done (continuous batching). One runner per
+    attention backend; each request keeps its own planner."""
 
     kind = "decode"
 
     def __init__(self, rt: Runtime):
         super().__init__(rt)
-        self.tier = DramTier(rt.settings.dram_tier_bytes)
-        self._handles: OrderedDict[str, object] = OrderedDict()
         self.device = resolve_device(rt.settings.device)
+        self.tiers = ContextTiers(rt.settings.dram_tier_bytes, resolve_gpu_cache_bytes(rt.settings, self.device),
+                                  self.device)
+        self._handles: OrderedDict[str, object] = OrderedDict()
+        self.batched = resolve_runner(rt.settings, self.device)
+        self._runners: dict[str, object] = {}  # backend name -> decoder.runner.Runner
+        self._live: dict[tuple[str, int], _Live] = {}  # (backend, slot) -> a request in a runner
+        self._runner_reasons: list[str] | None = None  # why the runner cannot run this model (None: not checked)
+
+    @property
+    def tier(self):
+        """The DRAM tier (kept for callers that only know one tier)."""
+        return self.tiers.dram
+
+    def info(self) -> dict:
+        return {"device": self.device, "tiers": self.tiers.snapshot()}
 
     def tick(self) -> None:
-        req = self.rt.catalog.claim_decode(timeout_s=1.0)
-        if req is not None:
-            self.process(req)
+        if not self.batched:
+            req = self.rt.catalog.claim_decode(timeout_s=1.0)
+            if req is not None:
+                self.process(req)
+            return
+        self._admit()
+        if self._live:
+            self._step()
+
+    # -- the batched path ------------------------------------------------------------------------
+
+    def _admit(self) -> None:
+        """Take queued requests into the batch: wait up to 1 s for one when idle, never when busy."""
+        cat = self.rt.catalog
+        while len(self._live) < self.rt.settings.decode_batch_size:
+            req = cat.claim_decode(timeout_s=0.0 if self._live else 1.0)
+            if req is None:
+                return
+            with self._errors_reported(req):
+                job = self._prepare(req)
+                if job is None:
+                    continue
+                if not self._runner_supported():
+                    self._serve_serially(job)
+                    continue
+                runner = self._runner(job.opened.backend)
+                slot = runner.add(job.opened.kv, job.opened.planner, job.params, job.q_ids, job.req["max_tokens"],
+                                  temperature=job.req["temperature"], seed=job.req.get("seed"))
+                self._live[job.opened.backend.name, slot] = _Live(
+                    job, _TokenStream(cat, job.rid, self.rt.lm.tokenizer), time.perf_counter())
+
+    def _runner_supported(self) -> bool:
+        """The batched runner runs Llama-family models only; for others the worker serves serially."""
+        if self._runner_reasons is None:
+            from decoder.runner import unsupported
+
+            self._runner_reasons = unsupported(self.rt.ensure_weights().model)
+            if self._runner_reasons:
+                log.warning("decode runner unavailable (%s): serving one request at a time through transformers",
+                            "; ".join(self._runner_reasons))
+        return not self._runner_reasons
+
+    def _runner(self, backend):
+        from decoder.runner import Runner
+
+        r = self._runners.get(backend.name)
+        if r is None:
+            r = self._runners[backend.name] = Runner(self.rt.ensure_weights(), backend, self.device, track_fraction=True)
+        return r
+
+    def _step(self) -> None:
+        """One token for every live request; finished or cancelled ones leave with a `done` event."""
+        cat = self.rt.catalog
+        for name, runner in self._runners.items():
+            if not any(key[0] == name for key in self._live):
+                continue
+            try:
+                got = runner.step()
+            except Exception as e:  # noqa: BLE001 - a failed step fails the requests in it, not the worker
+                log.exception("decode step of the %s runner failed", name)
+                for key in [k for k in self._live if k[0] == name]:
+                    live = self._live.pop(key)
+                    cat.emit(live.job.rid, "error", {"code": "internal_error", "message": f"{type(e).__name__}: {e}"[:500]})
+                    runner.remove(key[1])
+                continue
+            now = time.perf_counter()
+            for slot, tok in got:
+                live = self._live[name, slot]
+                live.batch_max = max(live.batch_max, len(got))
+                req = runner.requests[slot]
+                if live.t_first is None:
+                    live.t_first = now
+                if tok not in self.rt.lm.eos_token_ids:
+                    live.stream.push(tok)
+                reason = req.finish_reason
+                if reason is None and cat.cancelled(live.job.rid):
+                    reason = "cancelled"
+                if reason is None:
+                    continue
+                ids = [t for t in req.tokens if t not in self.rt.lm.eos_token_ids]
+                self._done(live.job, ids, reason, ttft_s=live.t_first - live.job.t_start,
+                           decode_s=now - live.t_first, stats={
+                               "kv_fraction": round(runner.kv_fraction(slot), 5), "steps": req.produced,
+                               "runner": "batched", "graph": runner.graph_status, "batch_max": live.batch_max})
+                runner.remove(slot)
+                del self._live[name, slot]
 
     def _artifacts(self, cid: str, slug: str):
         h = self._handles.get(cid)
@@ -215,12 +318,35 @@ class DecodeWorker(_Loop):
 
     def forget(self, cid: str) -> None:
         self._handles.pop(cid, None)
-        self.tier.drop(cid)
+        self.tiers.drop(cid)
 
     def process(self, req: dict) -> None:
+        """Answer one request, start to finish (the serial path: transformers' modules + the hook)."""
+        with self._errors_reported(req):
+            job = self._prepare(req)
+            if job is not None:
+                self._serve_serially(job)
+
+    def _serve_serially(self, job: "_Job") -> None:
+        lm, cat = self.rt.lm, self.rt.catalog
+        stream = _TokenStream(cat, job.rid, lm.tokenizer)
+        t_gen = time.perf_counter()
+        res = generate(lm, job.opened.kv, job.opened.planner, job.params, job.q_ids, backend=job.opened.backend,
+                       max_tokens=job.req["max_tokens"], temperature=job.req["temperature"],
+                       seed=job.req.get("seed"), on_token=stream.push, should_stop=lambda: cat.cancelled(job.rid))
+        self._done(job, res.token_ids, res.finish_reason, ttft_s=t_gen - job.t_start + res.ttft_s,
+                   decode_s=res.decode_s, stats={
+                       "kv_fraction": round(res.stats.kv_fraction, 5),
+                       "plan_ms": round(1000 * res.stats.plan_s, 2),
+                       "run_ms": round(1000 * res.stats.run_s, 2),
+                       "steps": res.stats.steps, "runner": "transformers"})
+
+    @contextlib.contextmanager
+    def _errors_reported(self, req: dict, jobs: list | None = None):
+        """Turn a failure into the request's error event (and a corrupt context's status)."""
         cat, rid, cid = self.rt.catalog, req["rid"], req["id"]
         try:
-            self._answer(req)
+            yield
         except ArtifactError as e:
             code = "artifact_missing" if isinstance(e, ArtifactMissing) else "artifact_corrupt"
             log.error("context %s: %s", cid, e)
@@ -233,21 +359,31 @@ class DecodeWorker(_Loop):
             log.exception("completion %s on %s failed", rid, cid)
             cat.emit(rid, "error", {"code": "internal_error", "message": f"{type(e).__name__}: {e}"[:500]})
 
-    def _answer(self, req: dict) -> None:
+    def _prepare(self, req: dict) -> "_Job | None":
+        """Everything before the first token: checks (an error event and None when one fails), the
+        backend, the index the API resolved, and `open_context` (tiers, planner)."""
         rt, cat, rid, cid = self.rt, self.rt.catalog, req["rid"], req["id"]
         rec = cat.get(cid)
         if rec is None:
             cat.emit(rid, "error", {"code": "not_found", "message": f"no context {cid}"})
-            return
+            return None
         if rec["status"] != "ready":
             cat.emit(rid, "error", {"code": "context_not_ready", "message": f"context is {rec['status']}"})
-            return
+            return None
         t_start = time.perf_counter()
         lm = rt.ensure_weights()
         method = get_method(req["method"])
         params = method.Params.model_validate(req["params"])
+        backend = get_backend(req.get("backend") or resolve_backend(rt.settings, self.device))
+        reasons = backend.validate_configuration(lm.spec, self.device, lm.model.dtype)
+        if reasons:
+            cat.emit(rid, "error", {"code": "unsupported_configuration",
+                                    "message": f"attention backend {backend.name!r} cannot run here: " + "; ".join(reasons)})
+            return None
         art = self._artifacts(cid, rec["slug"])
-        index_id = method.index_id(params, lm.spec, rt.method_env) if method.has_index else None  # as the API did
+        index_id = None
+        if method.has_index:  # resolved once, by the API (requests queued by an older API carry none)
+            index_id = req.get("index_id") or method.index_id(params, lm.spec, rt.method_env)
         if index_id is not None and index_id not in art.manifest["indexes"]:
             # built after this worker opened the context (a registration with new build params, or
             # SAAP's model retrained): the cached handle holds the older manifest
@@ -257,69 +393,84 @@ class DecodeWorker(_Loop):
                 cat.emit(rid, "error", {"code": "method_not_built", "message":
                                         f"no {method.name!r} index {index_id} for this context (its build parameters "
                                         f"or trained model changed while the request waited); register it again"})
-                return
-        n = art.n_tokens
-        load = {"s": 0.0, "misses": 0, "hits": 0}
+                return None
+        q_ids = req["question_ids"]
+        opened = open_context(art, cid, method, params, index_id, tiers=self.tiers, spec=lm.spec, backend=backend,
+                              max_local=len(q_ids) + req["max_tokens"], env=rt.method_env)
+        return _Job(req, rid, method, params, opened, q_ids, art.n_tokens, t_start)
 
-        def load_layer(name: str, layer: int) -> torch.Tensor:
-            t0 = time.perf_counter()
-            t, hit = self.tier.get((cid, name, layer), lambda: art.read(name, layer))
-            load["hits" if hit else "misses"] += 1
-            load["s"] += time.perf_counter() - t0
-            return t
-
-        index = None
-        # host-resident methods (csattn offload) keep K/V and index in DRAM and ship rows themselves
-        kv_device = "cpu" if method.host_resident(params) else self.device
-        if method.has_index:
-            prefix = f"indexes/{index_id}/"
-            index = IndexReader(lambda name, layer: load_layer(prefix + name, layer).to(kv_device), art.index_arrays(index_id))
-        session = method.open(index, params, n, rt.method_env)
-        ctx = ContextKV(n, load_layer, kv_device)
-        tok = lm.tokenizer
-        emitted: list[int] = []
-        text_so_far = [""]
-
-        def on_token(t: int) -> None:
-            emitted.append(t)
-            text = tok.decode(emitted, skip_special_tokens=True)
-            if text.endswith("\ufffd"):
-                return  # a multi-byte character is not complete yet
-            delta = text[len(text_so_far[0]):]
-            text_so_far[0] = text
-            if delta:
-                cat.emit(rid, "token", {"text": delta, "token_id": t})
-
-        t_gen = time.perf_counter()
-        res = generate(lm, ctx, session, params, req["question_ids"], max_tokens=req["max_tokens"],
-                       temperature=req["temperature"], seed=req.get("seed"), on_token=on_token,
-                       should_stop=lambda: cat.cancelled(rid))
-        text = tok.decode(res.token_ids, skip_special_tokens=True)
-        n_out = len(res.token_ids)
-        cat.emit(rid, "done", {
-            "text": text,
-            "token_ids": res.token_ids,
-            "finish_reason": res.finish_reason,
-            "usage": {"cached_tokens": n, "prompt_tokens": len(req["question_ids"]), "completion_tokens": n_out,
-                      "total_tokens": n + len(req["question_ids"]) + n_out},
+    def _done(self, job: "_Job", token_ids: list[int], finish_reason: str, *, ttft_s: float, decode_s: float,
+              stats: dict) -> None:
+        tok = self.rt.lm.tokenizer
+        n, n_out, loads = job.n_ctx, len(token_ids), job.opened.loads
+        self.rt.catalog.emit(job.rid, "done", {
+            "text": tok.decode(token_ids, skip_special_tokens=True),
+            "token_ids": token_ids,
+            "finish_reason": finish_reason,
+            "usage": {"cached_tokens": n, "prompt_tokens": len(job.q_ids), "completion_tokens": n_out,
+                      "total_tokens": n + len(job.q_ids) + n_out},
             "stats": {
-                "method": method.name,
-                "params": params.model_dump(),
-                "cache": "cold" if load["misses"] else "warm",
-                "ttft_ms": round(1000 * (t_gen - t_start + res.ttft_s), 2),
-                "load_ms": round(1000 * load["s"], 2),
-                "tier_hits": load["hits"],
-                "tier_misses": load["misses"],
-                "decode_tokens_per_s": round(max(n_out - 1, 0) / res.decode_s, 2) if res.decode_s > 0 and n_out > 1 else None,
-                "kv_fraction": round(res.stats.kv_fraction, 5),
-                "select_ms": round(1000 * res.stats.select_s, 2),
-                "attend_ms": round(1000 * res.stats.attend_s, 2),
-                "steps": res.stats.steps,
+                "method": job.method.name,
+                "params": job.params.model_dump(),
+                "backend": job.opened.backend.name,
+                "cache": "cold" if loads.misses.get("dram") else "warm",
+                "ttft_ms": round(1000 * ttft_s, 2),
+                "load_ms": round(1000 * loads.s, 2),
+                "tier_hits": sum(loads.hits.values()),
+                "tier_misses": sum(loads.misses.values()),
+                "tiers": {t: {"hits": loads.hits.get(t, 0), "misses": loads.misses.get(t, 0)}
+                          for t in sorted(set(loads.hits) | set(loads.misses))},
+                "decode_tokens_per_s": round(max(n_out - 1, 0) / decode_s, 2) if decode_s > 0 and n_out > 1 else None,
+                **stats,
                 "device": self.device,
-                "kv_device": kv_device,
-                "method_stats": session.stats(),
+                "kv_device": str(job.opened.resident),
+                "method_stats": job.opened.planner.stats(),
             },
         })
+        self.rt.catalog.worker_alive(self.kind, self.wid, ttl_s=15, info=self.info())  # fresh tier numbers for /metrics
+
+
+@dataclass
+class _Live:
+    """A request in a runner: its job, its token stream, when its first token came."""
+
+    job: "_Job"
+    stream: "_TokenStream"
+    t_added: float
+    t_first: float | None = None
+    batch_max: int = 0  # most requests stepped together while this one ran
+
+
+@dataclass
+class _Job:
+    """A prepared completion: the request, its method and params, the opened context."""
+
+    req: dict
+    rid: str
+    method: object
+    params: object
+    opened: object  # decoder.pipeline.OpenedContext
+    q_ids: list[int]
+    n_ctx: int
+    t_start: float
+
+
+class _TokenStream:
+    """Emits a request's tokens as text deltas (a multi-byte character waits for its last token)."""
+
+    def __init__(self, cat, rid: str, tokenizer):
+        self.cat, self.rid, self.tok = cat, rid, tokenizer
+        self.ids: list[int] = []
+        self.text = ""
+
+    def push(self, t: int) -> None:
+        self.ids.append(t)
+        text = self.tok.decode(self.ids, skip_special_tokens=True)
+        if text.endswith("\ufffd"):
+            return
+        delta, self.text = text[len(self.text):], text
+        if delta:
+            self.cat.emit(self.rid, "token", {"text": delta, "token_id": t})
 
 
 class TrainWorker(_LeasedLoop):

@@ -443,6 +443,11 @@ class Catalog:
         return rid
 
     def claim_decode(self, timeout_s: float) -> dict | None:
+        """The next decode request; waits up to timeout_s for one (0: return at once — BLPOP's own
+        0 would wait forever)."""
+        if timeout_s <= 0:
+            raw = self.r.lpop(self.k_decode)
+            return json.loads(raw) if raw else None
         item = self.r.blpop([self.k_decode], timeout=timeout_s)
         return json.loads(item[1]) if item else None
 
@@ -472,8 +477,19 @@ class Catalog:
         self.r.delete(self.k_out(rid), self.k_cancel(rid))
 
     # -- workers --------------------------------------------------------------------------------
-    def worker_alive(self, kind: str, wid: str, ttl_s: int) -> None:
-        self.r.set(self.k_worker(kind, wid), json.dumps({"since": time.time()}), ex=ttl_s)
+    def worker_alive(self, kind: str, wid: str, ttl_s: int, info: dict | None = None) -> None:
+        """Heartbeat; `info` (JSON) is what the worker publishes about itself (tiers, device)."""
+        self.r.set(self.k_worker(kind, wid), json.dumps({"at": time.time(), **(info or {})}), ex=ttl_s)
 
     def live_workers(self, kind: str) -> int:
         return sum(1 for _ in self.r.scan_iter(match=self.k_worker(kind, "*"), count=100))
+
+    def worker_info(self, kind: str) -> dict[str, dict]:
+        """worker id -> its last heartbeat's info, for the live workers of a kind."""
+        out = {}
+        for key in self.r.scan_iter(match=self.k_worker(kind, "*"), count=100):
+            raw = self.r.get(key)
+            if raw:
+                k = key.decode() if isinstance(key, bytes) else key
+                out[k.rsplit(":", 1)[-1]] = json.loads(raw)
+        return out

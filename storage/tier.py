@@ -1,8 +1,16 @@
-"""DRAM tier: a bounded in-memory cache of artifact arrays, LRU by bytes.
+"""Memory tiers above the zarr store: bounded in-memory caches of artifact arrays, LRU by bytes.
 
-The decode worker asks for (context, array, layer) slices; a miss reads from the zarr store
-(SSD tier), a hit is a dict lookup. Later questions on the same context never touch disk while
-the context fits. Entries larger than the whole capacity are returned uncached.
+The decode worker asks for (context, array, layer) slices. Two tiers stack:
+
+* **DRAM** (`dram_tier_bytes`): a miss reads the slice from the zarr store (SSD), a hit is a dict
+  lookup. Later questions on the same context never touch the disk while it fits.
+* **GPU** (`gpu_cache_bytes`, on a GPU worker): a miss copies the slice from the DRAM tier to the
+  device once; a hit returns the resident device tensor. Decode steps read context K/V and index
+  arrays from here, so nothing crosses PCIe per step (except in the `offload` backend, which keeps
+  the context in DRAM on purpose and ships only the rows a step attends).
+
+Entries larger than a tier's whole capacity are returned uncached. Evicting an entry drops the
+tier's reference: a tensor a running request still holds stays alive until that request is done.
 """
 
 from __future__ import annotations
@@ -14,14 +22,19 @@ from collections.abc import Callable, Hashable
 import torch
 
 
-class DramTier:
-    def __init__(self, capacity_bytes: int):
+class TensorTier:
+    """An LRU cache of tensors bounded by bytes. Thread-safe; `load` runs outside the lock (two
+    racing misses both load; the first one stored wins and both callers get a valid tensor)."""
+
+    def __init__(self, capacity_bytes: int, name: str = "dram"):
         self.capacity = int(capacity_bytes)
+        self.name = name
         self._items: OrderedDict[Hashable, torch.Tensor] = OrderedDict()
         self._bytes = 0
         self._lock = threading.Lock()
         self.hits = 0
         self.misses = 0
+        self.evictions = 0
 
     @property
     def nbytes(self) -> int:
@@ -31,7 +44,7 @@ class DramTier:
         return len(self._items)
 
     def get(self, key: tuple, load: Callable[[], torch.Tensor]) -> tuple[torch.Tensor, bool]:
-        """Return (tensor, hit). `load` runs outside the lock (two racing misses both load; one wins)."""
+        """Return (tensor, hit)."""
         with self._lock:
             t = self._items.get(key)
             if t is not None:
@@ -44,12 +57,14 @@ class DramTier:
         if size > self.capacity:
             return t, False
         with self._lock:
-            if key not in self._items:
-                self._items[key] = t
-                self._bytes += size
+            if key in self._items:
+                return self._items[key], False
+            self._items[key] = t
+            self._bytes += size
             while self._bytes > self.capacity:
                 _, old = self._items.popitem(last=False)
                 self._bytes -= old.numel() * old.element_size()
+                self.evictions += 1
         return t, False
 
     def contains(self, key: tuple) -> bool:
@@ -66,3 +81,12 @@ class DramTier:
                 freed += t.numel() * t.element_size()
             self._bytes -= freed
             return freed
+
+    def snapshot(self) -> dict:
+        """Counters for /metrics and stats: bytes held, capacity, entries, hits, misses, evictions."""
+        with self._lock:
+            return {"tier": self.name, "bytes": self._bytes, "capacity_bytes": self.capacity, "entries": len(self._items),
+                    "hits": self.hits, "misses": self.misses, "evictions": self.evictions}
+
+
+DramTier = TensorTier  # the name the decode worker and the eval harness used before the GPU tier existed

@@ -118,13 +118,37 @@ def test_full_matches_transformers_generate_and_topk_oracle(client, lm):
     assert big["token_ids"] == full["token_ids"]
     assert big["stats"]["kv_fraction"] == pytest.approx(1.0)
 
-    # small K, no sink/window: every (layer, head, query) attends exactly K of its p + 1 visible tokens
+    # small K, no sink/window: every (layer, head, query) attends exactly K context tokens of its
+    # p + 1 visible ones, plus the request's own tokens up to itself (the frame attends all of those)
     k = 64
     small = ask(client, cid, "topk", {"k": k, "sink": 0, "window": 0}, max_tokens=6)
     q_len, steps = small["usage"]["prompt_tokens"], small["stats"]["steps"]
     positions = list(range(n, n + q_len)) + list(range(n + q_len, n + q_len + steps - 1))
-    expected = sum(k / (p + 1) for p in positions) / len(positions)
+    expected = sum((k + p - n + 1) / (p + 1) for p in positions) / len(positions)
     assert small["stats"]["kv_fraction"] == pytest.approx(expected, rel=1e-4)
+
+
+def test_backend_per_request_and_tier_metrics(client):
+    """A completion may name its attention backend: `offload` (context K/V kept in host memory, rows
+    shipped) answers exactly like `torch_ref` and says where the context was read from; a backend
+    that cannot run on this worker, or does not exist, is refused with a 422 and nothing queued.
+    /metrics shows the decode worker's tiers."""
+    cid = client.post("/v1/contexts", json={"text": passkey_document(11235, depth=0.4)}).json()["id"]
+    assert wait_ready(client, cid)["status"] == "ready"
+    ref = ask(client, cid, "topk", {"k": 64}, max_tokens=8, backend="torch_ref")
+    off = ask(client, cid, "topk", {"k": 64}, max_tokens=8, backend="offload")
+    assert off["token_ids"] == ref["token_ids"]
+    assert ref["stats"]["backend"] == "torch_ref" and off["stats"]["backend"] == "offload"
+    assert off["stats"]["kv_device"] == "cpu"
+    assert ask(client, cid, "topk", {"k": 64}, max_tokens=2)["stats"]["backend"] == "torch_ref"  # CPU default
+    r = client.post(f"/v1/contexts/{cid}/completions", json={"question": "x", "backend": "cuda_magic"})
+    assert r.status_code == 422, r.text
+    r = client.post(f"/v1/contexts/{cid}/completions", json={"question": "x", "backend": "triton"})
+    assert r.status_code == 422 and r.json()["error"]["code"] == "unsupported_configuration", r.text
+    metrics = client.get("/metrics").text
+    dram = [line for line in metrics.splitlines() if line.startswith("ctxcache_tier_bytes{") and 'tier="dram"' in line]
+    assert dram and float(dram[0].rsplit(" ", 1)[1]) > 0, metrics[-2000:]
+    assert "ctxcache_tier_hits_total{" in metrics
 
 
 # Every method answers the ~560-token passkey like `full` (which answers it 5/5 with this model).

@@ -1,5 +1,6 @@
-"""CTkvr (indexer/ctkvr.py): build against brute force, decode against the exact oracle, the dynamic
-centroid update's FIFO, per-request isolation, and recall on the default model's real Q/K."""
+"""CTkvr (indexer/ctkvr.py): build against brute force, plans against the exact oracle, the dynamic
+centroid update's FIFO (plan computes the push, update commits it, fixed-shape ring), per-request
+isolation, and recall on the default model's real Q/K."""
 
 from __future__ import annotations
 
@@ -10,15 +11,16 @@ import pydantic
 import pytest
 import torch
 
-from decoder.attention import dense_attention, merge_selection, sparse_attention
+from decoder.backends import get_backend
+from decoder.backends.torch_ref import dense_attention
 from decoder.fidelity import build_index, selection_recall
-from indexer.base import KVView, PrefillCapture, get_method
-from indexer.topk import group_attention_mass
+from indexer.base import DecodeContext, IndexReader, KVView, PrefillCapture, frame_bounds, get_method
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 L, H, KVH, N, D = 2, 6, 2, 96, 16
 G = H // KVH
+SPEC = SimpleNamespace(num_layers=L, num_heads=H, num_kv_heads=KVH, head_dim=D, group_size=G)
 
 
 def synthetic(seed: int = 0, n: int = N) -> PrefillCapture:
@@ -26,8 +28,7 @@ def synthetic(seed: int = 0, n: int = N) -> PrefillCapture:
     q = torch.randn(L, H, n, D, generator=g) * 1.5
     k = torch.randn(L, KVH, n, D, generator=g)
     v = torch.randn(L, KVH, n, D, generator=g)
-    spec = SimpleNamespace(num_layers=L, num_heads=H, num_kv_heads=KVH, head_dim=D, group_size=G)
-    return PrefillCapture(q=q, k=k, v=v, positions=torch.arange(n), spec=spec)
+    return PrefillCapture(q=q, k=k, v=v, positions=torch.arange(n), spec=SPEC)
 
 
 def step_view(cap: PrefillCapture, layer: int, m: int, seed: int, t: int = 1):
@@ -38,6 +39,10 @@ def step_view(cap: PrefillCapture, layer: int, m: int, seed: int, t: int = 1):
     q = torch.randn(KVH, G, t, D, generator=g) * 1.5
     q_pos = torch.arange(N + m - t, N + m)
     return q, KVView(cap.k[layer], cap.v[layer], loc_k, loc_v, q_pos)
+
+
+def open_planner(index, params, max_local: int = 16):
+    return get_method("ctkvr").open(index, params, DecodeContext(N, SPEC, max_local))
 
 
 def as_sets(pos: torch.Tensor) -> list[list[set[int]]]:
@@ -55,7 +60,9 @@ def test_params_validated_and_split():
     assert m.index_id(p.with_overrides({"probe": 8, "k": 99, "fifo": 0})) == m.index_id(p)
     assert m.index_id(p.with_overrides({"list_size": 301})) != m.index_id(p)
     assert P().n_centroids_for(40_000) == 2048 and P().n_centroids_for(2032) == 127 and P().n_centroids_for(5) == 1
+    # the budget comes from n_ctx (it used to come from the visible tokens, context + request)
     assert P().budget(10_000) == 512 and P(ratio=0.05).budget(2048) == 103 and P(k=7, ratio=0.5).budget(100) == 7
+    assert P().budget(300) == 300
 
 
 def test_build_matches_brute_force():
@@ -85,35 +92,38 @@ def test_build_needs_queries():
 
 @pytest.mark.parametrize("t", [1, 3])
 def test_full_probe_equals_exact_topk(t):
-    """C' = C and ρ = n: every key is recalled, so the rerank is the exact oracle (indexer/topk.py)."""
+    """C' = C and ρ = n: every selectable context key is a candidate, so the rerank is the exact
+    oracle's plan (indexer/topk.py), also after updates have pushed entries into the FIFO."""
     cap = synthetic(1)
     m = get_method("ctkvr")
     params = m.Params(n_centroids=12, list_size=N, probe=12, k=17)
+    oracle_params = get_method("topk").Params(k=17)
     index = build_index(m, params, cap)
     for layer in range(L):
-        session = m.open(index, params, N)
-        for step in range(3):  # later steps also see the entries the update pushed
+        planner = open_planner(index, params)
+        oracle = get_method("topk").open(None, oracle_params, DecodeContext(N, SPEC, 16))
+        for step in range(3):  # later steps also recall the entries the updates pushed
             q, kv = step_view(cap, layer, m=4 + step, seed=10 * layer + step, t=t)
-            sel = session.select(layer, q, kv)
-            assert sel.shape == (KVH, t, 17) and sel.dtype == torch.int64
-            exact = torch.topk(group_attention_mass(q, kv), 17, dim=-1).indices
-            assert as_sets(sel) == as_sets(exact)
+            plan = planner.plan(layer, q, kv)
+            assert plan.positions.shape == (KVH, t, 17) and plan.positions.dtype == torch.int32
+            assert as_sets(plan.positions) == as_sets(oracle.plan(layer, q, kv).positions)
+            planner.update(layer, kv.loc_k[:, -t:], kv.loc_v[:, -t:], kv.q_pos)
+        assert int(planner.fifo[layer].pushes) == 3
 
 
 def test_full_budget_output_equals_dense():
-    """C' = C, ρ = ρ' = n: the selection is every visible token and the output is dense attention."""
+    """C' = C, ρ = ρ' = n and no sink/window: the plan is every context position, and the backend's
+    output over it (+ the request's own tokens, the frame) is dense attention."""
     cap = synthetic(2)
     m = get_method("ctkvr")
     params = m.Params(n_centroids=6, list_size=N, probe=6, ratio=1.0, sink=0, window=0)
     index = build_index(m, params, cap)
-    session = m.open(index, params, N)
+    planner = open_planner(index, params)
     q, kv = step_view(cap, 1, m=5, seed=3)
-    sel = session.select(1, q, kv)
-    assert as_sets(sel) == [[set(range(N + 5))]] * KVH
-    idx = merge_selection(sel, kv.q_pos, 0, 0)
-    out = sparse_attention(q, idx, kv.ctx_k, kv.ctx_v, kv.loc_k, kv.loc_v, D ** -0.5)
-    ref = dense_attention(q, kv.ctx_k, kv.ctx_v, kv.loc_k, kv.loc_v, D ** -0.5)
-    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+    plan = planner.plan(1, q, kv)
+    assert as_sets(plan.positions) == [[set(range(N))]] * KVH  # context positions only
+    out = get_backend("torch_ref").run(q, kv, plan, 0, 0, D ** -0.5)
+    torch.testing.assert_close(out, dense_attention(q, kv, D ** -0.5), atol=1e-5, rtol=1e-5)
 
 
 def centroid_query(cap, layer, c, ci):
@@ -121,94 +131,138 @@ def centroid_query(cap, layer, c, ci):
     return cap.q[layer, :, N - c + ci].reshape(KVH, G, 1, D) * 3.0  # cosine ignores the scale
 
 
-def ctx_selection(sel: torch.Tensor) -> list[set[int]]:
-    return [set(int(x) for x in row[0] if 0 <= x < N) for row in sel]
-
-
 def test_recall_stage_and_fifo_eviction():
-    """probe = 1: a query equal to a centroid recalls exactly that centroid's list. Each update
-    evicts the oldest persisted centroid until the private ring (fifo) is full, then its own oldest."""
+    """probe = 1, no sink/window: a query equal to a centroid plans exactly that centroid's list. Each
+    committed push evicts the oldest persisted centroid until the private ring (fifo) is full, then
+    its own oldest entry."""
     cap = synthetic(3)
     m = get_method("ctkvr")
     c, rho, fifo, layer = 10, 5, 3, 0
-    params = m.Params(n_centroids=c, list_size=rho, probe=1, k=rho + 1, fifo=fifo)
+    params = m.Params(n_centroids=c, list_size=rho, probe=1, k=rho + 1, fifo=fifo, sink=0, window=0)
     index = build_index(m, params, cap)
     lists = index.layer("lists", layer)
-    kv = KVView(cap.k[layer], cap.v[layer], cap.k[layer, :, :1] * 0, cap.v[layer, :, :1] * 0, torch.tensor([N]))
+    kv = KVView(cap.k[layer], cap.v[layer], torch.zeros(KVH, 1, D), torch.zeros(KVH, 1, D), torch.tensor([N]))
 
-    def recalled(session, ci):
-        return ctx_selection(session.select(layer, centroid_query(cap, layer, c, ci), kv))
+    def recalled(planner, ci):
+        return [s[0] for s in as_sets(planner.plan(layer, centroid_query(cap, layer, c, ci), kv).positions)]
 
-    probe = m.open(index, params.with_overrides({"fifo": 0}), N)  # no update: a read-only probe
+    probe = open_planner(index, params.with_overrides({"fifo": 0}))  # no update at all
     for ci in range(c):
         assert recalled(probe, ci) == [set(lists[h, ci].tolist()) for h in range(KVH)]
 
-    session = m.open(index, params, N)
+    planner = open_planner(index, params)
     g = torch.Generator().manual_seed(7)
     for _ in range(fifo + 2):  # pushes 1..fifo evict persisted 0..fifo-1; later pushes evict pushed ones
-        session.select(layer, torch.randn(KVH, G, 1, D, generator=g), kv)
-    assert session.fifo[layer].pushes == fifo + 2 and session.fifo[layer].filled == fifo
-    # every select below pushes too, but the ring is full: only pushed entries are evicted from now on
+        planner.plan(layer, torch.randn(KVH, G, 1, D, generator=g), kv)
+        planner.update(layer, kv.loc_k, kv.loc_v, kv.q_pos)
+    state = planner.fifo[layer]
+    assert int(state.pushes) == fifo + 2
+    evicted, filled = state.masks()
+    assert evicted.tolist() == [True] * fifo + [False] * (c - fifo) and filled.all()
+    # plans below are never committed (no update): they only read the state
     for ci in range(c):
-        got, own = recalled(session, ci), [set(lists[h, ci].tolist()) for h in range(KVH)]
+        got, own = recalled(planner, ci), [set(lists[h, ci].tolist()) for h in range(KVH)]
         if ci < fifo:
             assert got != own, f"persisted centroid {ci} was evicted but is still recalled"
         else:
-            assert got == own, f"persisted centroid {ci} should still be in the session's qcIVF"
+            assert got == own, f"persisted centroid {ci} should still be in the request's qcIVF"
+    assert int(state.pushes) == fifo + 2
 
 
-def test_update_pushes_rerank_top_rho():
-    """After a step, the step's query (unit-norm) and its rerank top-ρ are the newest entry; the same
-    query next step recalls exactly that entry (cosine 1)."""
+def test_plan_computes_the_push_and_update_commits_it():
+    """plan() leaves the FIFO untouched (the push is pending); update() writes the step's last query
+    (unit-norm) and its rerank top-ρ (context positions, selectable ones only) into the ring; the
+    same query then recalls exactly that entry (cosine 1)."""
     cap = synthetic(4)
     m = get_method("ctkvr")
     c, rho, layer = 8, 6, 1
     params = m.Params(n_centroids=c, list_size=rho, probe=1, k=3, fifo=4)
     index = build_index(m, params, cap)
-    session = m.open(index, params, N)
+    planner = open_planner(index, params)
     q, kv = step_view(cap, layer, m=3, seed=5)
-    session.select(layer, q, kv)
-    fifo = session.fifo[layer]
-    torch.testing.assert_close(fifo.cent[:, 0], q[:, :, 0] / q[:, :, 0].norm(dim=-1, keepdim=True))
-    pushed = fifo.lists[:, 0]  # [KVH, rho]: the rerank top-rho of step 1 (may hold request positions)
-    assert ((pushed >= 0) & (pushed < N + 3)).all()
-    # step 1's candidates: the recalled persisted list + the request's tokens; its top-rho by group mass
-    cos = torch.einsum("hgd,hcgd->hcg", q[:, :, 0] / q[:, :, 0].norm(dim=-1, keepdim=True),
-                       index.layer("centroids", layer)).amax(-1)
-    best = cos.argmax(-1)
+    first = planner.plan(layer, q, kv)
+    fifo = planner.fifo[layer]
+    again = planner.plan(layer, q, kv)  # a plan made twice is the same plan: nothing was committed
+    assert torch.equal(first.positions, again.positions)
+    assert int(fifo.pushes) == 0 and (fifo.lists == -1).all() and not fifo.masks()[1].any()
+
+    planner.update(layer, kv.loc_k[:, -1:], kv.loc_v[:, -1:], kv.q_pos)
+    assert int(fifo.pushes) == 1
+    qn = q[:, :, 0] / q[:, :, 0].norm(dim=-1, keepdim=True)
+    torch.testing.assert_close(fifo.cent[:, 0], qn)
+    pushed = fifo.lists[:, 0]  # [KVH, rho]
+    assert (fifo.lists[:, 1:] == -1).all()
+    # reference: candidates = the best persisted list's selectable positions; group mass with each
+    # head's softmax over the candidates and the frame (sink, window, request tokens)
+    s_end, w_lo = frame_bounds(kv.q_pos, N, params.sink, params.window)
+    frame_ctx = list(range(s_end)) + list(range(int(w_lo[0]), N))
+    best = torch.einsum("hgd,hcgd->hcg", qn, index.layer("centroids", layer)).amax(-1).argmax(-1)
     for h in range(KVH):
-        cand = sorted(set(index.layer("lists", layer)[h, best[h]].tolist()) | {N, N + 1, N + 2})
-        qk = torch.einsum("gd,ud->gu", q[h, :, 0], torch.cat([kv.ctx_k[h], kv.loc_k[h]])[cand]) / math.sqrt(D)
-        mass = torch.softmax(qk, -1).sum(0)
+        cand = [j for j in index.layer("lists", layer)[h, best[h]].tolist() if s_end <= j < int(w_lo[0])]
+        keys = torch.cat([kv.ctx_k[h, cand + frame_ctx], kv.loc_k[h]])
+        mass = torch.softmax(q[h, :, 0] @ keys.T / math.sqrt(D), -1).sum(0)[: len(cand)]
         ref = {cand[i] for i in torch.topk(mass, min(rho, len(cand))).indices.tolist()}
         assert set(pushed[h].tolist()) - {-1} == ref
-    sel2 = session.select(layer, q, kv)  # same query: the pushed entry has cosine 1
+    sel2 = planner.plan(layer, q, kv).positions  # same query: the pushed entry has cosine 1
     for h in range(KVH):
-        assert set(sel2[h, 0].tolist()) - {-1} <= set(pushed[h].tolist()) | {N, N + 1, N + 2}
+        assert set(sel2[h, 0].tolist()) - {-1} <= set(pushed[h].tolist())
+    planner.update(layer, kv.loc_k[:, -1:], kv.loc_v[:, -1:], kv.q_pos)
+    planner.update(layer, kv.loc_k[:, -1:], kv.loc_v[:, -1:], kv.q_pos)  # nothing pending: no push
+    assert int(fifo.pushes) == 2
 
 
-def test_sessions_are_isolated_and_index_untouched():
+def test_fifo_is_one_fixed_ring_written_in_place():
+    """The ring is allocated once (at the layer's first plan) and only written in place, so a captured
+    CUDA graph keeps reading the same storage; it wraps around after F pushes."""
+    cap = synthetic(6)
+    m = get_method("ctkvr")
+    params = m.Params(n_centroids=10, list_size=8, probe=2, k=4, fifo=3)
+    index = build_index(m, params, cap)
+    planner = open_planner(index, params, max_local=32)
+    ptrs = None
+    qs = []
+    for i in range(7):
+        q, kv = step_view(cap, 0, m=1 + i, seed=60 + i)
+        plan = planner.plan(0, q, kv)
+        assert plan.positions.shape == (KVH, 1, 4)
+        fifo = planner.fifo[0]
+        now = (fifo.cent.data_ptr(), fifo.lists.data_ptr(), fifo.pushes.data_ptr())
+        assert ptrs is None or now == ptrs
+        ptrs = now
+        planner.update(0, kv.loc_k[:, -1:], kv.loc_v[:, -1:], kv.q_pos)
+        qs.append(q[:, :, 0] / q[:, :, 0].norm(dim=-1, keepdim=True))
+    assert fifo.cent.shape == (KVH, 3, G, D) and int(fifo.pushes) == 7
+    for slot, push in ((0, 6), (1, 4), (2, 5)):  # push i went to slot i % 3; the newest three remain
+        torch.testing.assert_close(fifo.cent[:, slot], qs[push])
+    st = planner.stats()
+    assert st["fifo_pushes"] == 7 and 0.0 <= st["fifo_probe_share"] <= 1.0
+
+
+def test_planners_are_isolated_and_index_untouched():
     cap = synthetic(5)
     m = get_method("ctkvr")
     params = m.Params(n_centroids=8, list_size=12, probe=2, k=6, fifo=4)
     arrays = m.build(cap, params)
     frozen = {k: v.clone() for k, v in arrays.items()}
-    from indexer.base import IndexReader
-
     index = IndexReader(lambda name, layer: arrays[name][layer], sorted(arrays))
     steps = [step_view(cap, 0, m=2 + i, seed=40 + i) for i in range(6)]
 
-    def run(session, which):
-        return [session.select(0, *steps[i]) for i in which]
+    def run(planner):
+        out = []
+        for q, kv in steps:
+            out.append(planner.plan(0, q, kv).positions)
+            planner.update(0, kv.loc_k[:, -1:], kv.loc_v[:, -1:], kv.q_pos)
+        return out
 
-    fresh = run(m.open(index, params, N), range(6))
-    a, b = m.open(index, params, N), m.open(index, params, N)
+    fresh = run(open_planner(index, params))
+    a, b = open_planner(index, params), open_planner(index, params)
     g = torch.Generator().manual_seed(9)
     for _ in range(10):  # A updates its qcIVF with unrelated queries
-        a.select(0, torch.randn(KVH, G, 1, D, generator=g), steps[0][1])
-    got_b = run(b, range(6))
+        a.plan(0, torch.randn(KVH, G, 1, D, generator=g), steps[0][1])
+        a.update(0, steps[0][1].loc_k[:, -1:], steps[0][1].loc_v[:, -1:], steps[0][1].q_pos)
+    got_b = run(b)
     assert all(torch.equal(x, y) for x, y in zip(got_b, fresh))  # B never sees A's updates
-    got_a = run(a, range(6))
+    got_a = run(a)
     assert any(not torch.equal(x, y) for x, y in zip(got_a, fresh))  # (A's updates are real)
     for k, v in arrays.items():
         assert torch.equal(v, frozen[k]), f"persisted {k} was written"
@@ -216,8 +270,11 @@ def test_sessions_are_isolated_and_index_untouched():
 
 @pytest.mark.parametrize("ratio, floor", [(0.05, 0.95), (0.10, 0.97)])
 def test_recall_on_real_qk(captured_2k, ratio, floor):
-    """Measured (2048-token capture, last 16 tokens as decode queries, all 30 layers):
-    5%: recall 0.977, KV touched 0.057 (exact top-K 0.05 + sink/window); 10%: 0.987, 0.105."""
+    """2048-token capture, last 16 tokens as decode queries, all 30 layers (K = ratio x n_ctx).
+    Measured before the plan/run redesign: 5%: recall 0.977, KV touched 0.057; 10%: 0.987, 0.105.
+    After (2026-11-22): 5%: 0.981, 0.068; 10%: 0.988, 0.118. KV touched grew because the frame now
+    attends every request token and a plan never repeats a sink/window position (it used to), so the
+    touched fraction is K + sink + window + request tokens, the same as the oracle's (`topk`)."""
     m = get_method("ctkvr")
     n_ctx = captured_2k.n_tokens - 16
     params = m.Params(ratio=ratio, list_size=math.ceil(2.5 * ratio * n_ctx))
@@ -225,11 +282,11 @@ def test_recall_on_real_qk(captured_2k, ratio, floor):
     s = rep.summary()
     print(f"ctkvr ratio={ratio}: recall={s['recall']:.4f} kv_touched={s['kv_touched']:.4f} rel_l2_err={s['rel_l2_err']:.4f}")
     assert s["recall"] >= floor
-    assert s["kv_touched"] <= ratio + 0.01
+    assert s["kv_touched"] <= (params.budget(n_ctx) + params.sink + params.window + 16) / n_ctx
 
 
 def test_gather_rows_matches_indexing_on_views():
-    from indexer.ctkvr import gather_rows
+    from indexer._select import gather_rows
 
     g = torch.Generator().manual_seed(11)
     big = torch.randn(3, 100, 8, generator=g)
@@ -241,7 +298,7 @@ def test_gather_rows_matches_indexing_on_views():
 
 
 def test_dedup_keeps_each_position_once():
-    from indexer.ctkvr import dedup_positions
+    from indexer._select import dedup_positions
 
     g = torch.Generator().manual_seed(12)
     pos = torch.randint(-1, 40, (2, 3, 200), generator=g)  # many repeats, empties, both ends of [0, 40)

@@ -137,7 +137,7 @@ def test_config_validation():
 @pytest.mark.slow
 def test_attention_metrics_against_brute_force(captured_2k):
     from decoder.fidelity import QueryTrace, attention_metrics, build_index, selection_recall, truncate_capture
-    from indexer.base import get_method
+    from indexer.base import DecodeContext, get_method
 
     cap, spec = captured_2k, captured_2k.spec
     n_q, layers = 4, [0, 7, 29]
@@ -149,8 +149,8 @@ def test_attention_metrics_against_brute_force(captured_2k):
     def run(name, **params):
         m = get_method(name)
         p = m.Params(**params)
-        session = m.open(build_index(m, p, truncate_capture(cap, n_ctx)), p, n_ctx)
-        return attention_metrics(session, p, ctx_layer, trace, recall_ratio=0.05, layers=layers)
+        planner = m.open(build_index(m, p, truncate_capture(cap, n_ctx)), p, DecodeContext(n_ctx, spec, n_q))
+        return attention_metrics(planner, p, ctx_layer, trace, recall_ratio=0.05, layers=layers)
 
     full = run("full")
     assert torch.allclose(full.recall[layers], torch.ones(3, kvh)) and torch.allclose(full.touched[layers], torch.ones(3, kvh))
@@ -168,7 +168,7 @@ def test_attention_metrics_against_brute_force(captured_2k):
             kk = max(1, round(0.05 * (p + 1)))
             keep = torch.zeros(p + 1, dtype=torch.bool)
             keep[:4] = True
-            keep[p + 1 - 64:] = True
+            keep[p + 1 - 64:] = True  # the window; it holds every request token (the frame attends those too)
             top = w.topk(kk, -1).indices
             rec += keep[top].double().mean(-1).float() / n_q
             mass += ((w * keep).sum(-1) / g).float() / n_q

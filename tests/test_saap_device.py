@@ -1,7 +1,8 @@
 """SAAP training's device choice (indexer/_saap_train.py: `TrainSettings.device`, `kmeans_torch`).
 
-The CPU tests run in CI; the GPU test is marked `gpu` (skipped without CUDA, see conftest.py) and
-runs on the device tool (benchmarks/gpu_saap_train.py runs it there). Training here uses a tiny
+The CPU tests run in CI; the GPU tests are marked `gpu` (skipped without CUDA, see conftest.py) and
+run on the device tool (benchmarks/gpu_saap_train.py runs them there). The GPU decode test checks the
+planner's CPU/GPU agreement and that its steps make no host sync. Training here uses a tiny
 random-weight Llama (`random_lm`, a byte tokenizer): it needs no model download, so the same test
 runs on a GPU machine that has no converted default model. k-means is compared with faiss on real
 keys of the default model (`captured_2k`) and on synthetic data.
@@ -218,24 +219,29 @@ def test_gpu_training_matches_cpu(tmp_path):
 
 
 @pytest.mark.gpu
-def test_gpu_decode_selects_like_cpu(tmp_path):
-    """saap's build on a GPU capture gives the CPU build's buckets; its decode path with index and
-    K/V on cuda (de-RoPE of the queries and of the request's keys, f_q, bucket expansion, the dense
-    part) selects what it selects on the CPU, and
-    the attention over the selection agrees: 40 decode steps after a 560-token context, every
-    trained layer. f_q's scores differ by float rounding, so a near-tie between two buckets may
-    flip: at least 95% of (step, layer, KV head) selections equal, the mean Jaccard >= 0.99."""
-    from decoder.attention import merge_selection, sparse_attention
+def test_gpu_decode_plans_like_cpu_without_host_sync(tmp_path):
+    """saap's build on a GPU capture gives the CPU build's buckets; its planner with index and K/V
+    on cuda (de-RoPE of the queries, f_q, bucket expansion to the fixed width, the selectivity
+    table) plans what it plans on the CPU, makes no host sync after the first step (under
+    `torch.cuda.set_sync_debug_mode("error")`), and `torch_ref` over the plan agrees: 40 decode
+    steps after a 560-token context, every trained layer. f_q's scores differ by float rounding,
+    so a near-tie between two buckets may flip: at least 95% of the (step, layer, KV head)
+    attended sets equal, the mean Jaccard >= 0.99. The selectivity stats agree (1e-3).
+    Before the plan/run redesign the same check (`select` + `merge_selection`, H100, 2026-11-22,
+    benchmarks/RESULTS_saap.md) measured equal selections in 100% of (step, layer, KV head) and an
+    output within 1.7e-07 of the CPU's; the plan/run form has not run on a GPU yet."""
+    from decoder.backends import frame_mask, get_backend
     from decoder.fidelity import truncate_capture
     from decoder.prefill import prefill
-    from indexer.base import IndexReader, KVView, get_method
+    from indexer.base import DecodeContext, IndexReader, KVView, get_method
 
     lm = random_lm()
     model_dir = train_saap(lm, settings_from("small", **TINY, device="cpu"), out_dir=tmp_path / "m", progress=False)
     cap = prefill(lm, lm.context_ids("Numbers like 12345 and words in a long line of text. " * 20)[:600])
-    n_ctx, steps, kvh, d = 560, 40, 2, 16
+    n_ctx, steps, kvh, g, d = 560, 40, 2, 3, 16
     m = get_method("saap")
     params = m.Params(nprobe=3, model_dir=str(model_dir))
+    sink, window = params.frame(n_ctx)
     ctx = truncate_capture(cap, n_ctx)
     arrays = m.build(ctx, params)
     # the build on a capture that lives on the GPU: the same buckets (float ties aside), host arrays
@@ -244,21 +250,34 @@ def test_gpu_decode_selects_like_cpu(tmp_path):
     assert all(t.device.type == "cpu" for t in on_gpu.values())
     assert float((on_gpu["assign"] == arrays["assign"]).float().mean()) >= 0.999
     torch.testing.assert_close(on_gpu["balance"], arrays["balance"], atol=0.05, rtol=0)
-    picked, outs = {}, {}
+    backend = get_backend("torch_ref")
+    picked, outs, stats = {}, {}, {}
     for dev in ("cpu", "cuda"):
-        index = IndexReader(lambda name, layer, dev=dev: arrays[name][layer].to(dev), sorted(arrays))
-        sess = m.open(index, params, n_ctx)
+        resident = {name: t.to(dev) for name, t in arrays.items()}  # the decode worker's GPU tier
+        index = IndexReader(lambda name, layer, r=resident: r[name][layer], sorted(resident))
+        planner = m.open(index, params, DecodeContext(n_ctx, lm.spec, steps))
         k, v, q = cap.k.to(dev), cap.v.to(dev), cap.q.to(dev)
-        for pos in range(n_ctx, n_ctx + steps):
+        loc_k = torch.zeros(cap.k.shape[0], kvh, steps, d, device=dev)  # a request buffer of fixed capacity
+        loc_v = torch.zeros_like(loc_k)
+        for i, pos in enumerate(range(n_ctx, n_ctx + steps)):
+            loc_k[:, :, i], loc_v[:, :, i] = k[:, :, pos], v[:, :, pos]
+            q_pos = torch.tensor([pos], device=dev)
             for layer in TINY["layers"]:
-                qq = q[layer, :, pos:pos + 1].reshape(kvh, 3, 1, d)
-                kv = KVView(k[layer, :, :n_ctx], v[layer, :, :n_ctx], k[layer, :, n_ctx:pos + 1], v[layer, :, n_ctx:pos + 1],
-                            torch.tensor([pos], device=dev))
-                idx = merge_selection(sess.select(layer, qq, kv), kv.q_pos, params.sink, params.window)
-                picked[dev, pos, layer] = [set(idx[h].flatten().tolist()) - {-1} for h in range(kvh)]
-                outs[dev, pos, layer] = sparse_attention(qq, idx, kv.ctx_k, kv.ctx_v, kv.loc_k, kv.loc_v, d ** -0.5).cpu()
-                sess.append(layer, k[layer, :, pos:pos + 1], v[layer, :, pos:pos + 1], torch.tensor([pos], device=dev))
-        sess.close()
+                qq = q[layer, :, pos:pos + 1].reshape(kvh, g, 1, d)
+                kv = KVView(k[layer, :, :n_ctx], v[layer, :, :n_ctx], loc_k[layer], loc_v[layer], q_pos)
+                if dev == "cuda" and i > 0:
+                    torch.cuda.set_sync_debug_mode("error")
+                try:
+                    plan = planner.plan(layer, qq, kv)
+                    out = backend.run(qq, kv, plan, sink, window, d ** -0.5)
+                    planner.update(layer, loc_k[layer, :, i:i + 1], loc_v[layer, :, i:i + 1], q_pos)
+                finally:
+                    torch.cuda.set_sync_debug_mode("default")
+                seen = frame_mask(plan, kv, sink, window, g).any(1)[:, 0].cpu()  # [KVH, N + M]
+                picked[dev, pos, layer] = [set(seen[h].nonzero().flatten().tolist()) for h in range(kvh)]
+                outs[dev, pos, layer] = out.cpu()
+        planner.close()
+        stats[dev] = planner.stats()
     same, jac, err = [], [], []
     for key in [x[1:] for x in picked if x[0] == "cpu"]:
         for a, b in zip(picked[("cpu", *key)], picked[("cuda", *key)]):
@@ -267,7 +286,10 @@ def test_gpu_decode_selects_like_cpu(tmp_path):
         if all(a == b for a, b in zip(picked[("cpu", *key)], picked[("cuda", *key)])):
             x, y = outs[("cuda", *key)], outs[("cpu", *key)]
             err.append(float((x - y).norm() / y.norm()))
-    print(f"equal selections {sum(same) / len(same):.4f}, mean Jaccard {sum(jac) / len(jac):.4f}, "
-          f"max rel. output error where equal {max(err):.2e}")
+    print(f"equal attended sets {sum(same) / len(same):.4f}, mean Jaccard {sum(jac) / len(jac):.4f}, "
+          f"max rel. output error where equal {max(err):.2e}, selectivity cpu {stats['cpu']['selectivity_mean']} "
+          f"cuda {stats['cuda']['selectivity_mean']}")
     assert sum(same) / len(same) >= 0.95 and sum(jac) / len(jac) >= 0.99 and max(err) < 1e-4
+    assert len(stats["cuda"]["selectivity_per_step"]) == steps
+    assert abs(stats["cuda"]["selectivity_mean"] - stats["cpu"]["selectivity_mean"]) < 1e-3
     assert 0 < sum(len(s) for s in picked[("cpu", n_ctx, 1)]) < kvh * (n_ctx + 1)  # sparse, not empty

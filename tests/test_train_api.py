@@ -175,17 +175,18 @@ def test_train_over_rest_then_register_and_ask(client, lm):
     # `open` compares the digest the index recorded with the trained model's, 409 method_unavailable
     from decoder.fidelity import build_index
     from decoder.prefill import prefill
-    from indexer.base import MethodUnavailable
+    from indexer.base import DecodeContext, MethodUnavailable
 
     saap, params = get_method("saap"), get_method("saap").Params()
     cap = prefill(lm, lm.context_ids(doc))
     index = build_index(saap, params, cap, rt.method_env)
-    saap.open(index, params, cap.n_tokens, rt.method_env)  # the model it was built with: opens
+    ctx = DecodeContext(cap.n_tokens, lm.spec, 16, rt.method_env)
+    saap.open(index, params, ctx)  # the model it was built with: opens
     ident = index.layer("model_id", 0).clone()
     ident[40] ^= 1  # another trained model's digest
     stale = type(index)(lambda name, layer: ident if name == "model_id" else index.layer(name, layer), index.names)
     with pytest.raises(MethodUnavailable, match="register it again"):
-        saap.open(stale, params, cap.n_tokens, rt.method_env)
+        saap.open(stale, params, ctx)
 
 
 def test_train_worker_trains_on_its_own_copy_of_the_model(client, monkeypatch):

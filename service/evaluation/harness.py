@@ -7,9 +7,10 @@ Per document (a fidelity document or a task sample):
    `method.build` every index the config needs, `ContextStore.publish`; if it is, build only the
    missing indexes (`add_indexes`). A data dir is reused across runs: nothing already published is
    recomputed.
-2. *decode worker path* (`ContextReader`, as `DecodeWorker._answer`): `ContextStore.open`, per-layer
-   arrays through a `DramTier`, `IndexReader` for the method's index, `method.open`, and
-   `decoder.generate` / `decoder.fidelity.teacher_forced_logits` on a `ContextKV`.
+2. *decode worker path* (`ContextReader`, as `DecodeWorker._answer`): `ContextStore.open` and
+   `decoder.pipeline.open_context` (per-layer arrays through the tiers, the method's planner, the
+   `torch_ref` backend), then `decoder.generate` / `decoder.fidelity.teacher_forced_logits`.
+   Both paths are `decoder/pipeline.py`, the code the workers run.
 
 Measurements:
 
@@ -18,13 +19,12 @@ Measurements:
   top-1 agreement and KL(full || method) per position (mean and max reported).
 * attention level (any length): the reference run records every layer's real decode queries and the
   keys/values the continuation appends. Each method run replays the first `queries` of them through a
-  fresh session (select -> sink + window + selection -> exact attention, then append, as the decoder
-  does) and is compared with exact attention, per layer and KV head: recall of the exact top-K (K =
+  fresh planner (plan -> `torch_ref` over frame ∪ plan, then update, as the decoder does) and is
+  compared with exact attention, per layer and KV head: recall of the exact top-K (K =
   `recall_ratio` of the visible tokens, the group attention mass of `indexer/topk.py`), the share
   of the exact attention mass the attended set covers, relative L2 error of the attention output vs
-  dense, and the fraction of the visible KV attended. Steps where a method computes the output
-  itself (`session.attend`, e.g. LFPS's bypass) have no token set: their recall is left out of the
-  means and counted in `custom_output_fraction`; their error and KV fraction count.
+  dense, and the fraction of the visible KV attended. LFPS's bypassed heads (which attend the frame
+  and a pseudo-token instead of the plan) are counted in `bypass_fraction`.
 * task accuracy (short lengths): RULER-style samples (`service/evaluation/tasks.py`), greedy
   `generate`, scored by RULER's substring match.
 """
@@ -49,16 +49,15 @@ from typing import Any, Literal
 import torch
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from decoder.attention import merge_selection
+from decoder.backends import frame_fraction
 from decoder.fidelity import QueryTrace, attention_metrics, fidelity, teacher_forced_logits
 from decoder.generate import ContextKV, generate
 from decoder.model import DEFAULT_MODEL
-from decoder.prefill import prefill
-from indexer.base import IndexReader, MethodParams, MethodSession, SparseMethod, get_method, method_names
+from decoder.pipeline import ContextTiers, OpenedContext, build_context, open_context
+from indexer.base import MethodParams, Planner, SparseMethod, get_method, method_names
 from service.evaluation import tasks as T
-from storage.artifacts import ContextStore, IndexArrays
+from storage.artifacts import ContextStore
 from storage.keys import PromptHash
-from storage.tier import DramTier
 
 log = logging.getLogger("ctxcache.eval")
 
@@ -220,12 +219,13 @@ class Published:
 
 
 class Artifacts:
-    """Publishes contexts into a ContextStore and opens them for decoding, like the two workers."""
+    """Publishes contexts into a ContextStore and opens them for decoding, like the two workers
+    (`decoder/pipeline.py`)."""
 
     def __init__(self, lm, store: ContextStore, *, tier_bytes: int, chunk_tokens: int, prompt_format: str = "chat"):
         self.lm = lm
         self.store = store
-        self.tier = DramTier(tier_bytes)
+        self.tiers = ContextTiers(tier_bytes)
         self.chunk_tokens = chunk_tokens
         self.prompt_format = prompt_format
 
@@ -242,107 +242,76 @@ class Artifacts:
         todo = {i: mp for i, mp in wanted.items() if i not in have}
         if reused and not todo:
             return Published(key, len(ids), True, 0.0, {}, {})
-        t0 = time.perf_counter()
-        cap = prefill(self.lm, ids, chunk_tokens=self.chunk_tokens, keep_q=bool(todo))
-        t_prefill = time.perf_counter() - t0
-        builds, failed = [], {}
-        for index_id, (method, params) in sorted(todo.items()):
-            t1 = time.perf_counter()
-            try:
-                arrays = method.build(cap, params)
-            except Exception as e:  # noqa: BLE001 - one method's broken build must not stop the comparison
-                log.exception("building %s failed", index_id)
-                failed[index_id] = f"{type(e).__name__}: {e}"[:500]
-                continue
-            builds.append(IndexArrays(method.name, method.version, params.build_params(), index_id.split("-", 1)[1],
-                                      {k: v.cpu() for k, v in arrays.items()}, time.perf_counter() - t1))
-        timings = {"prefill_s": round(t_prefill, 4), "prefill_tokens_per_s": round(len(ids) / max(t_prefill, 1e-9), 1),
-                   "index_s": {b.method: round(b.build_s, 4) for b in builds}}
-        if reused:
-            self.store.add_indexes(spec.slug, key, builds)
-        else:
-            self.store.publish(key, spec, ids, cap.k, cap.v, builds,
-                               {"timings": timings, "prompt_format": self.prompt_format, "display_name": "ctxcache eval"})
-        return Published(key, len(ids), reused, t_prefill, {b.index_id: b.build_s for b in builds}, failed)
+        res = build_context(self.lm, self.store, key, ids, todo, chunk_tokens=self.chunk_tokens, keep_going=True,
+                            manifest_extra={"prompt_format": self.prompt_format, "display_name": "ctxcache eval"})
+        for index_id, err in res.failed.items():
+            log.error("building %s failed: %s", index_id, err)
+        return Published(key, len(ids), reused, res.prefill_s, res.built, res.failed)
 
     def reader(self, key: PromptHash) -> "ContextReader":
-        return ContextReader(self.store.open(self.lm.spec.slug, key), key.hex, self.tier, spec=self.lm.spec)
+        return ContextReader(self.store.open(self.lm.spec.slug, key), key.hex, self.tiers, spec=self.lm.spec)
 
 
 class ContextReader:
-    """Decode side of one stored context (the DecodeWorker's path: artifacts -> DRAM tier -> session)."""
+    """Decode side of one stored context (the DecodeWorker's path: `decoder.pipeline.open_context`)."""
 
-    def __init__(self, art, cid: str, tier: DramTier, device: str = "cpu", spec=None):
+    def __init__(self, art, cid: str, tiers: ContextTiers, spec=None):
         self.art = art
         self.spec = spec  # index ids of methods bound to a trained model (SAAP) include its digest
         self.cid = cid
-        self.tier = tier
-        self.device = device
+        self.tiers = tiers
         self.n_tokens = art.n_tokens
 
-    def load_layer(self, name: str, layer: int) -> torch.Tensor:
-        t, _ = self.tier.get((self.cid, name, layer), lambda: self.art.read(name, layer))
-        return t
+    def open(self, method: SparseMethod, params: MethodParams, max_local: int = 1024) -> OpenedContext:
+        index_id = method.index_id(params, self.spec) if method.has_index else None
+        return open_context(self.art, self.cid, method, params, index_id, tiers=self.tiers, spec=self.spec,
+                            max_local=max_local)
 
     def context_kv(self) -> ContextKV:
-        return ContextKV(self.n_tokens, self.load_layer, self.device)
+        return self.open(get_method("full"), get_method("full").Params()).kv
 
-    def session(self, method: SparseMethod, params: MethodParams) -> MethodSession:
-        index = None
-        if method.has_index:
-            index_id = method.index_id(params, self.spec)
-            prefix = f"indexes/{index_id}/"
-            index = IndexReader(lambda name, layer: self.load_layer(prefix + name, layer).to(self.device),
-                                self.art.index_arrays(index_id))
-        return method.open(index, params, self.n_tokens)
+    def planner(self, method: SparseMethod, params: MethodParams, max_local: int = 1024) -> Planner:
+        return self.open(method, params, max_local).planner
 
 
 # ---------------------------------------------------------------------------------------------
-# Sessions observed from outside (the method never knows)
+# Planners observed from outside (the method never knows)
 
 
-class ObservedSession(MethodSession):
-    """Delegates to a method session; records the fraction of visible KV each (layer, step) attended
+class ObservedPlanner(Planner):
+    """Delegates to a method's planner; records the fraction of visible KV each (layer, step) attends
     and, when `record` is set, the queries and the appended keys/values (the reference trace)."""
 
-    def __init__(self, inner: MethodSession, params: MethodParams, record: bool = False):
+    def __init__(self, inner: Planner, params: MethodParams, n_ctx: int, record: bool = False):
         self.inner = inner
-        self.params = params
+        self.sink, self.window = params.frame(n_ctx)
         self.record = record
         self.q: dict[int, list[torch.Tensor]] = {}  # layer -> per step [KVH, G, 1, D]
         self.k: dict[int, list[torch.Tensor]] = {}  # layer -> per step [KVH, 1, D]
         self.v: dict[int, list[torch.Tensor]] = {}
         self.touched_sum = 0.0
         self.touched_n = 0
-        self._custom_frac: torch.Tensor | None = None
 
-    def attend(self, layer, q, kv):
+    def plan(self, layer, q, kv):
         if self.record:
             self.q.setdefault(layer, []).append(q.detach().clone())
-        out = self.inner.attend(layer, q, kv)
-        self._custom_frac = None if out is None else out[1]
-        if out is not None:
-            self._count(out[1])
-        return out
+        plan = self.inner.plan(layer, q, kv)
+        frac = frame_fraction(plan, kv, self.sink, self.window)
+        self.touched_sum += float(frac.double().sum())
+        self.touched_n += frac.numel()
+        return plan
 
-    def select(self, layer, q, kv):
-        sel = self.inner.select(layer, q, kv)
-        if sel is None:
-            self._count(torch.ones(q.shape[0], q.shape[2]))
-        else:
-            idx = merge_selection(sel, kv.q_pos, self.params.sink, self.params.window)
-            self._count((idx >= 0).sum(-1).double() / (kv.q_pos[None, :].double() + 1))
-        return sel
-
-    def append(self, layer, k, v, positions):
+    def update(self, layer, k, v, positions):
         if self.record:
             self.k.setdefault(layer, []).append(k.detach().clone())
             self.v.setdefault(layer, []).append(v.detach().clone())
-        self.inner.append(layer, k, v, positions)
+        self.inner.update(layer, k, v, positions)
 
-    def _count(self, frac: torch.Tensor) -> None:
-        self.touched_sum += float(frac.double().sum())
-        self.touched_n += frac.numel()
+    def stats(self) -> dict:
+        return self.inner.stats()
+
+    def close(self) -> None:
+        self.inner.close()
 
     @property
     def kv_fraction(self) -> float:
@@ -454,7 +423,7 @@ class Evaluation:
             reader = self.artifacts.reader(pub.key)
             ctx = reader.context_kv()
             t0 = time.perf_counter()
-            ref_session = ObservedSession(reader.session(full, full_params), full_params, record=True)
+            ref_session = ObservedPlanner(reader.planner(full, full_params), full_params, n, record=True)
             ref = teacher_forced_logits(self.lm, ctx, ref_session, full_params, cont)
             ref_s = time.perf_counter() - t0
             trace = ref_session.trace(n, fc.queries) if fc.queries else None
@@ -478,15 +447,19 @@ class Evaluation:
         res: dict = {"status": "ok", "method": method.name, "params": params.model_dump()}
         try:
             t0 = time.perf_counter()
-            sess = ObservedSession(reader.session(method, params), params)
+            sess = ObservedPlanner(reader.planner(method, params, len(cont)), params, reader.n_tokens)
             logits = teacher_forced_logits(self.lm, ctx, sess, params, cont)
             res.update(fidelity(ref, logits))
             res["kv_touched_decode"] = sess.kv_fraction
             res["teacher_forced_s"] = round(time.perf_counter() - t0, 3)
             if trace is not None:
                 t1 = time.perf_counter()
-                rep = attention_metrics(reader.session(method, params), params, ctx.layer, trace,
-                                        recall_ratio=self.config.fidelity.recall_ratio)
+                planner = reader.planner(method, params, trace.steps)
+                try:
+                    rep = attention_metrics(planner, params, ctx.layer, trace,
+                                            recall_ratio=self.config.fidelity.recall_ratio)
+                finally:
+                    planner.close()
                 res["attention"] = rep.summary()
                 res["attention"]["queries"] = trace.steps
                 res["attention_s"] = round(time.perf_counter() - t1, 3)
@@ -535,7 +508,8 @@ class Evaluation:
         method, params = e["method"], e["params"]
         try:
             t0 = time.perf_counter()
-            res = generate(self.lm, reader.context_kv(), reader.session(method, params), params, q_ids,
+            opened = reader.open(method, params, len(q_ids) + max_tokens)
+            res = generate(self.lm, opened.kv, opened.planner, params, q_ids, backend=opened.backend,
                            max_tokens=max_tokens, temperature=0.0)
             text = self.lm.tokenizer.decode(res.token_ids, skip_special_tokens=True)
         except Exception as ex:  # noqa: BLE001

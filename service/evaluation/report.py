@@ -49,7 +49,7 @@ def fidelity_rows(results: dict) -> list[dict]:
                     "kv_touched_decode": r["kv_touched_decode"], "top1_agreement": r["top1_agreement"],
                     "kl_mean": r["kl_mean"], "kl_max": r["kl_max"], "positions": r["positions"],
                     "kv_touched": a.get("kv_touched"), "recall": a.get("recall"), "mass_recall": a.get("mass_recall"),
-                    "rel_l2_err": a.get("rel_l2_err"), "custom": a.get("custom_output_fraction"), "k": a.get("k"),
+                    "rel_l2_err": a.get("rel_l2_err"), "bypass": a.get("bypass_fraction"), "k": a.get("k"),
                     "recall_per_layer": a.get("recall_per_layer"),
                 })
             rows.append(row)
@@ -90,8 +90,8 @@ def markdown(results: dict) -> str:
                 lines.append(f"| {r['length']} | {r['label']} | {r['status']}: {r['reason'][:80]} | | | | | | | |")
                 continue
             rec = _f(r["recall"])
-            if r.get("custom"):
-                rec += f" ({_f(r['custom'], 2, pct=True)} custom)"
+            if r.get("bypass"):
+                rec += f" ({_f(r['bypass'], 2, pct=True)} heads bypassed)"
             lines.append(f"| {r['length']} | {r['label']} | {_f(r['kv_touched'], pct=True)} | "
                          f"{_f(r['kv_touched_decode'], pct=True)} | {rec} | {_f(r['mass_recall'])} | "
                          f"{_f(r['rel_l2_err'])} | {_f(r['top1_agreement'])} | {_f(r['kl_mean'], 4)} | {_f(r['kl_max'], 3)} |")

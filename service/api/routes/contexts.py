@@ -10,6 +10,7 @@ from prometheus_client import Counter, Histogram
 from pydantic import ValidationError
 from sse_starlette.sse import EventSourceResponse
 
+from decoder.backends import backend_names
 from indexer.base import get_method, method_names
 from service.api.deps import RuntimeDep
 from service.errors import ApiError
@@ -31,8 +32,8 @@ REGISTRATIONS = Counter("ctxcache_registrations_total", "context registrations",
 COMPLETIONS = Counter("ctxcache_completions_total", "completions", ["method", "outcome"])
 TTFT = Histogram("ctxcache_ttft_seconds", "time to first token", ["cache"])
 
-_ERROR_STATUS = {"not_found": 404, "context_not_ready": 409, "method_unavailable": 409, "method_not_built": 409, "artifact_corrupt": 500, "artifact_missing": 500,
-                 "internal_error": 500}
+_ERROR_STATUS = {"not_found": 404, "context_not_ready": 409, "method_unavailable": 409, "method_not_built": 409,
+                 "unsupported_configuration": 422, "artifact_corrupt": 500, "artifact_missing": 500, "internal_error": 500}
 
 
 def _public(rec: dict, cls=ContextPublic, **extra) -> ContextPublic:
@@ -197,11 +198,15 @@ def complete(cid: str, body: CompletionRequest, rt: RuntimeDep):
     total = rec["n_tokens"] + len(q_ids) + body.max_tokens
     if total > rt.lm.spec.max_positions:
         raise ApiError(422, "too_long", f"context + question + max_tokens = {total} > {rt.lm.spec.max_positions} positions")
+    if body.backend is not None and body.backend not in backend_names():
+        raise ApiError(422, "unsupported_configuration", f"attention backend {body.backend!r} is not installed here; "
+                                                         f"available: {', '.join(backend_names())}")
     if rt.catalog.live_workers("decode") == 0:
         raise ApiError(503, "no_decode_worker", "no decode worker is running; start `ctxcache worker decode`")
     rid = rt.catalog.submit_decode({
         "id": rec["id"], "question_ids": q_ids, "max_tokens": body.max_tokens, "temperature": body.temperature,
-        "seed": body.seed, "method": method.name, "params": params.model_dump(),
+        "seed": body.seed, "method": method.name, "params": params.model_dump(), "index_id": index_id,
+        "backend": body.backend,
     })
     deadline = time.monotonic() + rt.settings.decode_timeout_seconds
     if body.stream:

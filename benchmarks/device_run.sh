@@ -1,0 +1,51 @@
+#!/usr/bin/env bash
+# One call of the device tool (a GPU machine with torch/triton/transformers but none of our other
+# dependencies): install the wheels carried in .whl/ (pydantic, faiss-cpu, zarr and their needs), run
+# the GPU tests, then the GPU benchmarks. Everything it writes lands in $OUT. Idempotent.
+#
+#   device tool: run(command="bash benchmarks/device_run.sh tests decode before_after",
+#                    carry=[".whl", ".old"])
+#   stages: tests | decode | decode512 | before_after | kernels | e2e32 | e2e128 (default: tests decode before_after)
+#   .old = the tree before the plan/run redesign (`git archive <commit> decoder indexer storage`), for
+#   the before/after decode comparison.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-benchmarks/out}
+mkdir -p "$OUT"
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+  || { echo "wheel install failed"; exit 1; }
+export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1
+stages=${*:-tests decode before_after}
+nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem --format=csv | tee "$OUT/gpu.txt"
+for stage in $stages; do
+  case $stage in
+    tests)
+      python3 -m pytest -q -p no:cacheprovider -m gpu -o addopts="" \
+        tests/test_gpu_decode.py tests/test_triton_attention.py tests/test_backends.py tests/test_pipeline.py \
+        tests/test_csattn.py tests/test_saap_device.py tests/test_runner.py tests/test_kernels_select.py \
+        tests/test_kernels_saap.py tests/test_kernels_ivf.py 2>&1 | tee "$OUT/gpu_tests.log" | tail -40
+      python3 -m pytest -q -p no:cacheprovider -o addopts="" tests/test_triton_attention.py tests/test_backends.py \
+        tests/test_kernels_select.py tests/test_kernels_saap.py tests/test_kernels_ivf.py \
+        2>&1 | tail -3 | tee -a "$OUT/gpu_tests.log" ;;
+    kernels)
+      python3 benchmarks/gpu_select.py --sweep 2>&1 | tee "$OUT/gpu_select.log" | tail -25
+      python3 benchmarks/gpu_saap_plan.py --sweep 2>&1 | tee "$OUT/gpu_saap_plan.log" | tail -25
+      [ -f benchmarks/gpu_ivf.py ] && python3 benchmarks/gpu_ivf.py 2>&1 | tee "$OUT/gpu_ivf.log" | tail -25 ;;
+    e2e32)
+      python3 benchmarks/gpu_e2e.py --lengths 32768 --batches 1 8 2>&1 | tee "$OUT/gpu_e2e_32k.log" | tail -30 ;;
+    e2e128)
+      python3 benchmarks/gpu_e2e.py --lengths 131072 --batches 1 8 --methods hf full ctkvr saap csattn 2>&1 \
+        | tee "$OUT/gpu_e2e_128k.log" | tail -30 ;;
+    decode)
+      python3 benchmarks/gpu_decode.py --lengths 32768 131072 --batches 1 8 --profile 2>&1 | tee "$OUT/gpu_decode.log" \
+        | grep -v "^  \|^    " ;;
+    decode512)
+      python3 benchmarks/gpu_decode.py --lengths 524288 --batches 1 --out "$OUT/512k" 2>&1 | tee "$OUT/gpu_decode_512k.log" \
+        | grep -v "^  \|^    " ;;
+    before_after)
+      python3 benchmarks/decode_before_after.py --impl new --device cuda --model random --n-ctx 8192 2>&1 | tail -4
+      PYTHONPATH=.old:/tmp/site python3 benchmarks/decode_before_after.py --impl old --device cuda --model random \
+        --n-ctx 8192 2>&1 | tail -4 ;;
+    *) echo "unknown stage $stage" ;;
+  esac
+done

@@ -1,0 +1,316 @@
+"""One decode step per method on a GPU: plan + run for one Llama-3.1-8B-shaped layer, against torch
+SDPA measured in the same run. Eager (host clock, synchronized) and CUDA-graph-replayed (events).
+
+    PYTHONUNBUFFERED=1 python benchmarks/gpu_decode.py --lengths 32768 131072 --batches 1 8
+    python benchmarks/gpu_decode.py --device cpu --lengths 2048 --reps 3     # smoke run of the logic
+
+Layer shape: 32 query heads, 8 KV heads (GQA group 4), head dim 128, bf16 K/V and queries, RoPE
+theta 500000. Inputs are seeded and structured so that selections mean something: per KV head,
+de-RoPE'd keys are an offset + one of 512 mixture centres (Zipf 0.8 weights) + noise, RoPE'd at
+their positions (what a capture holds); queries are drawn the same way from the same centres (so a
+query prefers the keys of its centre); values are Gaussian. The request holds 64 tokens (a static
+buffer of 64 slots), the step's query is its last one (T = 1).
+
+Per length N and method: the index is built on the GPU from a one-layer capture (SAAP: a synthetic
+trained model written in its format by tests/synthetic.py, k-means on de-RoPE'd keys + a classifier
+at random init; layer 0 is SAAP's dense layer, so SAAP's timed layer is layer 1), its
+build time is recorded next to the prefill time of that layer (SDPA causal over N + the layer's
+GEMMs at random weights), the planner is opened, and the step `backend.run(q, kv, planner.plan(...))`
+is timed with each backend (torch_ref, and triton when it is installed). Baselines in the same run:
+SDPA over all N + 64 keys, and SDPA over a contiguous 5% slice (the floor a perfect gather reaches
+at that budget with SDPA's own kernel). B = 8: eight requests on eight contexts (the same values
+copied to distinct memory), stepped one after another inside one graph; SDPA B = 8 is one batched
+call. Every step's output is checked against `torch_ref` over the same plan.
+
+Budgets (rho 5% where the method has a ratio): topk, csattn (alpha 0.1, the paper's 64-128K
+setting), kivf, lfps ratio 0.05; ctkvr at its paper operating point (k = 1024, lists 2560, probe 4);
+psa eps 0.95 with at most `--psa-max-ratio` of the blocks; saap C = 1024, nprobe 32 (~3%).
+
+Rows (JSON, $OUT/gpu_decode.json): n, batch, method, backend, mode (eager|graph), ms, sdpa_ms (full
+SDPA, same batch and mode), sdpa_slice_ms, ratio = sdpa_ms / ms (> 1: faster than dense).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import tempfile
+import time
+import traceback
+from datetime import datetime, timezone
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from benchmarks._gpu_timing import Timing, kernel_profile  # noqa: E402
+from decoder.backends import backend_names, get_backend  # noqa: E402
+from decoder.rope import apply_rope  # noqa: E402
+from indexer.base import DecodeContext, IndexReader, KVView, PrefillCapture, get_method  # noqa: E402
+
+sys.path.insert(0, str(ROOT / "tests"))
+from synthetic import Mixture, llama8b_spec, write_saap_model  # noqa: E402
+
+H, KVH, D = 32, 8, 128
+G = H // KVH
+M_LOCAL = 64
+THETA = 500000.0
+BF = torch.bfloat16
+DEV = "cuda"
+T = Timing(DEV)
+METHODS = ["streaming", "topk", "csattn", "ctkvr", "kivf", "lfps", "psa", "saap"]
+
+
+def spec(layers: int):
+    return llama8b_spec(layers)
+
+
+def make_inputs(n: int, mix: Mixture, seed: int):
+    """q [H, N + M, D], k / v [KVH, N + M, D] bf16: context then the request's tokens."""
+    g = torch.Generator(device=DEV).manual_seed(seed)
+    pos = torch.arange(n + M_LOCAL, device=DEV)
+    k = apply_rope(mix.sample(n + M_LOCAL, g), pos, THETA).to(BF)
+    q = apply_rope(mix.sample(n + M_LOCAL, g, heads=H), pos, THETA).to(BF)
+    v = torch.randn(KVH, n + M_LOCAL, D, device=DEV, generator=g).to(BF)
+    return q, k, v
+
+
+def method_params(name: str, saap_dir: Path | None, psa_max_ratio: float):
+    m = get_method(name)
+    kw = {
+        "topk": {"ratio": 0.05},
+        "csattn": {"alpha": 0.1, "rho": 0.05},
+        "ctkvr": {"k": 1024, "list_size": 2560},
+        "kivf": {"ratio": 0.05},
+        "lfps": {"ratio": 0.05},
+        "psa": {"eps": 0.95, "max_ratio": psa_max_ratio},
+        "saap": {"model_dir": str(saap_dir), "nprobe": 32},
+    }.get(name, {})
+    if name == "psa" and "max_ratio" not in m.Params.model_fields:
+        kw.pop("max_ratio")
+    return m, m.Params(**kw)
+
+
+def prefill_layer_ms(n: int) -> float:
+    """One 8B layer's prefill over n tokens at random weights: QKV/O projections, causal SDPA, MLP."""
+    hid, inter = H * D, 14336
+    x = torch.randn(n, hid, device=DEV, dtype=BF)
+    wqkv = torch.randn(hid, hid + 2 * KVH * D, device=DEV, dtype=BF) * 0.01
+    wo = torch.randn(hid, hid, device=DEV, dtype=BF) * 0.01
+    wup = torch.randn(hid, 2 * inter, device=DEV, dtype=BF) * 0.01
+    wdown = torch.randn(inter, hid, device=DEV, dtype=BF) * 0.01
+
+    def layer():
+        qkv = x @ wqkv
+        q = qkv[:, :hid].view(n, H, D).transpose(0, 1)[None]
+        k = qkv[:, hid:hid + KVH * D].view(n, KVH, D).transpose(0, 1)[None]
+        v = qkv[:, hid + KVH * D:].view(n, KVH, D).transpose(0, 1)[None]
+        o = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        h = o[0].transpose(0, 1).reshape(n, hid) @ wo
+        up = h @ wup
+        return (F.silu(up[:, :inter]) * up[:, inter:]) @ wdown
+
+    return T.cuda_ms(layer, reps=3, warmup=1)
+
+
+class Request:
+    """One request on one context: static buffers a graph can read, the planner, the backend."""
+
+    def __init__(self, ctx_k, ctx_v, loc_k, loc_v, q, arrays, method, params, layer, sp, backend):
+        self.kv = KVView(ctx_k, ctx_v, loc_k, loc_v, torch.tensor([ctx_k.shape[1] + M_LOCAL - 1], device=DEV))
+        self.q = q
+        self.layer = layer
+        reader = None if arrays is None else IndexReader(lambda nm, l: arrays[nm][l], sorted(arrays))
+        self.planner = method.open(reader, params, DecodeContext(ctx_k.shape[1], sp, M_LOCAL))
+        self.sink, self.window = params.frame(ctx_k.shape[1])
+        self.backend = backend
+        self.plan = None
+
+    def step(self):
+        self.plan = self.planner.plan(self.layer, self.q, self.kv)
+        return self.backend.run(self.q, self.kv, self.plan, self.sink, self.window, D ** -0.5)
+
+
+def ratio(num: float | None, den: float | None) -> float | None:
+    return None if num is None or den is None else num / den
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-12))
+
+
+def run_length(n: int, batches: list[int], methods: list[str], backends: list[str], reps: int, psa_max_ratio: float,
+               workdir: Path, profile: bool = False) -> tuple[list[dict], list[dict]]:
+    rows, builds = [], []
+    sp1, sp2 = spec(1), spec(2)
+    mix = Mixture(sp2, DEV, seed=0)
+    q_all, k_all, v_all = make_inputs(n, mix, seed=n)
+    saap_dir = workdir / "saap-model"
+    if "saap" in methods and not (saap_dir / "manifest.json").exists():
+        write_saap_model(saap_dir, sp2, mix, layers=[1], clusters=1024, hidden=1024, sample=65536)
+    ctx_k, ctx_v = k_all[:, :n].contiguous(), v_all[:, :n].contiguous()
+    loc_k, loc_v = k_all[:, n:].contiguous(), v_all[:, n:].contiguous()
+    q_step = q_all[:, n + M_LOCAL - 1].reshape(KVH, G, 1, D).contiguous()  # the request's last token
+    scale = D ** -0.5
+    t_prefill = prefill_layer_ms(n)
+    print(f"n={n}: prefill of one 8B layer {t_prefill:.1f} ms", flush=True)
+
+    # --- SDPA baselines, per batch size, eager and graph
+    sdpa: dict[tuple[int, str], float] = {}
+    sdpa_slice: dict[tuple[int, str], float] = {}
+    ks = max(1, int(0.05 * n))
+
+    def baselines(b: int) -> dict[str, tuple]:
+        qb = q_step.reshape(1, H, 1, D).expand(b, H, 1, D).contiguous()
+        kb = k_all[None].expand(b, -1, -1, -1).contiguous()
+        vb = v_all[None].expand(b, -1, -1, -1).contiguous()
+        kbs, vbs = kb[:, :, :ks].contiguous(), vb[:, :, :ks].contiguous()
+        full = lambda: F.scaled_dot_product_attention(qb, kb, vb, enable_gqa=True)  # noqa: E731
+        part = lambda: F.scaled_dot_product_attention(qb, kbs, vbs, enable_gqa=True)  # noqa: E731
+        return {"eager": (T.host_ms(full, reps=reps), T.host_ms(part, reps=reps)),
+                "graph": (T.graph_ms(full, reps=reps)[0], T.graph_ms(part, reps=reps)[0])}
+
+    for b in batches:
+        for mode, (t_full, t_part) in baselines(b).items():
+            sdpa[b, mode], sdpa_slice[b, mode] = t_full, t_part
+        for mode in ("eager", "graph"):
+            rows.append({"n": n, "batch": b, "method": "sdpa_full", "backend": "sdpa", "mode": mode, "ms": sdpa[b, mode],
+                         "sdpa_ms": sdpa[b, mode], "sdpa_slice_ms": sdpa_slice[b, mode], "ratio": 1.0})
+            rows.append({"n": n, "batch": b, "method": "sdpa_slice_5pct", "backend": "sdpa", "mode": mode,
+                         "ms": sdpa_slice[b, mode], "sdpa_ms": sdpa[b, mode], "sdpa_slice_ms": sdpa_slice[b, mode],
+                         "ratio": ratio(sdpa[b, mode], sdpa_slice[b, mode])})
+        torch.cuda.empty_cache() if DEV == "cuda" else None
+        print(f"  sdpa B={b}: full {sdpa[b, 'eager']:.3f} / {sdpa[b, 'graph']} ms (eager/graph), "
+              f"5% slice {sdpa_slice[b, 'eager']:.3f} / {sdpa_slice[b, 'graph']}", flush=True)
+
+    ref_backend = get_backend("torch_ref")
+    for name in methods:
+        try:
+            method, params = method_params(name, saap_dir, psa_max_ratio)
+            layers = 2 if name == "saap" else 1
+            layer = layers - 1
+            sp = sp2 if name == "saap" else sp1
+            arrays = None
+            if method.has_index:
+                cap = PrefillCapture(q=q_all[None, :, :n].expand(layers, -1, -1, -1),
+                                     k=ctx_k[None].expand(layers, -1, -1, -1), v=ctx_v[None].expand(layers, -1, -1, -1),
+                                     positions=torch.arange(n, device=DEV), spec=sp)
+                T.sync()
+                t0 = time.perf_counter()
+                arrays = {k: v.to(DEV) for k, v in method.build(cap, params).items()}
+                T.sync()
+                b_s = time.perf_counter() - t0
+                nbytes = sum(a[layer].numel() * a[layer].element_size() for a in arrays.values())
+                builds.append({"n": n, "method": name, "build_s": b_s, "prefill_layer_ms": t_prefill,
+                               "build_over_prefill": b_s * 1e3 / t_prefill, "index_bytes_per_layer": nbytes})
+                print(f"  {name}: build {b_s:.2f} s ({b_s * 1e3 / t_prefill:.1f}x the layer's prefill), "
+                      f"{nbytes / 2**20:.1f} MiB per layer", flush=True)
+            for be_name in backends:
+                be = get_backend(be_name)
+                for b in batches:
+                    reqs = []
+                    for i in range(b):  # distinct memory per request (same values)
+                        own = (lambda x: x.clone()) if i else (lambda x: x)
+                        arr_i = None if arrays is None else {k: own(v) for k, v in arrays.items()}
+                        reqs.append(Request(own(ctx_k), own(ctx_v), own(loc_k), own(loc_v), own(q_step), arr_i,
+                                            method, params, layer, sp, be))
+
+                    def step(reqs=reqs):
+                        return [r.step() for r in reqs]
+
+                    outs = step()
+                    want = ref_backend.run(reqs[0].q, reqs[0].kv, reqs[0].plan, reqs[0].sink, reqs[0].window, scale)
+                    err = rel(outs[0], want)
+                    k_plan = None if reqs[0].plan.positions is None else int(reqs[0].plan.positions.shape[-1])
+                    valid = None if k_plan is None else float((reqs[0].plan.positions >= 0).float().mean())
+                    eager = T.host_ms(step, reps=reps)
+                    graph, why = T.graph_ms(step, reps=reps)
+                    prof = None
+                    if profile and b == 1 and DEV == "cuda":
+                        try:
+                            prof = kernel_profile(step, sync=T.sync)
+                        except Exception as e:  # noqa: BLE001 - the profile is extra information only
+                            prof = {"error": f"{type(e).__name__}: {e}"[:200], "kernels_per_call": 0,
+                                    "device_us_per_call": 0.0, "top": []}
+                    for mode, ms in (("eager", eager), ("graph", graph)):
+                        rows.append({"n": n, "batch": b, "method": name, "backend": be_name, "mode": mode, "ms": ms,
+                                     "sdpa_ms": sdpa[b, mode], "sdpa_slice_ms": sdpa_slice[b, mode],
+                                     "ratio": ratio(sdpa[b, mode], ms), "plan_k": k_plan,
+                                     "plan_filled": valid, "err_vs_torch_ref": err,
+                                     "graph": why if mode == "graph" else None,
+                                     "profile": prof if mode == "graph" else None})
+                    g_txt = "not captured" if graph is None else f"{graph:.3f} ms ({ratio(sdpa[b, 'graph'], graph)}x sdpa)"
+                    if prof:
+                        print(f"    {prof['kernels_per_call']:.0f} kernels, {prof['device_us_per_call']:.1f} us of device "
+                              f"time per step; top: {prof['top'][:3]}", flush=True)
+                    print(f"  {name:9s} {be_name:9s} B={b}: eager {eager:.3f} ms ({sdpa[b, 'eager'] / eager:.2f}x sdpa), "
+                          f"graph {g_txt}, K={k_plan} filled={valid if valid is None else round(valid, 3)} err={err:.1e}"
+                          f"{'' if why == 'ok' else ' graph: ' + why}", flush=True)
+                    del reqs
+            del arrays
+            torch.cuda.empty_cache() if DEV == "cuda" else None
+        except Exception as e:  # noqa: BLE001 - one method failing must not hide the others' numbers
+            traceback.print_exc()
+            rows.append({"n": n, "method": name, "error": f"{type(e).__name__}: {str(e)[:300]}"})
+    return rows, builds
+
+
+def main() -> None:
+    global DEV
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--lengths", type=int, nargs="+", default=[32768, 131072])
+    ap.add_argument("--batches", type=int, nargs="+", default=[1])
+    ap.add_argument("--methods", nargs="+", default=METHODS)
+    ap.add_argument("--backends", nargs="+", default=None)
+    ap.add_argument("--reps", type=int, default=30)
+    ap.add_argument("--psa-max-ratio", type=float, default=0.1)
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--profile", action="store_true", help="kernels per step and the top kernels (B = 1)")
+    ap.add_argument("--out", default=os.environ.get("OUT", "benchmarks/out"))
+    a = ap.parse_args()
+    DEV = a.device
+    T.device = a.device
+    backends = a.backends or [b for b in ("torch_ref", "triton") if b in backend_names()]
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    info = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "torch": torch.__version__,
+            "device": torch.cuda.get_device_name() if DEV == "cuda" else platform.processor(),
+            "python": platform.python_version(), "backends": backends}
+    try:
+        import triton
+
+        info["triton"] = triton.__version__
+    except ImportError:
+        pass
+    print(json.dumps(info), flush=True)
+    rows, builds = [], []
+    with torch.inference_mode(), tempfile.TemporaryDirectory() as tmp:
+        for n in a.lengths:
+            r, b = run_length(n, a.batches, a.methods, backends, a.reps, a.psa_max_ratio, Path(tmp), a.profile)
+            rows += r
+            builds += b
+            (out / "gpu_decode.json").write_text(json.dumps({"info": info, "rows": rows, "builds": builds}, indent=1))
+    print("\n| n | B | method | backend | eager ms | x SDPA | graph ms | x SDPA |")
+    print("|---|---|---|---|---|---|---|---|")
+    by = {}
+    for r in rows:
+        if "error" not in r:
+            by.setdefault((r["n"], r["batch"], r["method"], r["backend"]), {})[r["mode"]] = r
+    for (n, b, m, be), d in by.items():
+        e, g = d.get("eager", {}), d.get("graph", {})
+        f = lambda x: "-" if x is None else f"{x:.3f}"  # noqa: E731
+        fr = lambda x: "-" if x is None else f"{x:.2f}"  # noqa: E731
+        print(f"| {n} | {b} | {m} | {be} | {f(e.get('ms'))} | {fr(e.get('ratio'))} | {f(g.get('ms'))} | {fr(g.get('ratio'))} |")
+    for r in rows:
+        if "error" in r:
+            print(f"ERROR n={r['n']} {r['method']}: {r['error']}")
+
+
+if __name__ == "__main__":
+    main()

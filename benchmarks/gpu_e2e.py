@@ -1,0 +1,499 @@
+"""End-to-end decode on a GPU: ms/token and tokens/s of a whole model, per method, against the HBM floor.
+
+    # on the device tool (carry .whl: pydantic, faiss-cpu, zarr, ... as benchmarks/device_run.sh installs them)
+    python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl
+    PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1 python3 benchmarks/gpu_e2e.py --lengths 32768 --batches 1 8
+    ... --lengths 131072 --batches 1 8 --methods hf full csattn ctkvr kivf
+    ... --lengths 131072 --batches 1 8 --methods saap psa lfps
+    ... --lengths 131072 --batches 8 --methods csattn ctkvr --backends offload --tokens 3
+    python benchmarks/gpu_e2e.py --device cpu --model tiny --lengths 512 --batches 1 2 --backends torch_ref offload
+                                 # CPU smoke run of every code path (tiny random model)
+
+Model: random weights of the Llama-3.1-8B shape (32 layers, hidden 4096, 32 q / 8 kv heads, d 128,
+MLP 14336, vocab 128256, untied head, RoPE theta 500000 without llama3 scaling so SAAP's
+default-RoPE check holds; the timing does not depend on it), built on the device with transformers'
+LlamaConfig in bf16 (no download), attention implementation `ctxcache`. Context: N random token ids,
+prefilled on the device by the same model (`prefill_layer_major`: layer by layer over all N tokens,
+the runner's own layer functions and flash SDPA, exact causal attention; checked against
+`decoder.prefill.prefill` at 256 tokens with --check-prefill) so the K/V are the model's own; each
+method's index is built from that capture on the device, one layer at a time (kivf's faiss k-means
+runs on the CPU at ~24 s per layer at 128K, so by default its index is built from layer 0 and served
+to every layer: same shapes and widths, `index_layers` 1 in the row; --tile-index with no names builds all).
+SAAP gets a model in its on-disk format with k-means on this model's de-RoPE'd keys and a classifier
+at random init (tests/synthetic.py's writer): C 1024, hidden 1024, nprobe 32.
+
+Rows (one per n, batch, runner, method, backend), written to $OUT/gpu_e2e.json after each one:
+* `transformers_eager`: today's path, `decoder.generate.generate` with `full` and the backend
+  (triton); B = 1 measured; the B = 8 row is derived (the decode worker serves requests one after
+  another: each request gets the B = 1 rate, so ms/token = 8 x B = 1's and tokens/s are B = 1's).
+* `runner_graph`: `decoder.runner.Runner`, B requests on the one context (each with its own
+  planner), one-token steps replayed from a CUDA graph (`graph` says what happened); ms_per_token =
+  wall time of one step (every request gets one token), tokens_per_s = B x 1000 / ms_per_token.
+* `runner_eager` (B = 1, --eager-tokens): the same runner with graphs off.
+* floor_ms: bytes one step must read / measured HBM copy bandwidth: the weights (every matrix and
+  the lm_head, not the embedding table; 15.0 GB for the 8B shape) + for each request the K/V rows it
+  attends (kv_fraction, the fraction of visible rows read, measured on the warm-up step x
+  (n + request tokens) x layers x kv heads x d x 2 (K, V) x 2 bytes). Index reads are not counted.
+  Offload rows also give pcie_floor_ms (the K/V rows over the measured pinned H2D bandwidth).
+
+Budgets as in gpu_decode.py: csattn alpha 0.1 rho 5%, ctkvr k 1024 lists 2560, kivf / lfps 5%, psa
+eps 0.95 capped at 10% of the blocks, saap nprobe 32. Question 16 tokens; 16 timed steps after
+the question, one eager warm-up step and the capture. --budget-s stops starting new measurements
+after that many seconds (rows are saved as they come), so one call survives a 10-minute limit.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+import traceback
+from datetime import datetime, timezone
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "tests"))
+
+from decoder.backends import get_backend  # noqa: E402
+from decoder.generate import ContextKV, generate  # noqa: E402
+from decoder.rope import undo_rope  # noqa: E402
+from decoder.runner import ModelWeights, Runner, apply_rope, fuse_weights, mlp, rms_norm, rope_cos_sin  # noqa: E402
+from indexer.base import DecodeContext, IndexReader, PrefillCapture, get_method  # noqa: E402
+
+MODELS = {  # name -> LlamaConfig fields
+    "llama8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+                    num_key_value_heads=8, vocab_size=128256, rope_theta=500000.0, rms_norm_eps=1e-5,
+                    tie_word_embeddings=False, max_position_embeddings=1 << 20),
+    "smollm2": dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
+                    num_key_value_heads=3, vocab_size=49152, rope_theta=100000.0, rms_norm_eps=1e-5,
+                    tie_word_embeddings=True, max_position_embeddings=1 << 20),
+    "tiny": dict(hidden_size=256, intermediate_size=512, num_hidden_layers=4, num_attention_heads=8,
+                 num_key_value_heads=2, vocab_size=1024, rope_theta=500000.0, rms_norm_eps=1e-5,
+                 tie_word_embeddings=False, max_position_embeddings=1 << 20),
+}
+METHOD_PARAMS = {  # the same operating points as benchmarks/gpu_decode.py
+    "full": {}, "topk": {"ratio": 0.05}, "streaming": {},
+    "csattn": {"alpha": 0.1, "rho": 0.05},
+    "ctkvr": {"k": 1024, "list_size": 2560},
+    "kivf": {"ratio": 0.05},
+    "lfps": {"ratio": 0.05},
+    "psa": {"eps": 0.95, "max_ratio": 0.1},
+    "saap": {"nprobe": 32},
+}
+NEEDS_Q = {"csattn", "ctkvr", "lfps"}  # builds that read the prefill queries
+
+
+def log(*a):
+    print(*a, flush=True)
+
+
+# ---------------------------------------------------------------------------------------------
+# Model, prefill, indexes
+
+
+def build_model(name: str, layers: int | None, device: str, dtype: torch.dtype):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from decoder.attention import ATTN_IMPLEMENTATION, register_attention
+    from decoder.model import LoadedModel
+    from synthetic import model_spec
+
+    register_attention()
+    fields = dict(MODELS[name])
+    if layers:
+        fields["num_hidden_layers"] = layers
+    cfg = LlamaConfig(**fields)
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = LlamaForCausalLM._from_config(cfg, attn_implementation=ATTN_IMPLEMENTATION, dtype=dtype).eval()
+    h, kvh = cfg.num_attention_heads, cfg.num_key_value_heads
+    spec = dataclasses.replace(
+        model_spec(cfg.num_hidden_layers, h, kvh, cfg.hidden_size // h, fields["rope_theta"], f"random-{name}"),
+        dtype=str(dtype).removeprefix("torch."))
+    return LoadedModel(spec=spec, tokenizer=None, model=model, eos_token_ids=())
+
+
+@torch.inference_mode()
+def prefill_layer_major(w: ModelWeights, ids: torch.Tensor, ctx_k: torch.Tensor, ctx_v: torch.Tensor,
+                        on_layer=None, chunk: int = 8192) -> None:
+    """One exact causal forward over ids [N], layer by layer: K/V (post-RoPE) into ctx_k/ctx_v
+    [L, KVH, N, D]; on_layer(layer, q [H, N, D]) sees each layer's queries. Dense parts in chunks
+    of `chunk` tokens, attention per kv head with flash SDPA over all N (is_causal)."""
+    n = ids.shape[0]
+    h, kvh, d, g = w.n_heads, w.n_kv_heads, w.head_dim, w.group
+    x = F.embedding(ids, w.embed)  # [N, C]
+    cos, sin = rope_cos_sin(torch.arange(n, device=ids.device), w.inv_freq, w.rope_scaling, x.dtype)  # [N, D]
+    q = torch.empty(h, n, d, dtype=x.dtype, device=x.device)
+    o = torch.empty(n, h * d, dtype=x.dtype, device=x.device)
+    for layer, lw in enumerate(w.layers):
+        k, v = ctx_k[layer], ctx_v[layer]  # [KVH, N, D] written in place
+        for s in range(0, n, chunk):
+            e = min(n, s + chunk)
+            qkv = F.linear(rms_norm(x[s:e], lw.ln1, w.eps), lw.wqkv, lw.bqkv)
+            qc, kc, vc = qkv.split([h * d, kvh * d, kvh * d], dim=-1)
+            q[:, s:e] = apply_rope(qc.view(-1, h, d), cos[s:e], sin[s:e]).transpose(0, 1)
+            k[:, s:e] = apply_rope(kc.view(-1, kvh, d), cos[s:e], sin[s:e]).transpose(0, 1)
+            v[:, s:e] = vc.view(-1, kvh, d).transpose(0, 1)
+        for j in range(kvh):  # q heads j*G .. j*G+G-1 read kv head j
+            kj = k[j:j + 1].expand(g, n, d).contiguous()[None]
+            vj = v[j:j + 1].expand(g, n, d).contiguous()[None]
+            out = F.scaled_dot_product_attention(q[None, j * g:(j + 1) * g], kj, vj, is_causal=True, scale=lw.scale)
+            o[:, j * g * d:(j + 1) * g * d] = out[0].transpose(0, 1).reshape(n, g * d)
+            del kj, vj, out
+        if on_layer is not None:
+            on_layer(layer, q)
+        for s in range(0, n, chunk):
+            e = min(n, s + chunk)
+            xs = x[s:e] + F.linear(o[s:e], lw.wo, lw.bo)
+            x[s:e] = xs + mlp(rms_norm(xs, lw.ln2, w.eps), lw)
+
+
+def check_prefill(lm, w: ModelWeights, device: str, n: int = 256) -> float:
+    """Relative error of prefill_layer_major's K against decoder.prefill.prefill (the HF forward)."""
+    from decoder.prefill import prefill
+
+    ids = torch.randint(0, lm.model.config.vocab_size, (n,), generator=torch.Generator().manual_seed(5))
+    ref = prefill(lm, ids.tolist(), keep_q=False).k.float()
+    k = torch.empty(len(w.layers), w.n_kv_heads, n, w.head_dim, dtype=w.embed.dtype, device=device)
+    v = torch.empty_like(k)
+    prefill_layer_major(w, ids.to(device), k, v)
+    return float((k.float().cpu() - ref).norm() / ref.norm())
+
+
+class RealKeys:
+    """What tests/synthetic.write_saap_model samples from: here the de-RoPE'd keys of the captured
+    context, one layer per call (in the order the writer asks for them)."""
+
+    def __init__(self, ctx_k: torch.Tensor, theta: float, layers: list[int]):
+        self.ctx_k, self.theta, self.device = ctx_k, theta, ctx_k.device
+        self._layers = iter(layers)
+
+    def sample(self, n: int, g: torch.Generator, heads=None) -> torch.Tensor:
+        layer = next(self._layers)
+        pos = torch.randint(0, self.ctx_k.shape[2], (n,), device=self.device, generator=g)
+        return undo_rope(self.ctx_k[layer][:, pos].float(), pos, self.theta)  # [KVH, n, D]
+
+
+def method_params(name: str, saap_dir: Path | None):
+    m = get_method(name)
+    kw = dict(METHOD_PARAMS.get(name, {}))
+    if name == "saap":
+        kw["model_dir"] = str(saap_dir)
+    for k in list(kw):
+        if k not in m.Params.model_fields:
+            kw.pop(k)
+    return m, m.Params(**kw)
+
+
+def build_index(method, params, spec, ctx_k, ctx_v, q_host, positions, tile: bool, device):
+    """Per-layer index arrays on `device` (list over layers of {name: tensor}); built one layer at
+    a time from a one-layer capture (SAAP: from all layers at once, it maps capture layer i to its
+    model's layer i). tile: layer 0's arrays for every layer."""
+    L = ctx_k.shape[0]
+    if method.name == "saap":
+        arrays = method.build(PrefillCapture(None, ctx_k, ctx_v, positions, spec), params)
+        return [{k: v[i].to(device) for k, v in arrays.items()} for i in range(L)]
+    out = []
+    for layer in range(1 if tile else L):
+        q = None if q_host is None else q_host[layer:layer + 1].to(ctx_k.device)
+        cap = PrefillCapture(q, ctx_k[layer:layer + 1], ctx_v[layer:layer + 1], positions, spec)
+        arrays = method.build(cap, params)
+        out.append({k: v[0].to(device) for k, v in arrays.items()})
+        del q, cap, arrays
+    return out * L if tile else out
+
+
+# ---------------------------------------------------------------------------------------------
+# Measurements
+
+
+class Bench:
+    def __init__(self, args, lm, w: ModelWeights, info: dict, out: Path):
+        self.a, self.lm, self.w, self.info, self.out = args, lm, w, info, out
+        self.rows: list[dict] = []
+        self.t0 = time.perf_counter()
+        self.dev = torch.device(args.device)
+
+    def sync(self):
+        if self.dev.type == "cuda":
+            torch.cuda.synchronize()
+
+    def over_budget(self) -> bool:
+        return time.perf_counter() - self.t0 > self.a.budget_s
+
+    def add(self, row: dict) -> None:
+        self.rows.append(row)
+        (self.out / "gpu_e2e.json").write_text(json.dumps({"info": self.info, "rows": self.rows}, indent=1))
+        ms, tps, fl = row.get("ms_per_token"), row.get("tokens_per_s"), row.get("floor_ms")
+        f = lambda x: "-" if x is None else f"{x:.2f}"  # noqa: E731
+        log(f"  n={row['n']} B={row['batch']} {row['runner']:18s} {row['method']:8s} {row.get('backend', ''):9s} "
+            f"{f(ms)} ms/token  {f(tps)} tok/s  floor {f(fl)} ms  {row.get('graph') or ''} {row.get('error') or ''}")
+
+    def floor(self, n: int, b: int, frac: float, local: int) -> tuple[float, float]:
+        """(HBM floor ms, K/V bytes) of one step of b requests reading `frac` of n + local rows."""
+        w = self.w
+        kv_bytes = frac * (n + local) * len(w.layers) * w.n_kv_heads * w.head_dim * 2 * w.embed.element_size() * b
+        return (self.info["weight_bytes"] + kv_bytes) / self.info["hbm_bytes_per_s"] * 1e3, kv_bytes
+
+    def questions(self, b: int, seed: int) -> list[list[int]]:
+        g = torch.Generator().manual_seed(seed)
+        return [torch.randint(0, self.w.embed.shape[0], (self.a.question,), generator=g).tolist() for _ in range(b)]
+
+    def hf(self, n: int, ctx: ContextKV, backend_name: str) -> None:
+        """transformers eager: generate() with full attention, B = 1 (and the derived serial B rows)."""
+        full = get_method("full")
+        params = full.Params()
+        be = get_backend(backend_name)
+        (q,) = self.questions(1, n)
+        k = self.a.hf_tokens
+        generate(self.lm, ctx, full.open(None, params, DecodeContext(n, self.lm.spec, len(q) + 2)), params, q,
+                 backend=be, max_tokens=2)  # warm-up: kernels of T = len(q) and T = 1
+        res = generate(self.lm, ctx, full.open(None, params, DecodeContext(n, self.lm.spec, len(q) + k)), params, q,
+                       backend=be, max_tokens=k)
+        ms = res.decode_s * 1e3 / max(len(res.token_ids) - 1, 1)
+        for b in self.a.batches:
+            fl, _ = self.floor(n, 1, 1.0, len(q) + k)
+            self.add({"n": n, "batch": b, "runner": "transformers_eager", "method": "full", "backend": backend_name,
+                      "ms_per_token": ms * b, "tokens_per_s": 1e3 / ms, "floor_ms": fl * b, "kv_fraction": 1.0,
+                      "ttft_ms": res.ttft_s * 1e3, "derived_from_b1": b != 1,
+                      "note": None if b == 1 else f"{b} requests served one after another (the decode worker today)"})
+
+    def runner(self, n: int, ctx: ContextKV, name: str, method, params, reader, backend_name: str, b: int,
+               graphs: bool, tokens: int, extra: dict) -> None:
+        be = get_backend(backend_name)
+        qs = self.questions(b, n + b)
+        max_new = tokens + 3
+        local = self.a.question + max_new
+        run = Runner(self.lm, be, self.dev, graphs=graphs, track_fraction=True)
+        for q in qs:
+            run.add(ctx, method.open(reader, params, DecodeContext(n, self.lm.spec, local)), params, q, max_new)
+        t0 = time.perf_counter()
+        run.step()  # the questions, one chunk per request
+        t_prompt = time.perf_counter() - t0
+        before = [(r.touched.clone(), r.counted) for r in run.requests.values()]
+        t0 = time.perf_counter()
+        run.step()  # eager warm-up step: kernels of T = 1 compile, lazy planner state, the K/V fraction
+        t_warm = time.perf_counter() - t0
+        fracs = [float((r.touched - t).sum()) / ((r.counted - c) * len(self.w.layers))
+                 for r, (t, c) in zip(run.requests.values(), before)]
+        frac = sum(fracs) / len(fracs)
+        run.track_fraction = False
+        t0 = time.perf_counter()
+        run.step()  # captured (graphs) or eager
+        t_first = time.perf_counter() - t0
+        first_status = run.graph_status
+        times = []
+        for _ in range(tokens):
+            self.sync()
+            t0 = time.perf_counter()
+            run.step()
+            times.append((time.perf_counter() - t0) * 1e3)
+        status = run.graph_status
+        for s in list(run.requests):
+            run.remove(s)
+        ms = statistics.median(times)
+        fl, kv_bytes = self.floor(n, b, frac, local)
+        row = {"n": n, "batch": b, "runner": "runner_graph" if graphs else "runner_eager", "method": name,
+               "backend": backend_name, "ms_per_token": ms, "tokens_per_s": b * 1e3 / ms, "floor_ms": fl,
+               "ms_mean": statistics.fmean(times), "ms_max": max(times), "steps_timed": len(times),
+               "kv_fraction": frac, "graph": status, "first_step": first_status, "prompt_ms": t_prompt * 1e3,
+               "warmup_ms": t_warm * 1e3, "capture_or_first_ms": t_first * 1e3, **extra}
+        if backend_name == "offload":
+            row["pcie_floor_ms"] = kv_bytes / self.info["h2d_bytes_per_s"] * 1e3
+        self.add(row)
+
+
+def bandwidths(device: str) -> tuple[float, float]:
+    """(device copy bytes/s counting read + write, pinned host->device bytes/s)."""
+    if device != "cuda":
+        return 20e9, 10e9  # a CPU smoke run: nominal numbers, the floors mean nothing there
+    x = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
+    y = torch.empty_like(x)
+    h = torch.empty(1 << 28, dtype=torch.uint8, pin_memory=True)
+
+    def med(fn, reps=10):
+        ts = []
+        for _ in range(reps):
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            fn()
+            b.record()
+            b.synchronize()
+            ts.append(a.elapsed_time(b) / 1e3)
+        return statistics.median(ts)
+
+    y.copy_(x)
+    hbm = 2 * x.numel() / med(lambda: y.copy_(x))
+    h2d = h.numel() / med(lambda: x[:h.numel()].copy_(h, non_blocking=True))
+    return hbm, h2d
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--lengths", type=int, nargs="+", default=[32768, 131072])
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 8])
+    ap.add_argument("--methods", nargs="+", default=["hf", "full", "csattn", "ctkvr", "kivf", "saap", "psa", "lfps"],
+                    help="'hf' = transformers eager (generate + full); the rest run in the runner")
+    ap.add_argument("--backends", nargs="+", default=None, help="default: triton on CUDA, torch_ref on CPU")
+    ap.add_argument("--offload-batches", type=int, nargs="+", default=[8], help="batches of the offload backend's rows")
+    ap.add_argument("--tokens", type=int, default=16, help="timed one-token steps per row")
+    ap.add_argument("--eager-tokens", type=int, default=4, help="timed steps of the eager runner at B = 1 (0: off)")
+    ap.add_argument("--hf-tokens", type=int, default=8)
+    ap.add_argument("--question", type=int, default=16)
+    ap.add_argument("--model", default="llama8b", choices=sorted(MODELS))
+    ap.add_argument("--layers", type=int, default=None, help="fewer layers than the model's (smoke runs)")
+    ap.add_argument("--tile-index", nargs="*", default=["kivf"], help="methods whose index is built from layer 0 only")
+    ap.add_argument("--check-prefill", type=int, default=256,
+                    help="compare the prefill with the HF one at this n (0: off)")
+    ap.add_argument("--budget-s", type=float, default=540.0, help="start no new measurement after this many seconds")
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--out", default=os.environ.get("OUT", "benchmarks/out"))
+    a = ap.parse_args()
+    torch.manual_seed(0)
+    dev = a.device
+    backends = a.backends or (["triton"] if dev == "cuda" else ["torch_ref"])
+    dtype = torch.bfloat16 if dev == "cuda" else torch.float32
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    t_start = time.perf_counter()
+    lm = build_model(a.model, a.layers, dev, dtype)
+    w = fuse_weights(lm.model)
+    hbm, h2d = bandwidths(dev)
+    info = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "torch": torch.__version__,
+            "device": torch.cuda.get_device_name() if dev == "cuda" else platform.processor(),
+            "model": a.model, "layers": len(w.layers), "dtype": str(dtype), "weight_bytes": w.read_bytes(),
+            "hbm_bytes_per_s": hbm, "h2d_bytes_per_s": h2d, "args": vars(a),
+            "model_build_s": time.perf_counter() - t_start}
+    try:
+        import triton
+
+        info["triton"] = triton.__version__
+    except ImportError:
+        pass
+    if a.check_prefill:
+        info["prefill_check_rel_err"] = check_prefill(lm, w, dev, a.check_prefill)
+    log(json.dumps(info))
+    bench = Bench(a, lm, w, info, out)
+    spec = lm.spec
+    L, kvh, d = len(w.layers), w.n_kv_heads, w.head_dim
+    with torch.inference_mode(), tempfile.TemporaryDirectory() as tmp:
+        for n in a.lengths:
+            if bench.over_budget():
+                log(f"time budget spent: n={n} not run")
+                break
+            ids = torch.randint(0, w.embed.shape[0], (n,), device=dev, generator=torch.Generator(dev).manual_seed(n))
+            ctx_k = torch.empty(L, kvh, n, d, dtype=dtype, device=dev)
+            ctx_v = torch.empty_like(ctx_k)
+            need_q = any(m in NEEDS_Q for m in a.methods)
+            q_host = torch.empty(L, w.n_heads, n, d, dtype=dtype) if need_q else None
+
+            def keep_q(layer, q, q_host=q_host):
+                if q_host is not None:
+                    q_host[layer].copy_(q)
+
+            bench.sync()
+            t0 = time.perf_counter()
+            prefill_layer_major(w, ids, ctx_k, ctx_v, keep_q)
+            bench.sync()
+            t_prefill = time.perf_counter() - t0
+            log(f"n={n}: prefill {t_prefill:.1f} s ({n / t_prefill:.0f} tokens/s)")
+            info.setdefault("prefill_s", {})[str(n)] = t_prefill
+            positions = torch.arange(n, device=dev)
+            ctx = ContextKV(n, lambda name, layer, k=ctx_k, v=ctx_v: (k if name == "kv/k" else v)[layer])
+            host_ctx = None
+            for name in a.methods:
+                per_layer = reader = None
+                if bench.over_budget():
+                    bench.add({"n": n, "batch": None, "runner": "-", "method": name, "error": "skipped: time budget"})
+                    continue
+                try:
+                    if name == "hf":
+                        for be in backends:
+                            if be != "offload":
+                                bench.hf(n, ctx, be)
+                        continue
+                    method, params = method_params(name, Path(tmp) / "saap")
+                    if name == "saap" and not (Path(tmp) / "saap" / "manifest.json").exists():
+                        from synthetic import write_saap_model
+
+                        big = a.model == "llama8b"
+                        layers = list(range(1, L))  # layer 0 stays dense (SAAP's rule)
+                        write_saap_model(Path(tmp) / "saap", spec, RealKeys(ctx_k, spec.rope_theta, layers),
+                                         layers=layers, clusters=1024 if big else 32, hidden=1024 if big else 64,
+                                         sample=65536 if big else min(n, 4096))
+                    reasons = method.validate_configuration(spec, params)
+                    if reasons:
+                        raise ValueError("; ".join(reasons))
+                    tile = name in (a.tile_index or [])
+                    bench.sync()
+                    t0 = time.perf_counter()
+                    per_layer = build_index(method, params, spec, ctx_k, ctx_v, q_host, positions, tile, dev) \
+                        if method.has_index else None
+                    bench.sync()
+                    build_s = time.perf_counter() - t0
+                    extra = {"build_s": build_s, "index_layers": 1 if tile else L, "prefill_s": t_prefill}
+                    if per_layer is not None:
+                        extra["index_bytes"] = sum(v.numel() * v.element_size() for v in per_layer[0].values()) * L
+                    log(f"  {name}: index built in {build_s:.1f} s")
+                    reader = None if per_layer is None else IndexReader(lambda nm, l, p=per_layer: p[l][nm],
+                                                                        sorted(per_layer[0]))
+                    for be in backends:
+                        if be == "offload":
+                            continue
+                        for b in a.batches:
+                            if bench.over_budget():
+                                break
+                            bench.runner(n, ctx, name, method, params, reader, be, b, True, a.tokens, extra)
+                            if b == 1 and a.eager_tokens and not bench.over_budget():
+                                bench.runner(n, ctx, name, method, params, reader, be, b, False, a.eager_tokens, extra)
+                    if "offload" in backends:
+                        if host_ctx is None:
+                            hk, hv = ctx_k.cpu(), ctx_v.cpu()
+                            host_ctx = ContextKV(n, lambda nm, layer, hk=hk, hv=hv: (hk if nm == "kv/k" else hv)[layer])
+                        host_reader = None
+                        if per_layer is not None:
+                            host_layers = [{k: v.cpu() for k, v in p.items()} for p in per_layer[:1 if tile else L]]
+                            host_layers = host_layers * L if tile else host_layers
+                            host_reader = IndexReader(lambda nm, l, p=host_layers: p[l][nm], sorted(per_layer[0]))
+                        for b in a.offload_batches:
+                            if not bench.over_budget():
+                                bench.runner(n, host_ctx, name, method, params, host_reader, "offload", b, True,
+                                             a.tokens, extra)
+                except Exception as e:  # noqa: BLE001 - one method failing must not hide the others' numbers
+                    traceback.print_exc()
+                    bench.add({"n": n, "batch": None, "runner": "-", "method": name,
+                               "error": f"{type(e).__name__}: {str(e)[:300]}"})
+                del per_layer, reader
+                if dev == "cuda":
+                    torch.cuda.empty_cache()
+            del ctx_k, ctx_v, q_host, ctx, host_ctx
+            if dev == "cuda":
+                torch.cuda.empty_cache()
+    print("\n| n | B | runner | method | backend | ms/token | tokens/s | HBM floor ms | x floor | KV fraction "
+          "| graph |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    for r in bench.rows:
+        if "error" in r:
+            continue
+        f = lambda x, p=2: "-" if x is None else f"{x:.{p}f}"  # noqa: E731
+        ratio = None if not r.get("floor_ms") else r["ms_per_token"] / r["floor_ms"]
+        print(f"| {r['n']} | {r['batch']} | {r['runner']} | {r['method']} | {r['backend']} | {f(r['ms_per_token'])} | "
+              f"{f(r['tokens_per_s'], 1)} | {f(r['floor_ms'])} | {f(ratio, 1)} | {f(r.get('kv_fraction'), 3)} | "
+              f"{r.get('graph') or ('derived' if r.get('derived_from_b1') else '')} |")
+    for r in bench.rows:
+        if "error" in r:
+            print(f"ERROR n={r['n']} {r['method']}: {r['error']}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,449 @@
+"""Split-K ("flash-decoding") attention over frame ∪ plan, for one layer and decode step.
+
+What one kv head attends, as one list of key rows (`indexer.base.frame_bounds` for s_end / w_lo):
+
+    [ sink: context rows 0..s_end-1                     valid for every query
+    | window: context rows N-Wr..N-1                    valid for query t iff row >= w_lo[t]
+    | plan: positions[h, t, :] for the block's tokens   valid for query (g, t) iff the row belongs to
+                                                        token t, s_end <= pos < w_lo[t], pos != -1,
+                                                        and not bypass[h, g, t]
+    | local: request-local slots 0..M-1 ]               valid for query t iff N + j <= q_pos[t]
+
+(a dense plan is one range: every context row, then the local slots). Wr = min(window - 1, N - s_end)
+is a static bound of the window's context part, exact because queries are request tokens
+(q_pos >= N, the `KVView` contract): the window of query t is [w_lo[t], N) with
+w_lo[t] >= N - window + 1. Nothing here reads a device value on the host: every count below is a
+Python int derived from shapes and (sink, window), so the launch sequence is fixed and capturable
+in a CUDA graph.
+
+Kernel 1 (`_split_kernel`), grid (splits, query blocks, KVH): a query block is BLOCK_M query rows
+(TB tokens x G heads, row i = token i // G, head i % G, zero-padded to a power of two >= 16: the M
+dimension of `tl.dot`, so each gathered K/V row is loaded once for the whole GQA group and every
+token of the block). The block's row list is cut into chunks of BLOCK_N rows; split s takes
+chunks [s·cps, (s+1)·cps) (every program runs cps iterations; rows past the list's end are
+masked). Per chunk: gather BLOCK_N K and V rows (each row D contiguous elements: 16-byte vector
+loads, aligned when the row stride is a multiple of 16 elements, which Triton specialises on);
+rows valid for no query of the block are not loaded (masked: -1 slots, duplicates of the frame,
+invisible local slots, which may hold garbage); scores = Q·Kᵀ (fp32 accumulate), masked per
+(query row, key row); online softmax in base 2 (running max m, sum l, acc in fp32); acc += P·V
+with P rounded to the K/V dtype (flash-attention practice; l sums the same rounded P). Writes
+the split's (acc, m, l) to a workspace.
+
+Kernel 2 (`_merge_kernel`), grid (T, G, KVH): log-sum-exp merge of the splits of one query row,
+plus the pseudo-token (rest_logit, rest_value), normalisation, store in q's dtype. When the
+launch has a single split (short row lists: streaming plans, small contexts, many query blocks)
+kernel 1 finishes the rows itself (`DIRECT`) and kernel 2 is not launched.
+
+Precision: softmax state and accumulation in fp32; fp32 inputs use `input_precision="ieee"` dots
+(no tf32), fp16/bf16 dots take fp16/bf16 operands. Error bounds, measured speed and the tuning
+knobs: NOTES.md.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from indexer.kernels import Workspaces, interpreted  # also makes Triton 3.6's interpreter work with NumPy 2.4
+
+LOG2E = 1.4426950408889634
+# initial running max: finite, so exp2(m_old - m_new) never computes inf - inf
+NEG_BIG: tl.constexpr = tl.constexpr(-1.0e30)
+SUPPORTED_HEAD_DIMS = (16, 32, 64, 128, 256)
+SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+MERGE_BLOCK_S = 32  # splits merged per iteration (fixed: a changing split count never recompiles)
+
+
+# ---------------------------------------------------------------------------------------------
+# Kernels
+
+
+# Runtime ints that vary between requests or steps are not specialised (no recompilation when the
+# context length, the plan width or the request's length changes); strides are (16-alignment).
+@triton.jit(do_not_specialize=["T", "n_ctx", "s_end", "window", "sink_rows", "win_rows", "n_pos", "n_loc",
+                               "chunks_per_split"])
+def _split_kernel(
+    Q, CK, CV, LK, LV, QPOS, POS, BYP, PACC, PML, RL, RV, OUT,
+    sq_h, sq_g, sq_t,  # q [KVH, G, T, D]
+    sck_h, sck_n, scv_h, scv_n,  # ctx_k / ctx_v [KVH, N, D]
+    slk_h, slk_n, slv_h, slv_n,  # loc_k / loc_v [KVH, M, D]
+    sp_h, sp_t, sp_k,  # positions [KVH, T, K]
+    sb_h, sb_g, sb_t,  # bypass [KVH, G, T]
+    srl_h, srl_g, srl_t, srv_h,  # rest_logit [KVH, G, T], rest_value [KVH, D] (DIRECT only)
+    so_h, so_g, so_t,  # out [KVH, G, T, D] (DIRECT only)
+    T, n_ctx, s_end, window,  # frame: sink [0, s_end); window [w_lo[t], N), w_lo from q_pos
+    sink_rows, win_rows, n_pos, n_loc,  # segment lengths (dense: sink_rows = N, win_rows = n_pos = 0)
+    chunks_per_split, qk_scale,  # qk_scale = softmax scale * log2(e)
+    G: tl.constexpr, TB: tl.constexpr, D: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    HAS_PLAN: tl.constexpr, HAS_BYPASS: tl.constexpr, HAS_REST: tl.constexpr, DIRECT: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, DOT_FP32: tl.constexpr, NUM_STAGES: tl.constexpr,
+):
+    split = tl.program_id(0)
+    qb = tl.program_id(1)
+    h = tl.program_id(2).to(tl.int64)
+    n_splits = tl.num_programs(0)
+    n_qb = tl.num_programs(1)
+
+    # --- the block's query rows: row i = (token qb·TB + i // G, head i % G)
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, D)
+    t0 = qb * TB
+    t_q = t0 + offs_m // G  # [BLOCK_M]
+    g_q = offs_m % G
+    q_ok = (offs_m < TB * G) & (t_q < T)
+    q = tl.load(Q + h * sq_h + g_q[:, None] * sq_g + t_q[:, None].to(tl.int64) * sq_t + offs_d[None, :],
+                mask=q_ok[:, None], other=0.0)
+    qpos_q = tl.load(QPOS + t_q, mask=q_ok, other=0).to(tl.int64)
+    wlo_q = tl.minimum(tl.maximum(qpos_q - window + 1, s_end), n_ctx)  # frame_bounds
+    qpos_max = tl.max(tl.where(q_ok, qpos_q, -1), axis=0)
+    wlo_min = tl.min(tl.where(q_ok, wlo_q, n_ctx), axis=0)
+    if HAS_BYPASS:
+        byp_q = tl.load(BYP + h * sb_h + g_q * sb_g + t_q * sb_t, mask=q_ok, other=0) != 0
+    else:
+        byp_q = offs_m < 0
+
+    # --- segment bounds of this block's row list
+    n_tok = tl.minimum(T - t0, TB)  # real tokens in this block
+    b1 = sink_rows
+    b2 = b1 + win_rows
+    b3 = b2 + n_tok * n_pos
+    total = b3 + n_loc
+    win_base = n_ctx - win_rows
+    n_pos_div = tl.maximum(n_pos, 1)
+
+    m_i = tl.full([BLOCK_M], NEG_BIG, tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, D], tl.float32)
+
+    # a fixed trip count (the same for every program; rows past `total` are masked, so the last
+    # split's spare iterations load nothing)
+    r0 = split * chunks_per_split * BLOCK_N
+    for c in tl.range(0, chunks_per_split, num_stages=NUM_STAGES):
+        r = r0 + c * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N] row in the block's list
+        in_sink = r < b1
+        in_win = (r >= b1) & (r < b2)
+        in_loc = (r >= b3) & (r < total)
+        ctx_row = tl.where(in_sink, r, win_base + (r - b1)).to(tl.int64)
+        row_ok = in_sink | (in_win & (ctx_row >= wlo_min))
+        if HAS_PLAN:
+            in_plan = (r >= b2) & (r < b3)
+            j = r - b2
+            tt = t0 + j // n_pos_div  # the token whose plan this row belongs to
+            pos = tl.load(POS + h * sp_h + tt.to(tl.int64) * sp_t + (j % n_pos_div) * sp_k,
+                          mask=in_plan, other=-1).to(tl.int64)
+            qpos_tt = tl.load(QPOS + tt, mask=in_plan, other=0).to(tl.int64)
+            wlo_tt = tl.minimum(tl.maximum(qpos_tt - window + 1, s_end), n_ctx)
+            plan_ok = in_plan & (pos >= s_end) & (pos < wlo_tt)  # -1, sink and window duplicates: no
+            ctx_row = tl.where(in_plan, pos, ctx_row)
+            row_ok = row_ok | plan_ok
+        loc_row = (r - b3).to(tl.int64)
+        row_ok = row_ok | (in_loc & (n_ctx + loc_row <= qpos_max))
+        ctx_row = tl.where(row_ok & ~in_loc, ctx_row, 0)
+        loc_row = tl.where(row_ok & in_loc, loc_row, 0)
+
+        k_row = tl.where(in_loc, LK + h * slk_h + loc_row * slk_n, CK + h * sck_h + ctx_row * sck_n)
+        v_row = tl.where(in_loc, LV + h * slv_h + loc_row * slv_n, CV + h * scv_h + ctx_row * scv_n)
+        k = tl.load(k_row[:, None] + offs_d[None, :], mask=row_ok[:, None], other=0.0)  # [BLOCK_N, D]
+        v = tl.load(v_row[:, None] + offs_d[None, :], mask=row_ok[:, None], other=0.0)
+
+        # which (query row, key row) pairs are attended
+        valid = in_sink[None, :] | (in_win[None, :] & (ctx_row[None, :] >= wlo_q[:, None]))
+        valid = valid | (in_loc[None, :] & (n_ctx + loc_row[None, :] <= qpos_q[:, None]))
+        if HAS_PLAN:
+            valid = valid | (plan_ok[None, :] & (tt[None, :] == t_q[:, None]) & ~byp_q[:, None])
+        valid = valid & q_ok[:, None] & row_ok[None, :]
+
+        k = k.to(q.dtype)
+        v = v.to(q.dtype)
+        if DOT_FP32:  # the interpreter's bf16 dot is wrong: fp32 operands holding the same values
+            s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
+        else:
+            s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
+        s = tl.where(valid, s * qk_scale, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        alpha = tl.math.exp2(m_i - m_new)
+        p = tl.math.exp2(s - m_new[:, None]).to(q.dtype)  # P rounded to the K/V dtype for P·V
+        l_i = l_i * alpha + tl.sum(p.to(tl.float32), axis=1)  # the sum of the same rounded P
+        if DOT_FP32:
+            pv = tl.dot(p.to(tl.float32), v.to(tl.float32), input_precision="ieee")
+        else:
+            pv = tl.dot(p, v, input_precision=DOT_PRECISION)
+        acc = acc * alpha[:, None] + pv
+        m_i = m_new
+
+    if DIRECT:  # one split: finish here (pseudo-token, normalisation) instead of in _merge_kernel
+        if HAS_REST:
+            rl = tl.load(RL + h * srl_h + g_q * srl_g + t_q * srl_t, mask=q_ok, other=float("-inf"))
+            rl = rl.to(tl.float32) * 1.4426950408889634
+            m_new = tl.maximum(m_i, rl)
+            keep = tl.math.exp2(m_i - m_new)
+            w_rest = tl.math.exp2(rl - m_new)
+            rv = tl.load(RV + h * srv_h + offs_d).to(tl.float32)
+            l_i = l_i * keep + w_rest
+            acc = acc * keep[:, None] + w_rest[:, None] * rv[None, :]
+        out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+        tl.store(OUT + h * so_h + g_q[:, None] * so_g + t_q[:, None].to(tl.int64) * so_t + offs_d[None, :],
+                 out.to(OUT.dtype.element_ty), mask=q_ok[:, None])
+    else:
+        part = (h * n_qb + qb) * n_splits + split  # [KVH, n_qb, splits, ...] workspace
+        tl.store(PACC + part * (BLOCK_M * D) + offs_m[:, None] * D + offs_d[None, :], acc)
+        tl.store(PML + part * (2 * BLOCK_M) + offs_m, m_i)
+        tl.store(PML + part * (2 * BLOCK_M) + BLOCK_M + offs_m, l_i)
+
+
+@triton.jit(do_not_specialize=["n_splits", "n_qb"])
+def _merge_kernel(
+    PACC, PML, RL, RV, OUT,
+    srl_h, srl_g, srl_t, srv_h,  # rest_logit [KVH, G, T], rest_value [KVH, D]
+    so_h, so_g, so_t,  # out [KVH, G, T, D]
+    n_splits, n_qb,
+    G: tl.constexpr, TB: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_S: tl.constexpr,
+    HAS_REST: tl.constexpr,
+):
+    t = tl.program_id(0)
+    g = tl.program_id(1)
+    h = tl.program_id(2).to(tl.int64)
+    qb = t // TB
+    row = (t % TB) * G + g  # row of the query block
+    base = (h * n_qb + qb) * n_splits
+    offs_s = tl.arange(0, BLOCK_S)
+    offs_d = tl.arange(0, D)
+
+    m_max = tl.max(tl.full([BLOCK_S], NEG_BIG, tl.float32), axis=0)
+    for s0 in range(0, n_splits, BLOCK_S):
+        sp = s0 + offs_s
+        m = tl.load(PML + (base + sp) * (2 * BLOCK_M) + row, mask=sp < n_splits, other=NEG_BIG)
+        m_max = tl.maximum(m_max, tl.max(m, axis=0))
+    l_tot = tl.sum(tl.zeros([BLOCK_S], tl.float32), axis=0)
+    acc = tl.zeros([D], tl.float32)
+    for s0 in range(0, n_splits, BLOCK_S):
+        sp = s0 + offs_s
+        ok = sp < n_splits
+        m = tl.load(PML + (base + sp) * (2 * BLOCK_M) + row, mask=ok, other=NEG_BIG)
+        l = tl.load(PML + (base + sp) * (2 * BLOCK_M) + BLOCK_M + row, mask=ok, other=0.0)
+        a = tl.load(PACC + (base + sp)[:, None] * (BLOCK_M * D) + row * D + offs_d[None, :],
+                    mask=ok[:, None], other=0.0)
+        w = tl.where(ok, tl.math.exp2(m - m_max), 0.0)
+        l_tot += tl.sum(w * l, axis=0)
+        acc += tl.sum(w[:, None] * a, axis=0)
+    if HAS_REST:  # the pseudo-token: one more key with logit rest_logit and value rest_value
+        rl = tl.load(RL + h * srl_h + g * srl_g + t * srl_t).to(tl.float32) * 1.4426950408889634
+        m_new = tl.maximum(m_max, rl)
+        keep = tl.math.exp2(m_max - m_new)
+        w_rest = tl.math.exp2(rl - m_new)
+        rv = tl.load(RV + h * srv_h + offs_d).to(tl.float32)
+        l_tot = l_tot * keep + w_rest
+        acc = acc * keep + w_rest * rv
+    out = tl.where(l_tot > 0, acc / tl.where(l_tot > 0, l_tot, 1.0), 0.0)
+    tl.store(OUT + h * so_h + g * so_g + t * so_t + offs_d, out.to(OUT.dtype.element_ty))
+
+
+# ---------------------------------------------------------------------------------------------
+# Launch configuration (host ints from shapes only)
+
+
+@dataclass(frozen=True)
+class KernelConfig:
+    """Tuning knobs. None = the defaults below (swept on an H100 at D = 128 bf16: NOTES.md)."""
+
+    block_n: int | None = None  # key rows per chunk; default 128 (64 for D = 256), halved for fp32
+    num_warps: int | None = None  # split kernel; default 4 (8 when BLOCK_M·D > 64·128)
+    num_stages: int | None = None  # pipelining of the chunk loop; default 3 (2 when a stage > 32 KiB)
+    programs_per_sm: int = 2  # split count aims at programs_per_sm · SMs programs in all
+    min_chunks_per_split: int = 2  # ... but never fewer chunks than this per program
+    splits: int | None = None  # force the split count (tests; capped at the number of chunks)
+    max_query_rows: int = 64  # BLOCK_M cap when several tokens share a block
+
+
+@dataclass(frozen=True)
+class LaunchPlan:
+    block_m: int
+    tokens_per_block: int  # TB
+    n_qb: int
+    block_n: int
+    rows: int  # row-list length of the first (longest) query block
+    splits: int
+    chunks_per_split: int
+    num_warps: int
+    num_stages: int
+
+
+_SM_COUNT: dict[int, int] = {}
+
+
+def _sm_count(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 4  # the interpreter: a few programs, so tests exercise several splits
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    if idx not in _SM_COUNT:
+        _SM_COUNT[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
+    return _SM_COUNT[idx]
+
+
+@functools.lru_cache(maxsize=1024)
+def launch_plan(kvh: int, g: int, t: int, d: int, itemsize: int, n_ctx: int, n_loc: int, n_pos: int | None,
+                sink: int, window: int, sm_count: int, cfg: KernelConfig = KernelConfig(),
+                interpreted_run: bool = False) -> LaunchPlan:
+    """Block sizes and the split count for one call, from shapes only (n_pos None = dense).
+
+    BLOCK_M = next_pow2(G·T) clamped to [16, max_query_rows] (at least next_pow2(G)), so only a few
+    BLOCK_M values (and compiled variants) exist whatever T is; 16 when the plan's rows (one token
+    each) outnumber the rows the block's tokens share (sink, window, local). The split count aims at
+    programs_per_sm · SMs programs over (KVH x query blocks x splits), with at least
+    min_chunks_per_split chunks each; every program runs the same chunks_per_split iterations."""
+    s_end = min(sink, n_ctx)
+    win_rows = min(max(window - 1, 0), n_ctx - s_end)
+    shared = n_ctx + n_loc if n_pos is None else s_end + win_rows + n_loc  # rows every token of a block uses
+    qmax = max(16, triton.next_power_of_2(cfg.max_query_rows))
+    if n_pos is not None and n_pos >= shared:
+        # plan rows dominate, and each belongs to one token: a taller block would score each of them
+        # against more query rows of other tokens (masked) while sharing little; keep the MMA minimum
+        qmax = 16
+    block_m = max(min(max(16, triton.next_power_of_2(g * t)), qmax), triton.next_power_of_2(g))
+    tb = block_m // g
+    n_qb = triton.cdiv(t, tb)
+    block_n = cfg.block_n or (128 if d <= 128 else 64)
+    if itemsize == 4 and cfg.block_n is None:
+        block_n = max(16, block_n // 2)
+    rows = shared + (0 if n_pos is None else min(t, tb) * n_pos)
+    n_chunks = max(1, triton.cdiv(rows, block_n))
+    if cfg.splits is not None:
+        splits = max(1, min(cfg.splits, n_chunks))
+    else:
+        target = cfg.programs_per_sm * sm_count
+        splits = max(1, min(triton.cdiv(target, kvh * n_qb), n_chunks // max(1, cfg.min_chunks_per_split)))
+    cps = triton.cdiv(n_chunks, splits)
+    splits = triton.cdiv(n_chunks, cps)
+    num_warps = cfg.num_warps or (8 if block_m * d > 64 * 128 else 4)
+    if cfg.num_stages:
+        num_stages = cfg.num_stages
+    elif interpreted_run:
+        num_stages = 1
+    else:  # K and V tiles of one stage: 2 · BLOCK_N · D · itemsize bytes of shared memory
+        num_stages = 3 if 2 * block_n * d * itemsize <= 32 * 1024 else 2
+    return LaunchPlan(block_m, tb, n_qb, block_n, rows, splits, cps, num_warps, num_stages)
+
+
+# Workspace for the splits' partial states (grow-only, per device and stream; see Workspaces).
+_WORKSPACES = Workspaces()
+
+
+def _workspace(device: torch.device, numel: int) -> torch.Tensor:
+    return _WORKSPACES.get(device, "attention", numel, torch.float32)
+
+
+def clear_workspace() -> None:
+    _WORKSPACES.clear()
+
+
+def _rows_contiguous(x: torch.Tensor) -> torch.Tensor:
+    """The kernels assume unit stride along D (every other stride is passed)."""
+    return x if x.stride(-1) == 1 else x.contiguous()
+
+
+def frame_attention(
+    q: torch.Tensor,  # [KVH, G, T, D]
+    ctx_k: torch.Tensor,  # [KVH, N, D], any strides with unit stride along D
+    ctx_v: torch.Tensor,
+    loc_k: torch.Tensor,  # [KVH, M, D]
+    loc_v: torch.Tensor,
+    q_pos: torch.Tensor,  # [T] int, q_pos >= N
+    positions: torch.Tensor | None,  # [KVH, T, K] int, -1 = empty; None = dense
+    sink: int,
+    window: int,
+    scale: float,
+    bypass: torch.Tensor | None = None,  # [KVH, G, T] bool
+    rest_logit: torch.Tensor | None = None,  # [KVH, G, T] fp32, -inf = none
+    rest_value: torch.Tensor | None = None,  # [KVH, D]
+    *,
+    out: torch.Tensor | None = None,  # [KVH, G, T, D] in q's dtype (allocated when None)
+    cfg: KernelConfig = KernelConfig(),
+) -> torch.Tensor:
+    """Attention of q over sink ∪ window ∪ positions ∪ visible local slots (∪ the pseudo-token);
+    see the module docstring. Two launches (one when a single split suffices), no host sync, no
+    allocation besides `out` (and the workspace when it has to grow)."""
+    kvh, g, t, d = q.shape
+    if out is not None and (out.shape != q.shape or out.dtype != q.dtype or out.stride(-1) != 1):
+        raise ValueError("out must be [KVH, G, T, D] in q's dtype with unit stride along D")
+    n_ctx, n_loc = ctx_k.shape[1], loc_k.shape[1]
+    dev = q.device
+    dtype = q.dtype
+    q = _rows_contiguous(q)
+    kv_dtype = ctx_k.dtype
+    ctx_k, ctx_v = _rows_contiguous(ctx_k), _rows_contiguous(ctx_v)
+    loc_k, loc_v = _rows_contiguous(loc_k.to(kv_dtype)), _rows_contiguous(loc_v.to(kv_dtype))
+    dense = positions is None
+    n_pos = 0 if dense else positions.shape[-1]
+    lp = launch_plan(kvh, g, t, d, q.element_size(), n_ctx, n_loc, None if dense else n_pos, sink, window,
+                     _sm_count(dev), cfg, interpreted_run=dev.type != "cuda")
+    s_end = min(sink, n_ctx)
+    if dense:
+        sink_rows, win_rows = n_ctx, 0
+    else:
+        sink_rows, win_rows = s_end, min(max(window - 1, 0), n_ctx - s_end)
+    has_plan = n_pos > 0
+    has_bypass = has_plan and bypass is not None
+    has_rest = not dense and rest_logit is not None
+    pos = positions if has_plan else q_pos  # a placeholder pointer when unused
+    byp = bypass if has_bypass else q_pos
+    direct = lp.splits == 1
+    if out is None:
+        out = torch.empty(kvh, g, t, d, dtype=dtype, device=dev)
+    rl = rest_logit if has_rest else q_pos  # placeholders when unused
+    rv = rest_value if has_rest else q_pos
+    rest_strides = (*rl.stride(), rv.stride(0)) if has_rest else (0, 0, 0, 0)
+    if direct:
+        pacc = pml = q_pos  # no workspace
+    else:
+        part = kvh * lp.n_qb * lp.splits * lp.block_m
+        ws = _workspace(dev, part * (d + 2))
+        pacc, pml = ws[: part * d], ws[part * d:]
+    _split_kernel[(lp.splits, lp.n_qb, kvh)](
+        q, ctx_k, ctx_v, loc_k, loc_v, q_pos, pos, byp, pacc, pml, rl, rv, out,
+        q.stride(0), q.stride(1), q.stride(2),
+        ctx_k.stride(0), ctx_k.stride(1), ctx_v.stride(0), ctx_v.stride(1),
+        loc_k.stride(0), loc_k.stride(1), loc_v.stride(0), loc_v.stride(1),
+        *(pos.stride() if has_plan else (0, 0, 0)),
+        *(byp.stride() if has_bypass else (0, 0, 0)),
+        *rest_strides,
+        out.stride(0), out.stride(1), out.stride(2),
+        t, n_ctx, s_end, window,
+        sink_rows, win_rows, n_pos, n_loc,
+        lp.chunks_per_split, float(scale) * LOG2E,
+        G=g, TB=lp.tokens_per_block, D=d, BLOCK_M=lp.block_m, BLOCK_N=lp.block_n,
+        HAS_PLAN=has_plan, HAS_BYPASS=has_bypass, HAS_REST=has_rest, DIRECT=direct,
+        DOT_PRECISION="ieee" if dtype == torch.float32 else "tf32",
+        DOT_FP32=interpreted() and dtype == torch.bfloat16, NUM_STAGES=lp.num_stages,
+        num_warps=lp.num_warps,
+    )
+    if not direct:
+        _merge_kernel[(t, g, kvh)](
+            pacc, pml, rl, rv, out,
+            *rest_strides,
+            out.stride(0), out.stride(1), out.stride(2),
+            lp.splits, lp.n_qb,
+            G=g, TB=lp.tokens_per_block, D=d, BLOCK_M=lp.block_m, BLOCK_S=MERGE_BLOCK_S,
+            HAS_REST=has_rest,
+            num_warps=4,
+        )
+    return out
+
+
+def unsupported(head_dim: int, dtype: torch.dtype) -> list[str]:
+    """Reasons these kernels cannot run this head_dim / dtype (empty = fine)."""
+    reasons = []
+    if head_dim not in SUPPORTED_HEAD_DIMS:
+        reasons.append(f"head_dim {head_dim} is not supported by the triton kernels "
+                       f"(powers of two in {SUPPORTED_HEAD_DIMS[0]}..{SUPPORTED_HEAD_DIMS[-1]})")
+    if dtype not in SUPPORTED_DTYPES:
+        reasons.append(f"dtype {dtype} is not supported by the triton kernels (float32, float16, bfloat16)")
+    return reasons
+
+
+__all__ = ["KernelConfig", "LaunchPlan", "frame_attention", "launch_plan", "unsupported", "interpreted",
+           "clear_workspace"]

@@ -1,0 +1,189 @@
+"""One pipeline for building and opening a context, used by the workers (`service/workers.py`) and
+by the evaluation harness (`service/evaluation/harness.py`), so both run the same code path.
+
+* `build_context`: prefill once (capture Q/K/V), build every requested index, publish the context
+  atomically (or add the indexes to an already published one).
+* `open_context`: a request's decode side: the context's K/V and the method's index arrays served
+  by the caller's tiers (`ContextTiers`: GPU > DRAM > zarr) where the attention backend reads them,
+  the method's planner, and the backend. Index ids are computed once by the caller (the API puts
+  them into the job) and passed in.
+
+Where arrays live during decode: with a GPU backend, on the GPU (loaded once per context and kept
+by the GPU tier across steps and requests); with `offload` or on a CPU worker, in DRAM.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from decoder.backends import AttentionBackend, get_backend
+from decoder.generate import ContextKV
+from decoder.prefill import prefill
+from indexer.base import DecodeContext, IndexReader, MethodEnv, MethodParams, Planner, SparseMethod
+from storage.artifacts import ContextArtifacts, ContextStore, IndexArrays
+from storage.keys import PromptHash
+from storage.tier import TensorTier
+
+
+# ---------------------------------------------------------------------------------------------
+# Build (prefill worker)
+
+
+@dataclass
+class BuildResult:
+    manifest: dict
+    prefill_s: float
+    built: dict[str, float] = field(default_factory=dict)  # index_id -> build seconds
+    failed: dict[str, str] = field(default_factory=dict)  # index_id -> error (only with keep_going)
+
+
+def build_context(
+    lm,
+    store: ContextStore,
+    key: PromptHash,
+    tokens: list[int],
+    todo: dict[str, tuple[SparseMethod, MethodParams]],
+    *,
+    env: MethodEnv | None = None,
+    chunk_tokens: int = 512,
+    progress: Callable[[float], None] | None = None,
+    on_index: Callable[[int, int], None] | None = None,
+    manifest_extra: dict | None = None,
+    keep_going: bool = False,
+) -> BuildResult:
+    """Prefill `tokens` and build the indexes in `todo` (index_id -> (method, params)); publish the
+    context, or add the indexes when it is already published. `progress(f)` reports the prefill's
+    fraction done, `on_index(i, n)` each finished index. With `keep_going`, a failing index build is
+    recorded in `failed` and the others still publish (the eval harness); without, it raises."""
+    spec = lm.spec
+    published = store.exists(spec.slug, key)
+    t0 = time.perf_counter()
+    cap = prefill(lm, tokens, chunk_tokens=chunk_tokens, keep_q=bool(todo), progress=progress)
+    t_prefill = time.perf_counter() - t0
+    builds, failed = [], {}
+    for i, (index_id, (method, params)) in enumerate(sorted(todo.items())):
+        t1 = time.perf_counter()
+        try:
+            arrays = method.build(cap, params, env)
+        except Exception as e:
+            if not keep_going:
+                raise
+            failed[index_id] = f"{type(e).__name__}: {e}"[:500]
+            continue
+        builds.append(IndexArrays(method.name, method.version, params.build_params(), index_id.split("-", 1)[1],
+                                  {k: v.cpu() for k, v in arrays.items()}, time.perf_counter() - t1))
+        if on_index is not None:
+            on_index(i + 1, len(todo))
+    timings = {"prefill_s": round(t_prefill, 4), "prefill_tokens_per_s": round(len(tokens) / max(t_prefill, 1e-9), 1),
+               "index_s": {b.method: round(b.build_s, 4) for b in builds}}
+    if published:
+        manifest = store.add_indexes(spec.slug, key, builds)
+    else:
+        manifest = store.publish(key, spec, tokens, cap.k, cap.v, builds, {"timings": timings, **(manifest_extra or {})})
+    return BuildResult(manifest, t_prefill, {b.index_id: b.build_s for b in builds}, failed)
+
+
+# ---------------------------------------------------------------------------------------------
+# Open (decode worker)
+
+
+class ContextTiers:
+    """A decode worker's memory tiers: DRAM always, GPU when it decodes on a GPU. Keys are
+    (context id, array name, layer)."""
+
+    def __init__(self, dram_bytes: int, gpu_bytes: int = 0, device: str | torch.device = "cpu"):
+        self.device = torch.device(device)
+        self.dram = TensorTier(dram_bytes, "dram")
+        self.gpu = TensorTier(gpu_bytes, "gpu") if self.device.type == "cuda" else None
+
+    def drop(self, cid: str) -> None:
+        self.dram.drop(cid)
+        if self.gpu is not None:
+            self.gpu.drop(cid)
+
+    def snapshot(self) -> list[dict]:
+        return [t.snapshot() for t in (self.dram, self.gpu) if t is not None]
+
+
+@dataclass
+class LoadStats:
+    """What one request's loads cost: seconds, hits/misses per tier, and the arrays it holds.
+
+    `held` keeps a reference to every array the request has loaded, for as long as the request
+    lives: a tier may evict an entry meanwhile, but its memory stays valid for this request (a
+    captured CUDA graph reads raw device pointers, so freeing an array under a live request would
+    make a replay read reused memory)."""
+
+    s: float = 0.0
+    hits: dict[str, int] = field(default_factory=dict)
+    misses: dict[str, int] = field(default_factory=dict)
+    held: dict[tuple[str, int], torch.Tensor] = field(default_factory=dict)
+
+    def count(self, tier: str, hit: bool) -> None:
+        d = self.hits if hit else self.misses
+        d[tier] = d.get(tier, 0) + 1
+
+
+@dataclass
+class OpenedContext:
+    kv: ContextKV
+    planner: Planner
+    backend: AttentionBackend
+    params: MethodParams
+    resident: torch.device  # where the context's K/V and index arrays are read from
+    loads: LoadStats
+    load: Callable[[str, int], torch.Tensor]  # (array name, layer) -> tensor, through the tiers
+
+
+def _loader(art: ContextArtifacts, cid: str, tiers: ContextTiers, resident: torch.device, loads: LoadStats):
+    def from_dram(name: str, layer: int) -> torch.Tensor:
+        t, hit = tiers.dram.get((cid, name, layer), lambda: art.read(name, layer))
+        loads.count("dram", hit)
+        return t
+
+    def load(name: str, layer: int) -> torch.Tensor:
+        t = loads.held.get((name, layer))
+        if t is not None:
+            return t
+        t0 = time.perf_counter()
+        if resident.type != "cuda" or tiers.gpu is None:
+            t = from_dram(name, layer)
+        else:
+            t, hit = tiers.gpu.get((cid, name, layer), lambda: from_dram(name, layer).to(resident))
+            loads.count("gpu", hit)
+        loads.held[name, layer] = t
+        loads.s += time.perf_counter() - t0
+        return t
+
+    return load
+
+
+def open_context(
+    art: ContextArtifacts,
+    cid: str,
+    method: SparseMethod,
+    params: MethodParams,
+    index_id: str | None,
+    *,
+    tiers: ContextTiers,
+    spec,
+    backend: str | AttentionBackend = "torch_ref",
+    max_local: int = 1024,
+    env: MethodEnv | None = None,
+) -> OpenedContext:
+    """The decode side of one request on a stored context. `index_id` is the method's index as the
+    API resolved it (None for index-free methods); the caller checked it exists in `art`."""
+    be = get_backend(backend) if isinstance(backend, str) else backend
+    resident = torch.device("cpu") if be.context_on_host else tiers.device
+    loads = LoadStats()
+    load = _loader(art, cid, tiers, resident, loads)
+    index = None
+    if method.has_index:
+        prefix = f"indexes/{index_id}/"
+        index = IndexReader(lambda name, layer: load(prefix + name, layer), art.index_arrays(index_id))
+    planner = method.open(index, params, DecodeContext(art.n_tokens, spec, max_local, env))
+    return OpenedContext(ContextKV(art.n_tokens, load), planner, be, params, resident, loads, load)

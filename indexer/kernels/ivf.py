@@ -1,0 +1,971 @@
+"""Fused plans of the IVF methods on a GPU: CTkvr (`indexer/ctkvr.py`, query-centroid lists) and kivf
+(`indexer/kivf.py`, key k-means clusters). A plan is 3-4 Triton launches instead of ~130 small torch
+kernels; the torch code of the planners stays the reference and the CPU path, and the planners
+dispatch here for CUDA tensors (or when a test sets `planner.fused = True`: the kernels then run
+through Triton's interpreter on CPU tensors).
+
+CTkvr, one layer and decode step (rows = KVH x T, one per KV head and query token):
+
+1. `_ctkvr_probe_kernel`, grid (ceil((C + F) / BLOCK_C), rows): cosine of each normalised query head
+   to the same head of BLOCK_C entries (persisted centroids, then the request's FIFO ring), rounded
+   to the centroids' dtype (the torch path's einsum output), max over the group, -inf for evicted /
+   empty entries; the block's `probe` best (cosine desc, entry id asc) -> a workspace. It also zeroes
+   its share of the row's dedup bitmap (one bit per context position) and writes the pending FIFO
+   push's query (the last token, unit norm, in the centroids' dtype).
+2. `_rerank_kernel`, grid (ceil(U / BLOCK_U) + 1, rows), U = probe x rho candidate slots: each
+   program merges the blocks' bests into the row's `probe` entries (a few hundred floats from L2,
+   the same merge in every program: cheaper than a launch), takes BLOCK_U slots of the concatenated
+   lists (slot u = list u // rho, item u % rho: the torch path's candidate layout), drops positions
+   outside the selectable range (sink, window) and duplicates (atomic test-and-set in the row's
+   bitmap: the first slot to set a position keeps it), loads the K row of each kept position once for
+   the whole GQA group and writes the G logits q.k / sqrt(D) (-inf where dropped) plus its partial
+   softmax state (max, sum) per head. The last program of a row does the same over the frame's rows
+   (sink, window, visible request-local slots): that is `frame_lse`.
+3. `_select_kernel`, grid (rows,): log-sum-exp per head over the parts, the group mass of every slot
+   (sum over heads of exp(logit - lse): `candidate_mass`) as an order-preserving int key (float bits
+   + 1; 0 = no candidate), and the exact top-K: bisection on the key value starting at the smallest
+   valid key, over the row's keys in scratch while they are more than a block (the undecided band is
+   compacted whenever it halves), then in registers; it stops when a probe value splits exactly K.
+   One compaction pass writes the positions. The plan row gets the top-min(k, U); the last token's
+   row also the top-rho (the FIFO push), selected inside the larger of the two sets.
+4. `update()`: `_fifo_push_kernel`, one program: the pending push into ring slot pushes % F, the
+   probe-share statistic, pushes += 1 (the torch path's 5-6 small ops).
+
+kivf: `_kivf_probe_kernel` (logits of the query heads against the C centroids + partial softmax
+state), `_kivf_clusters_kernel` (per row: the group-summed softmax, its top-nprobe by the same
+threshold search, the CSR slices of the chosen clusters with their running sizes), then
+`_rerank_kernel` with the CSR source (slot u -> the cluster holding u by binary search over the
+running sizes -> order[...]; no dedup: each key is in one cluster; slots past the probed keys load
+nothing) and `_select_kernel` as for CTkvr.
+
+Results against the torch path. Positions: the same *set* per row. Order: the torch path returns
+best first; a fused row lists its positions in candidate-slot order (probe rank, then list order),
+-1 slots last in both: no consumer depends on the order (the attention backends take positions as a
+set; a FIFO entry's list is always recalled whole), and sorting the 2560 selected per row would cost
+more than the whole selection. Ties: equal values at the k-th place are taken lowest index first
+(probe: entry id; rerank: candidate slot), which is what torch.topk does on CUDA (its gather pass
+fills the values equal to the k-th in index order) -- torch.topk on the CPU orders ties otherwise.
+Probe ties are common in bf16 (cosines rounded to bf16, like the torch path's einsum output); mass
+ties need exactly equal floats. Rounding: the same formulas in fp32 (IEEE sqrt/division for the
+normalisation, libdevice exp/log on the GPU, numpy in the interpreter; fp32 -> bf16 rounding done by
+integer arithmetic, since Triton 3.6's interpreter truncates that cast) with another summation order:
+scores differ from torch's by ~1e-7 relative, and a bf16 cosine by one ulp when its fp32 value lies
+within that of a rounding midpoint, so a selection can differ only where two values are that close
+at the k-th place. The tests check exact set equality over several steps, FIFO state included, on
+fp32 Gaussian data, bf16 structured data and deliberate ties.
+
+Bytes and flops per layer and step at the CTkvr paper point, 128K context (Llama-3.1-8B layer: KVH 8,
+G 4, D 128, bf16; C = 2048 centroids, F = 64, probe 4, rho = 2560, k = 1024, T = 1; 8 rows):
+
+| kernel | reads | writes | floor at 3 TB/s |
+|---|---|---|---|
+| probe | centroids 8 x 2112 x 4 x 128 x 2 B = 17.3 MB | bests; bitmap zeroing 8 x 16 KB | 5.8 us |
+| rerank | list ids 0.3 MB; K rows <= 8 x 10240 x 256 B = 21 MB (1) | logits 1.3 MB, positions 0.3 MB | <= 7.3 us |
+| select | logits + positions 1.6 MB (L2) | scratch (L2), plan 32 KB, push 80 KB | ~0.5 us |
+| total | ~40 MB | | ~13.5 us |
+
+(1) a duplicate or a frame position loads no row: with real lists' overlap it is less; plus the
+frame's 8 x ~100 rows. The centroids: 16.8 MB persisted + 0.5 MB of the FIFO ring.
+
+Flops are negligible (probe 8 x 2112 x 4 x 128 x 2 = 17 Mflop; rerank 8 x 10240 x 4 x 128 x 2 = 84
+Mflop, on CUDA cores as row-wise dot products). The floor is the ~38 MB of centroids and gathered K
+rows. The select is latency-bound instead: one program per row, ~15-25 bisection steps (the first few
+passes over the row's 10240 keys in L2, the rest over the band in registers), each ending in a block
+reduction; estimated ~5-8 us. The three dependent launches add ~1-2 us each in a CUDA graph.
+Estimate for the plan: ~20-25 us (probe ~6, rerank ~8, select ~6, gaps ~4); with the triton attention
+over k = 1024 + frame (~8-10 us) ~30-35 us per layer-step, against SDPA full's 228 us (the goal:
+<= ~45 us). The torch plan: ~130 kernels, ~550 us of device time. The centroids dominate the probe;
+in a benchmark that replays one layer they sit in the H100's 50 MB L2, in a real 32-layer step they
+do not (benchmarks/gpu_ivf.py rotates over layer copies for that reason).
+
+kivf at 128K (ratio 0.05: k = 6554; C = 1448 fp32 centroids, nprobe = 290 for scan 4): probe 8 x 1448
+x 128 x 4 B = 5.9 MB; rerank ~4 x k = 26K probed keys per row -> 8 x 26K x 256 B = 54 MB of K rows
+(18 us at 3 TB/s) plus W-wide logits (W = the 290 largest clusters, static); the select runs over W
+slots per row, so it is slower than CTkvr's (its working set shrinks to the valid band quickly).
+
+`CTXCACHE_FUSED_IVF=0` in the environment keeps both planners on their torch path (A/B runs of whole
+decode benchmarks); `planner.fused = False` does it for one planner.
+
+Checked without a GPU (Triton 3.6, ahead-of-time compile for sm_90 with the JIT's 16-divisibility
+specialisation of strides, default knobs, D 128 bf16): no register spills; registers per thread:
+probe 134 (4 warps), rerank 154 (4 warps), select 126 (8 warps, block 2048), push 32, kivf probe
+154, kivf clusters 106 (8 warps, block 2048). Not measured: everything about speed -- benchmarks/gpu_ivf.py times it
+(`--profile` for per-kernel device time, `--sweep` for the launch knobs of `IvfConfig`).
+
+Workspaces (grow-only, per device, stream and purpose, like `decoder/kernels/attention.py`): float32
+and int32 buffers for the probe bests, logits, partial softmax states, positions, keys, select
+scratch and the bitmap (KVH x T x ceil(N / 32) words). The bitmap is zeroed by kernel 1 of every
+plan, so a plan never depends on what an earlier (possibly interrupted) plan left there. Every
+launch size is a host int from shapes: no host sync, CUDA-graph capturable (stream order makes reuse
+safe; a graph captured on a side stream gets its own workspace; two graphs captured on one stream
+must not be replayed concurrently on different streams). Outputs (plan, pending push) are allocated
+per call, as the torch path's are: a caller may keep plans of earlier steps.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+from triton.language.extra import libdevice
+
+from indexer.kernels import Workspaces, interpreted  # also makes Triton 3.6's interpreter work with NumPy 2.4
+
+NEG_BIG: tl.constexpr = tl.constexpr(-1.0e30)  # initial running max: finite, so exp(m_old - m_new) is never nan
+INT_MAX: tl.constexpr = tl.constexpr(2147483647)
+KEY_INF: tl.constexpr = tl.constexpr(0x7F800001)  # key of mass +inf (bits + 1)
+MAX_PROBE = 64  # CTkvr entries probed per row (the merge is unrolled per pick); more: torch. kivf: any nprobe
+SUPPORTED_HEAD_DIMS = (16, 32, 64, 128, 256)
+
+
+# ---------------------------------------------------------------------------------------------
+# Shared device helpers
+
+
+@triton.jit
+def _exp(x, PRECISE: tl.constexpr):
+    if PRECISE:  # libdevice expf (~1 ulp, like torch's); tl.exp is ex2.approx on NVIDIA
+        return libdevice.exp(x)
+    else:  # the interpreter (numpy) has no libdevice
+        return tl.exp(x)
+
+
+@triton.jit
+def _log(x, PRECISE: tl.constexpr):
+    if PRECISE:
+        return libdevice.log(x)
+    else:
+        return tl.log(x)
+
+
+@triton.jit
+def _round_as(x, DT: tl.constexpr):
+    """fp32 x rounded to DT (nearest even), as fp32. bf16 by integer arithmetic, so the GPU and the
+    interpreter agree (Triton 3.6's interpreter truncates fp32 -> bf16 casts; the GPU rounds)."""
+    if DT == tl.bfloat16:
+        b = x.to(tl.int32, bitcast=True)
+        b = (b + 0x7FFF + ((b >> 16) & 1)) & -65536
+        return b.to(tl.float32, bitcast=True)
+    else:
+        return x.to(DT).to(tl.float32)
+
+
+@triton.jit
+def _lse_parts(ML, n_parts, G: tl.constexpr, G_PAD: tl.constexpr, BLOCK_S: tl.constexpr, PRECISE: tl.constexpr):
+    """ML [n_parts, G_PAD, 2] float64 (running max, sum of exp(x - max)) -> [G_PAD] fp32 log-sum-exp
+    per head. The sums are float64 so the result does not depend on how candidates fall into parts:
+    which duplicate slot survives the rerank's dedup is decided by atomics (it varies run to run),
+    and fp32 partial sums would round differently for each split, moving the masses by ulps and
+    flipping near-ties at the K-th place (a GPU run saw plans differ between two identical runs)."""
+    ar_g = tl.arange(0, G_PAD)
+    ok_g = ar_g < G
+    m_all = tl.full([G_PAD], NEG_BIG, tl.float32)
+    for c0 in range(0, n_parts, BLOCK_S):
+        sp = c0 + tl.arange(0, BLOCK_S)
+        msk = (sp < n_parts)[:, None] & ok_g[None, :]
+        m = tl.load(ML + (sp[:, None] * G_PAD + ar_g[None, :]) * 2, mask=msk, other=NEG_BIG).to(tl.float32)
+        m_all = tl.maximum(m_all, tl.max(m, 0))
+    l_all = tl.zeros([G_PAD], tl.float64)
+    for c0 in range(0, n_parts, BLOCK_S):
+        sp = c0 + tl.arange(0, BLOCK_S)
+        msk = (sp < n_parts)[:, None] & ok_g[None, :]
+        m = tl.load(ML + (sp[:, None] * G_PAD + ar_g[None, :]) * 2, mask=msk, other=NEG_BIG).to(tl.float32)
+        lv = tl.load(ML + (sp[:, None] * G_PAD + ar_g[None, :]) * 2 + 1, mask=msk, other=0.0)
+        l_all += tl.sum(lv * _exp(m - m_all[None, :], PRECISE).to(tl.float64), 0)
+    l32 = l_all.to(tl.float32)
+    has = l32 > 0  # padded heads (G < G_PAD) and empty parts: -inf, without log(0)
+    return tl.where(has, m_all + _log(tl.where(has, l32, 1.0), PRECISE), float("-inf"))
+
+
+@triton.jit
+def _kth_largest(BUF, full_off, ping_off, pong_off, n, K, key_lo, n_ge_lo, key_hi, BLOCK: tl.constexpr):
+    """Threshold of the top-K of the int keys BUF[full_off : full_off + n], all < key_hi, with
+    n_ge_lo of them >= key_lo (callers pass the smallest valid key, or 0 and n): returns (thr, take)
+    such that the top-K is every key > thr plus the first `take` keys == thr (array order).
+
+    Bisection on the key value. Phase A, while the working set is larger than BLOCK: each step is a
+    pass over the working set in global scratch (L1/L2), and once the undecided band [lo, hi) holds at
+    most half of it, or fits in a block, the band is compacted into the ping/pong region (n ints
+    each; a debug_barrier orders the compaction's stores before other threads read them). Phase B:
+    the band is loaded into registers once and the steps go on there. Stops early when a probe value
+    splits exactly K."""
+    lo = key_lo  # count(key >= lo) >= K
+    hi = key_hi  # count(key >= hi) == c_hi < K
+    c_hi = n * 0
+    n_band = n_ge_lo  # keys in [lo, hi)
+    cur = full_off
+    cur_n = n
+    done = (K >= n_ge_lo).to(tl.int32)  # K >= n: everything; K == n_ge_lo: every key >= key_lo
+    ar = tl.arange(0, BLOCK)
+    while (hi - lo > 1) & (done == 0) & (cur_n > BLOCK):
+        mid = lo + (hi - lo) // 2
+        c_mid = n * 0  # working-set keys in [mid, hi)
+        for c0 in range(0, cur_n, BLOCK):
+            o = c0 + ar
+            key = tl.load(BUF + cur + o, mask=o < cur_n, other=-1)
+            c_mid += tl.sum(((key >= mid) & (key < hi)).to(tl.int32), 0)
+        cnt = c_hi + c_mid
+        if cnt >= K:
+            lo = mid
+            n_band = c_mid
+            done = (cnt == K).to(tl.int32)
+        else:
+            hi = mid
+            c_hi = cnt
+            n_band = n_band - c_mid
+        if ((n_band * 2 <= cur_n) | (n_band <= BLOCK)) & (done == 0):
+            dst = tl.where(cur == ping_off, pong_off, ping_off)
+            base = n * 0
+            for c0 in range(0, cur_n, BLOCK):
+                o = c0 + ar
+                key = tl.load(BUF + cur + o, mask=o < cur_n, other=-1)
+                keep = (key >= lo) & (key < hi) & (o < cur_n)
+                at = base + tl.cumsum(keep.to(tl.int32), 0) - 1
+                tl.store(BUF + dst + at, key, mask=keep)
+                base += tl.sum(keep.to(tl.int32), 0)
+            tl.debug_barrier()
+            cur = dst
+            cur_n = base
+    reg = tl.load(BUF + cur + ar, mask=ar < cur_n, other=-1)  # phase B: the band (or all n) in registers
+    while (hi - lo > 1) & (done == 0):
+        mid = lo + (hi - lo) // 2
+        cnt = c_hi + tl.sum(((reg >= mid) & (reg < hi)).to(tl.int32), 0)
+        if cnt >= K:
+            lo = mid
+            done = (cnt == K).to(tl.int32)
+        else:
+            hi = mid
+            c_hi = cnt
+    if K >= n:
+        thr = lo * 0 - 1
+        take = lo * 0
+    elif done != 0:  # keys >= lo are exactly K
+        thr = lo - 1
+        take = lo * 0
+    else:  # hi == lo + 1: lo is the K-th largest key; c_hi keys are above it
+        thr = lo
+        take = K - c_hi
+    return thr, take
+
+
+@triton.jit
+def _top_threshold(ROW, n, K, key_min, n_valid, key_hi, BLOCK: tl.constexpr):
+    """`_kth_largest` over a row's keys ROW[0:n] (scratch layout [keys | ping | pong]) when the
+    smallest valid key and the count of valid keys (> 0) are known: fewer valid keys than K select
+    them all (the ties at 0 are the invalid slots, emitted as -1); else the bisection starts at the
+    smallest valid key, skipping the empty range below it."""
+    if n_valid < K:
+        thr = n * 0
+        take = K - n_valid
+    else:
+        thr, take = _kth_largest(ROW, 0, n, 2 * n, n, K, key_min, n_valid, key_hi, BLOCK)
+    return thr, take
+
+
+@triton.jit
+def _emit(KEYS, POS, n, thr, take, K, OUT, SUBK, SUBP, WRITE_SUB: tl.constexpr, BLOCK: tl.constexpr):
+    """Write the selection (thr, take) of keys KEYS[0:n] as positions POS[...] into OUT[0:K]: valid
+    keys (> 0) packed first in array order, -1 after. WRITE_SUB: also their keys / positions into
+    SUBK / SUBP (0 / -1 after), the input of a nested selection."""
+    ar = tl.arange(0, BLOCK)
+    base = n * 0
+    eq_base = n * 0
+    for c0 in range(0, n, BLOCK):
+        o = c0 + ar
+        inn = o < n
+        key = tl.load(KEYS + o, mask=inn, other=-1)
+        eq = (key == thr) & inn
+        eq_rank = eq_base + tl.cumsum(eq.to(tl.int32), 0) - 1
+        w = ((key > thr) | (eq & (eq_rank < take))) & (key > 0) & inn
+        at = base + tl.cumsum(w.to(tl.int32), 0) - 1
+        pos = tl.load(POS + o, mask=w, other=-1)
+        tl.store(OUT + at, pos, mask=w)
+        if WRITE_SUB:
+            tl.store(SUBK + at, key, mask=w)
+            tl.store(SUBP + at, pos, mask=w)
+        base += tl.sum(w.to(tl.int32), 0)
+        eq_base += tl.sum(eq.to(tl.int32), 0)
+    for c0 in range(base, K, BLOCK):
+        o = c0 + ar
+        tl.store(OUT + o, tl.full([BLOCK], -1, tl.int32), mask=o < K)
+        if WRITE_SUB:
+            tl.store(SUBK + o, tl.zeros([BLOCK], tl.int32), mask=o < K)
+            tl.store(SUBP + o, tl.full([BLOCK], -1, tl.int32), mask=o < K)
+
+
+@triton.jit
+def _pick_next(v, i, pv, pi):
+    """The best (value desc, id asc) of (v, i) strictly after (pv, pi) in that order ->
+    (value, id); (-inf, INT_MAX) when none is left."""
+    elig = (v < pv) | ((v == pv) & (i > pi))
+    m = tl.max(tl.where(elig, v, float("-inf")), 0)
+    pick = tl.min(tl.where(elig & (v == m), i, INT_MAX), 0)
+    return m, pick
+
+
+@triton.jit
+def _merge_probe(TOPV, TOPI, base, n_top, P: tl.constexpr, P_PAD: tl.constexpr, BLOCK_T: tl.constexpr):
+    """The P best entries of a row from the blocks' bests (n_top = blocks x P_PAD pairs, the first P
+    of each block valid) -> [P_PAD] entry ids in rank order (INT_MAX after P)."""
+    o = tl.arange(0, BLOCK_T)
+    ok = (o < n_top) & ((o % P_PAD) < P)
+    v = tl.load(TOPV + base + o, mask=ok, other=float("-inf"))
+    i = tl.load(TOPI + base + o, mask=ok, other=INT_MAX)
+    ar = tl.arange(0, P_PAD)
+    sel = tl.full([P_PAD], INT_MAX, tl.int32)
+    pv = float("inf")
+    pi = -1
+    for j in tl.static_range(P):
+        pv, pi = _pick_next(v, i, pv, pi)
+        sel = tl.where(ar == j, pi, sel)
+    return sel
+
+
+# ---------------------------------------------------------------------------------------------
+# CTkvr probe
+
+
+@triton.jit(do_not_specialize=["T", "C", "F", "n_blocks", "NW", "words_per_prog"])
+def _ctkvr_probe_kernel(
+    Q, CENT, FCENT, PUSHES, TOPV, TOPI, PQ, BITMAP,
+    sq_h, sq_g, sq_t,  # q [KVH, G, T, D]
+    sc_h, sc_c, sc_g,  # centroids [KVH, C, G, D]
+    sf_h, sf_c, sf_g,  # FIFO centroids [KVH, F, G, D]
+    spq_h, spq_g,  # pending query [KVH, G, D]
+    T, C, F, n_blocks, NW, words_per_prog,
+    G: tl.constexpr, D: tl.constexpr, BLOCK_C: tl.constexpr, P: tl.constexpr, P_PAD: tl.constexpr,
+    HAS_FIFO: tl.constexpr, DEDUP: tl.constexpr, BLOCK_Z: tl.constexpr,
+):
+    s = tl.program_id(0)
+    r = tl.program_id(1)
+    h = (r // T).to(tl.int64)
+    t = r % T
+    offs_d = tl.arange(0, D)
+    e = s * BLOCK_C + tl.arange(0, BLOCK_C)  # entry ids: [0, C) persisted, [C, C + F) the FIFO ring
+    is_p = e < C
+    if HAS_FIFO:
+        live = tl.minimum(tl.load(PUSHES), F).to(tl.int32)  # pushes so far, capped at the ring size
+        is_f = (e >= C) & (e < C + F)
+        alive = (is_p & (e >= live)) | (is_f & (e - C < live))  # the first `live` persisted are evicted
+    else:
+        is_f = e < 0
+        alive = is_p
+    write_q = (s == 0) & (t == T - 1)
+    best = tl.full([BLOCK_C], float("-inf"), tl.float32)
+    for g in tl.static_range(G):
+        qv = tl.load(Q + h * sq_h + g * sq_g + t * sq_t + offs_d).to(tl.float32)
+        qn = tl.div_rn(qv, tl.maximum(tl.sqrt_rn(tl.sum(qv * qv, 0)), 1e-12))  # F.normalize(q.float()), IEEE ops
+        qf = _round_as(qn, CENT.dtype.element_ty)  # ... .to(centroid dtype), as the torch path
+        if HAS_FIFO:
+            tl.store(PQ + h * spq_h + g * spq_g + offs_d, qf.to(PQ.dtype.element_ty), mask=write_q & (offs_d < D))
+        ptr = CENT + h * sc_h + e[:, None].to(tl.int64) * sc_c + g * sc_g + offs_d[None, :]
+        if HAS_FIFO:  # one load per element from either table (same dtype), not two tiles
+            ptr = tl.where(is_f[:, None], FCENT + h * sf_h + (e - C)[:, None].to(tl.int64) * sf_c + g * sf_g
+                           + offs_d[None, :], ptr)
+        ce = tl.load(ptr, mask=(is_p | is_f)[:, None], other=0.0).to(tl.float32)
+        cos = tl.sum(ce * qf[None, :], 1)
+        cos = _round_as(cos, CENT.dtype.element_ty)  # the einsum's output dtype (bf16 rounds)
+        best = tl.maximum(best, cos)
+    v = tl.where(alive, best, float("-inf"))
+    base = (r * n_blocks + s) * P_PAD
+    pv = float("inf")
+    pi = -1
+    for j in tl.static_range(P):
+        pv, pi = _pick_next(v, e, pv, pi)
+        tl.store(TOPV + base + j, pv)
+        tl.store(TOPI + base + j, pi)
+    if DEDUP:  # zero this block's share of the row's bitmap (kernel 2 sets bits)
+        w0 = s * words_per_prog
+        for c0 in range(0, words_per_prog, BLOCK_Z):
+            o = w0 + c0 + tl.arange(0, BLOCK_Z)
+            tl.store(BITMAP + r.to(tl.int64) * NW + o, tl.zeros([BLOCK_Z], tl.int32),
+                     mask=(o < NW) & (o < w0 + words_per_prog))
+
+
+# ---------------------------------------------------------------------------------------------
+# kivf probe
+
+
+@triton.jit(do_not_specialize=["T", "C", "n_blocks"])
+def _kivf_probe_kernel(
+    Q, CENT, PL, PML,
+    sq_h, sq_g, sq_t,  # q [KVH, G, T, D]
+    sc_h, sc_c,  # centroids [KVH, C, D] fp32
+    T, C, n_blocks, qk_scale,
+    G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, BLOCK_C: tl.constexpr, PRECISE: tl.constexpr,
+):
+    """Logits q.c / sqrt(D) of a block of centroids for the G heads of one row -> PL [rows, G, C],
+    and the block's softmax state per head -> PML [rows, n_blocks, G_PAD, 2]."""
+    s = tl.program_id(0)
+    r = tl.program_id(1)
+    h = (r // T).to(tl.int64)
+    t = r % T
+    offs_d = tl.arange(0, D)
+    c = s * BLOCK_C + tl.arange(0, BLOCK_C)
+    ok = c < C
+    ce = tl.load(CENT + h * sc_h + c[:, None].to(tl.int64) * sc_c + offs_d[None, :], mask=ok[:, None],
+                 other=0.0).to(tl.float32)
+    ar_g = tl.arange(0, G_PAD)
+    m_v = tl.full([G_PAD], NEG_BIG, tl.float32)
+    l_v = tl.zeros([G_PAD], tl.float64)
+    for g in tl.static_range(G):
+        qv = tl.load(Q + h * sq_h + g * sq_g + t * sq_t + offs_d).to(tl.float32)
+        lg = tl.sum(ce * qv[None, :], 1) * qk_scale
+        tl.store(PL + (r.to(tl.int64) * G + g) * C + c, lg, mask=ok)
+        lg = tl.where(ok, lg, float("-inf"))
+        m = tl.maximum(tl.max(lg, 0), NEG_BIG)
+        lsum = tl.sum(_exp(lg - m, PRECISE).to(tl.float64), 0)
+        m_v = tl.where(ar_g == g, m, m_v)
+        l_v = tl.where(ar_g == g, lsum, l_v)
+    at = ((r * n_blocks + s) * G_PAD + ar_g) * 2
+    tl.store(PML + at, m_v.to(tl.float64))
+    tl.store(PML + at + 1, l_v)
+
+
+@triton.jit(do_not_specialize=["C", "n_blocks"])
+def _kivf_clusters_kernel(
+    PL, PML, OFFSETS, SCR, SEL_START, SEL_CUM,
+    so_h, T, C, n_blocks, scr_row, P,
+    G: tl.constexpr, G_PAD: tl.constexpr, P_PAD: tl.constexpr, BLOCK: tl.constexpr, BLOCK_S: tl.constexpr,
+    PRECISE: tl.constexpr,
+):
+    """Per row: the group-summed softmax over the C centroids, its top-P clusters (in id order), and
+    their CSR slices: SEL_START [rows, P_PAD] = offsets[c], SEL_CUM [rows, P_PAD + 1] = exclusive
+    running size (SEL_CUM[P] = keys in all P clusters)."""
+    r = tl.program_id(0).to(tl.int64)
+    h = r // T
+    lse = _lse_parts(PML + r * n_blocks * G_PAD * 2, n_blocks, G, G_PAD, BLOCK_S, PRECISE)
+    ar_g = tl.arange(0, G_PAD)
+    ar = tl.arange(0, BLOCK)
+    row = SCR + r * scr_row
+    key_max = C * 0
+    for c0 in range(0, C, BLOCK):
+        c = c0 + ar
+        ok = c < C
+        score = tl.zeros([BLOCK], tl.float32)
+        for g in tl.static_range(G):
+            lse_g = tl.sum(tl.where(ar_g == g, lse, 0.0), 0)
+            lg = tl.load(PL + (r * G + g) * C + c, mask=ok, other=float("-inf"))
+            score += _exp(lg - lse_g, PRECISE)
+        key = tl.where(ok & (score == score), tl.minimum(score.to(tl.int32, bitcast=True) + 1, KEY_INF), 0)
+        tl.store(row + c, key, mask=ok)
+        key_max = tl.maximum(key_max, tl.max(key, 0))
+    tl.debug_barrier()
+    thr, take = _kth_largest(row, 0, C, 2 * C, C, P, 0, C, key_max + 1, BLOCK)
+    base = C * 0
+    cum = C * 0
+    eq_base = C * 0
+    for c0 in range(0, C, BLOCK):
+        c = c0 + ar
+        inn = c < C
+        key = tl.load(row + c, mask=inn, other=-1)
+        eq = (key == thr) & inn
+        eq_rank = eq_base + tl.cumsum(eq.to(tl.int32), 0) - 1
+        w = ((key > thr) | (eq & (eq_rank < take))) & inn
+        at = base + tl.cumsum(w.to(tl.int32), 0) - 1
+        start = tl.load(OFFSETS + h * so_h + c, mask=w, other=0)
+        size = tl.load(OFFSETS + h * so_h + c + 1, mask=w, other=0) - start
+        excl = cum + tl.cumsum(size, 0) - size
+        tl.store(SEL_START + r * P_PAD + at, start, mask=w)
+        tl.store(SEL_CUM + r * (P_PAD + 1) + at, excl, mask=w)
+        base += tl.sum(w.to(tl.int32), 0)
+        cum += tl.sum(size, 0)
+        eq_base += tl.sum(eq.to(tl.int32), 0)
+    tl.store(SEL_CUM + r * (P_PAD + 1) + P, cum)
+
+
+# ---------------------------------------------------------------------------------------------
+# Candidates + rerank logits (shared)
+
+
+@triton.jit(do_not_specialize=["T", "n_ctx", "n_loc", "s_end", "window", "U", "C", "RHO", "n_top", "NW",
+                               "n_slot_progs", "chunks_per_prog"])
+def _rerank_kernel(
+    Q, CK, LK, QPOS, SRC_A, SRC_B, SRC_C, SRC_D, BITMAP, WS_S, WS_POS, WS_ML, HITS,
+    sq_h, sq_g, sq_t,  # q [KVH, G, T, D]
+    sck_h, sck_n, slk_h, slk_n,  # ctx_k [KVH, N, D], loc_k [KVH, M, D]
+    sa_h, sa_c, sb_h, sb_c,  # CTkvr: lists [KVH, C, RHO], FIFO lists [KVH, F, RHO]; kivf: order [KVH, N]
+    T, n_ctx, n_loc, s_end, window, U, C, RHO, n_top, NW, n_slot_progs, chunks_per_prog, qk_scale,
+    G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, BLOCK_U: tl.constexpr,
+    P: tl.constexpr, P_PAD: tl.constexpr, BLOCK_T: tl.constexpr, LOG_P: tl.constexpr,
+    SOURCE: tl.constexpr, DEDUP: tl.constexpr, HAS_FIFO: tl.constexpr, PRECISE: tl.constexpr,
+):
+    """SOURCE 0 (CTkvr): SRC_A/B = the probe's block bests (values, ids), SRC_C/D = lists / FIFO
+    lists. SOURCE 1 (kivf): SRC_A = order, SRC_B = SEL_START, SRC_C = SEL_CUM."""
+    s = tl.program_id(0)
+    r = tl.program_id(1)
+    h = (r // T).to(tl.int64)
+    t = r % T
+    r64 = r.to(tl.int64)
+    offs_d = tl.arange(0, D)
+    ar_g = tl.arange(0, G_PAD)
+    ar_u = tl.arange(0, BLOCK_U)
+    qp = tl.load(QPOS + t).to(tl.int32)
+    w_lo = tl.minimum(tl.maximum(qp - window + 1, s_end), n_ctx)  # frame_bounds
+    m_v = tl.full([G_PAD], NEG_BIG, tl.float32)
+    l_v = tl.zeros([G_PAD], tl.float64)  # float64: see _lse_parts
+    if s == n_slot_progs:
+        # the frame: sink rows [0, s_end), window rows w_lo + [0, window) inside the context, local
+        # slots j with n_ctx + j <= q_pos (frame_logsumexp); no logits are stored
+        n_fr = s_end + window + n_loc
+        for c0 in range(0, n_fr, BLOCK_U):
+            j = c0 + ar_u
+            in_s = j < s_end
+            in_w = (j >= s_end) & (j < s_end + window)
+            in_l = (j >= s_end + window) & (j < n_fr)
+            row = tl.where(in_s, j, w_lo + j - s_end)
+            ctx_ok = in_s | (in_w & (row < n_ctx))
+            slot = j - s_end - window
+            loc_ok = in_l & (n_ctx + slot <= qp)
+            ok = ctx_ok | loc_ok
+            ptr = tl.where(ctx_ok[:, None], CK + h * sck_h + row[:, None].to(tl.int64) * sck_n + offs_d[None, :],
+                           LK + h * slk_h + slot[:, None].to(tl.int64) * slk_n + offs_d[None, :])
+            kt = tl.load(ptr, mask=ok[:, None], other=0.0).to(tl.float32)
+            lg = tl.full([BLOCK_U, G_PAD], float("-inf"), tl.float32)
+            for g in tl.static_range(G):
+                qv = tl.load(Q + h * sq_h + g * sq_g + t * sq_t + offs_d).to(tl.float32)
+                sg = tl.where(ok, tl.sum(kt * qv[None, :], 1) * qk_scale, float("-inf"))
+                lg = tl.where(ar_g[None, :] == g, sg[:, None], lg)
+            m_new = tl.maximum(m_v, tl.max(lg, 0))
+            l_v = (l_v * _exp(m_v - m_new, PRECISE).to(tl.float64)
+                   + tl.sum(_exp(lg - m_new[None, :], PRECISE).to(tl.float64), 0))
+            m_v = m_new
+    else:
+        if SOURCE == 0:
+            sel = _merge_probe(SRC_A, SRC_B, r64 * n_top, n_top, P, P_PAD, BLOCK_T)  # [P_PAD] entry ids
+            if HAS_FIFO:
+                if s == 0:  # the probe-share statistic: probed entries that came from the FIFO
+                    tl.store(HITS + r, tl.sum(((sel >= C) & (tl.arange(0, P_PAD) < P)).to(tl.int32), 0))
+        for ci in range(0, chunks_per_prog):
+            u = (s * chunks_per_prog + ci) * BLOCK_U + ar_u
+            in_u = u < U
+            if SOURCE == 0:
+                p_idx = u // RHO
+                item = u - p_idx * RHO
+                entry = tl.sum(tl.where(p_idx[:, None] == tl.arange(0, P_PAD)[None, :], sel[None, :], 0), 1)
+                if HAS_FIFO:
+                    from_f = entry >= C
+                    pos = tl.load(SRC_C + h * sa_h + entry.to(tl.int64) * sa_c + item, mask=in_u & ~from_f, other=-1)
+                    pf = tl.load(SRC_D + h * sb_h + (entry - C).to(tl.int64) * sb_c + item, mask=in_u & from_f,
+                                 other=-1)
+                    pos = tl.where(from_f, pf, pos)
+                else:
+                    pos = tl.load(SRC_C + h * sa_h + entry.to(tl.int64) * sa_c + item, mask=in_u, other=-1)
+            else:
+                # the probed cluster holding slot u: the last i with SEL_CUM[i] <= u (binary search)
+                cum_row = SRC_C + r64 * (P_PAD + 1)
+                total = tl.load(cum_row + P)
+                lo = tl.zeros([BLOCK_U], tl.int32)
+                hi = tl.full([BLOCK_U], P, tl.int32)
+                for _ in tl.static_range(LOG_P):
+                    mid = (lo + hi) // 2
+                    cm = tl.load(cum_row + mid, mask=hi - lo > 1, other=0)
+                    go = (hi - lo > 1) & (cm <= u)
+                    stay = (hi - lo > 1) & (cm > u)
+                    lo = tl.where(go, mid, lo)
+                    hi = tl.where(stay, mid, hi)
+                live = in_u & (u < total)  # slots past the probed clusters' keys: padding
+                start = tl.load(SRC_B + r64 * P_PAD + lo, mask=live, other=0)
+                cm = tl.load(cum_row + lo, mask=live, other=0)
+                pos = tl.load(SRC_A + h * sa_h + (start + u - cm).to(tl.int64), mask=live, other=-1)
+            ok = in_u & (pos >= s_end) & (pos < w_lo)  # selectable: outside the sink and the window
+            if DEDUP:  # the first slot to set a position's bit keeps it
+                bit = (1 << (pos & 31)).to(tl.int32)
+                old = tl.atomic_or(BITMAP + r64 * NW + (pos >> 5), bit, mask=ok, sem="relaxed")
+                ok = ok & ((old & bit) == 0)
+            kt = tl.load(CK + h * sck_h + pos[:, None].to(tl.int64) * sck_n + offs_d[None, :], mask=ok[:, None],
+                         other=0.0).to(tl.float32)
+            lg = tl.full([BLOCK_U, G_PAD], float("-inf"), tl.float32)
+            for g in tl.static_range(G):
+                qv = tl.load(Q + h * sq_h + g * sq_g + t * sq_t + offs_d).to(tl.float32)
+                sg = tl.where(ok, tl.sum(kt * qv[None, :], 1) * qk_scale, float("-inf"))
+                tl.store(WS_S + (r64 * G + g) * U + u, sg, mask=in_u)
+                lg = tl.where(ar_g[None, :] == g, sg[:, None], lg)
+            tl.store(WS_POS + r64 * U + u, tl.where(ok, pos, -1), mask=in_u)
+            m_new = tl.maximum(m_v, tl.max(lg, 0))
+            l_v = (l_v * _exp(m_v - m_new, PRECISE).to(tl.float64)
+                   + tl.sum(_exp(lg - m_new[None, :], PRECISE).to(tl.float64), 0))
+            m_v = m_new
+    at = ((r64 * (n_slot_progs + 1) + s) * G_PAD + ar_g) * 2
+    tl.store(WS_ML + at, m_v.to(tl.float64))
+    tl.store(WS_ML + at + 1, l_v)
+
+
+# ---------------------------------------------------------------------------------------------
+# Group mass + top-K (shared)
+
+
+@triton.jit(do_not_specialize=["T", "U", "n_parts", "KP", "RHO", "scr_row"])
+def _select_kernel(
+    WS_S, WS_POS, WS_ML, SCR, OUT, PUSH,
+    T, U, n_parts, KP, RHO, scr_row,
+    G: tl.constexpr, G_PAD: tl.constexpr, BLOCK: tl.constexpr, BLOCK_S: tl.constexpr,
+    HAS_PUSH: tl.constexpr, PUSH_FIRST: tl.constexpr, PRECISE: tl.constexpr,
+):
+    """Per row: lse per head over the parts (candidates + frame), mass of each slot = sum over heads
+    of exp(logit - lse) (candidate_mass) as an int key (float bits + 1; 0 = not a candidate), the
+    top-KP -> OUT [rows, KP]; on the last token's rows (HAS_PUSH) also the top-RHO -> PUSH [KVH, RHO],
+    the smaller set selected inside the larger one.
+    SCR row: [keys U | ping U | pong U | sub keys KB | sub positions KB], KB = max(KP, RHO)."""
+    r = tl.program_id(0).to(tl.int64)
+    h = r // T
+    t = r % T
+    lse = _lse_parts(WS_ML + r * n_parts * G_PAD * 2, n_parts, G, G_PAD, BLOCK_S, PRECISE)
+    ar_g = tl.arange(0, G_PAD)
+    ar = tl.arange(0, BLOCK)
+    row = SCR + r * scr_row
+    pos_row = WS_POS + r * U
+    key_max = U * 0
+    key_min = U * 0 + INT_MAX
+    n_valid = U * 0
+    for c0 in range(0, U, BLOCK):
+        u = c0 + ar
+        inn = u < U
+        pos = tl.load(pos_row + u, mask=inn, other=-1)
+        mass = tl.zeros([BLOCK], tl.float32)
+        for g in tl.static_range(G):
+            lse_g = tl.sum(tl.where(ar_g == g, lse, 0.0), 0)
+            lg = tl.load(WS_S + (r * G + g) * U + u, mask=inn, other=float("-inf"))
+            mass += _exp(lg - lse_g, PRECISE)
+        valid = (pos >= 0) & (mass == mass)
+        key = tl.where(valid, tl.minimum(mass.to(tl.int32, bitcast=True) + 1, KEY_INF), 0)
+        tl.store(row + u, key, mask=inn)
+        key_max = tl.maximum(key_max, tl.max(key, 0))
+        key_min = tl.minimum(key_min, tl.min(tl.where(valid, key, INT_MAX), 0))
+        n_valid += tl.sum(valid.to(tl.int32), 0)
+    tl.debug_barrier()
+    key_hi = key_max + 1
+    push_row = False
+    if HAS_PUSH:
+        push_row = t == T - 1
+    if push_row:
+        if PUSH_FIRST:
+            big_out = PUSH + h * RHO
+            small_out = OUT + r * KP
+            kb = RHO
+            ks = KP
+        else:
+            big_out = OUT + r * KP
+            small_out = PUSH + h * RHO
+            kb = KP
+            ks = RHO
+        sub = 3 * U
+        thr, take = _top_threshold(row, U, kb, key_min, n_valid, key_hi, BLOCK)
+        _emit(row, pos_row, U, thr, take, kb, big_out, row + sub, row + sub + kb, True, BLOCK)
+        tl.debug_barrier()
+        thr, take = _kth_largest(row, sub, U, 2 * U, kb, ks, 0, kb, key_hi, BLOCK)
+        _emit(row + sub, row + sub + kb, kb, thr, take, ks, small_out, row, row, False, BLOCK)
+    else:
+        thr, take = _top_threshold(row, U, KP, key_min, n_valid, key_hi, BLOCK)
+        _emit(row, pos_row, U, thr, take, KP, OUT + r * KP, row, row, False, BLOCK)
+
+
+# ---------------------------------------------------------------------------------------------
+# CTkvr FIFO push (update)
+
+
+@triton.jit(do_not_specialize=["KVH", "cap", "RHO", "rows"])
+def _fifo_push_kernel(
+    FCENT, FLISTS, PUSHES, SHARE, PQ, PL, HITS,
+    sfc_h, sfc_c, sfc_g, sfl_h, sfl_c, spq_h, spq_g,
+    KVH, cap, RHO, rows, n_probed,
+    G: tl.constexpr, D: tl.constexpr, BLOCK: tl.constexpr,
+):
+    """One program: pending query [KVH, G, D] and list [KVH, RHO] into ring slot pushes % cap, the
+    probe share (FIFO hits / probed entries) added to SHARE, pushes += 1."""
+    n = tl.load(PUSHES)
+    slot = n % cap
+    offs_d = tl.arange(0, D)
+    ar = tl.arange(0, BLOCK)
+    for h in range(0, KVH):
+        for g in tl.static_range(G):
+            qv = tl.load(PQ + h * spq_h + g * spq_g + offs_d)
+            tl.store(FCENT + h * sfc_h + slot * sfc_c + g * sfc_g + offs_d, qv)
+        for c0 in range(0, RHO, BLOCK):
+            o = c0 + ar
+            lv = tl.load(PL + h * RHO + o, mask=o < RHO, other=-1)
+            tl.store(FLISTS + h * sfl_h + slot * sfl_c + o, lv, mask=o < RHO)
+    hits = rows * 0
+    for c0 in range(0, rows, BLOCK):
+        o = c0 + ar
+        hits += tl.sum(tl.load(HITS + o, mask=o < rows, other=0), 0)
+    share = hits.to(tl.float32) / n_probed
+    tl.store(SHARE, tl.load(SHARE) + share)
+    tl.store(PUSHES, n + 1)
+
+
+# ---------------------------------------------------------------------------------------------
+# Launch configuration and workspaces (host ints from shapes only)
+
+
+@dataclass(frozen=True)
+class IvfConfig:
+    """Tuning knobs (defaults: reasoned, not yet swept on a GPU; see the module docstring)."""
+
+    block_c: int = 64  # probe: entries (centroids) per program
+    block_u: int = 64  # rerank: candidate slots per chunk
+    chunks_per_prog: int = 1  # rerank: chunks per program
+    select_block: int = 2048  # select: keys per chunk (capped at next_pow2(U))
+    probe_warps: int = 4
+    rerank_warps: int = 4
+    select_warps: int = 8
+
+
+DEFAULT_CONFIG = IvfConfig()  # used when a call passes no cfg (tests swap it for tiny blocks)
+MAX_PROBE_BESTS = 16384  # CTkvr: blocks x next_pow2(probe) bests merged by every rerank program
+
+_WORKSPACES = Workspaces()
+
+
+def _workspace(device: torch.device, dtype: torch.dtype, numel: int, tag: str) -> torch.Tensor:
+    """A grow-only buffer per (device, stream, dtype, tag): `tag` separates buffers that one plan
+    uses at the same time (the probe's outputs, read by the rerank, vs the rerank/select's own)."""
+    return _WORKSPACES.get(device, tag, numel, dtype)
+
+
+def clear_workspace() -> None:
+    _WORKSPACES.clear()
+
+
+class _Carve:
+    """Consecutive views of one flat workspace buffer."""
+
+    def __init__(self, sizes: dict[str, int]):
+        self.sizes = sizes
+        self.total = sum(sizes.values())
+
+    def views(self, buf: torch.Tensor) -> dict[str, torch.Tensor]:
+        out, at = {}, 0
+        for name, n in self.sizes.items():
+            out[name] = buf[at:at + n]
+            at += n
+        return out
+
+
+def _precise() -> bool:
+    return not interpreted()
+
+
+def unsupported(q: torch.Tensor, *, ctkvr_probe: int | None = None, entries: int = 0) -> list[str]:
+    """Reasons the fused plans cannot run for this query (empty = fine); the planners then keep the
+    torch path. ctkvr_probe / entries: CTkvr's probed entries and C + F (kivf has no such limit)."""
+    reasons = []
+    if q.shape[-1] not in SUPPORTED_HEAD_DIMS:
+        reasons.append(f"head_dim {q.shape[-1]} is not supported by the fused IVF plans (powers of two 16..256)")
+    if ctkvr_probe is not None:
+        p_pad = triton.next_power_of_2(max(ctkvr_probe, 1))
+        cfg = DEFAULT_CONFIG
+        if ctkvr_probe > MAX_PROBE or _cdiv(entries, cfg.block_c) * p_pad > MAX_PROBE_BESTS:
+            reasons.append(f"probing {ctkvr_probe} of {entries} entries is beyond the fused plan's unrolled merge")
+    if q.device.type != "cuda" and not interpreted():
+        reasons.append("fused IVF plans need CUDA tensors (or TRITON_INTERPRET=1)")
+    if os.environ.get("CTXCACHE_FUSED_IVF", "1") == "0":
+        reasons.append("fused IVF plans are switched off (CTXCACHE_FUSED_IVF=0)")
+    return reasons
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+@functools.lru_cache(maxsize=256)
+def _select_block(u: int, cfg: IvfConfig) -> int:
+    return max(16, min(cfg.select_block, triton.next_power_of_2(max(u, 1))))
+
+
+def _parts_block(n_parts: int) -> int:
+    """Softmax-state parts combined per step by `_lse_parts` (one step for up to 512 parts)."""
+    return max(16, min(512, triton.next_power_of_2(n_parts)))
+
+
+def _rerank_and_select(q, kv, *, rows: int, u: int, sink: int, window: int, kp: int, rho: int, source: int,
+                       src: tuple, n_top: int, p: int, p_pad: int, log_p: int, dedup: bool, has_fifo: bool,
+                       bitmap, hits, push, cfg: IvfConfig):
+    """Kernels 2 and 3 (shared by CTkvr and kivf) -> plan positions [KVH, T, kp] int32."""
+    kvh, g, t, d = q.shape
+    dev = q.device
+    n = kv.n_ctx
+    ctx_k = _rows_contiguous(kv.ctx_k)
+    loc_k = _rows_contiguous(kv.loc_k.to(ctx_k.dtype))  # one pointer type for the frame's rows
+    q_pos = kv.q_pos
+    g_pad = triton.next_power_of_2(g)
+    s_end = min(sink, n)
+    slots_per_prog = cfg.block_u * cfg.chunks_per_prog
+    n_slot = _cdiv(u, slots_per_prog)
+    n_parts = n_slot + 1
+    kb = max(kp, rho) if push is not None else kp
+    scr_row = 3 * u + 2 * kb
+    f32 = _Carve({"s": rows * g * u})
+    i32 = _Carve({"pos": rows * u, "scr": rows * scr_row})
+    wf = f32.views(_workspace(dev, torch.float32, f32.total, "rerank"))
+    wf["ml"] = _workspace(dev, torch.float64, rows * n_parts * g_pad * 2, "rerank")  # softmax states (_lse_parts)
+    wi = i32.views(_workspace(dev, torch.int32, i32.total + 1, "rerank"))  # +1: never empty
+    out = torch.empty(kvh, t, kp, dtype=torch.int32, device=dev)
+    placeholder = wi["pos"]
+    _rerank_kernel[(n_parts, rows)](
+        q, ctx_k, loc_k, q_pos, *src, bitmap if bitmap is not None else placeholder, wf["s"], wi["pos"], wf["ml"],
+        hits if hits is not None else placeholder,
+        q.stride(0), q.stride(1), q.stride(2),
+        ctx_k.stride(0), ctx_k.stride(1), loc_k.stride(0), loc_k.stride(1),
+        *_src_strides(source, src),
+        t, n, loc_k.shape[1], s_end, window, u, _src_c(source, src), rho if source == 0 else 1, n_top,
+        bitmap.shape[-1] if bitmap is not None else 1, n_slot, cfg.chunks_per_prog, float(d ** -0.5),
+        G=g, G_PAD=g_pad, D=d, BLOCK_U=cfg.block_u, P=p, P_PAD=p_pad, BLOCK_T=triton.next_power_of_2(max(n_top, 1)),
+        LOG_P=log_p, SOURCE=source, DEDUP=dedup, HAS_FIFO=has_fifo, PRECISE=_precise(), num_warps=cfg.rerank_warps,
+    )
+    _select_kernel[(rows,)](
+        wf["s"], wi["pos"], wf["ml"], wi["scr"], out, push if push is not None else out,
+        t, u, n_parts, kp, rho, scr_row,
+        G=g, G_PAD=g_pad, BLOCK=_select_block(u, cfg), BLOCK_S=_parts_block(n_parts), HAS_PUSH=push is not None,
+        PUSH_FIRST=rho >= kp, PRECISE=_precise(), num_warps=cfg.select_warps,
+    )
+    return out
+
+
+def _src_strides(source: int, src: tuple) -> tuple:
+    if source == 0:  # lists, FIFO lists
+        lists, flists = src[2], src[3]
+        return lists.stride(0), lists.stride(1), flists.stride(0), flists.stride(1)
+    order = src[0]
+    return order.stride(0), 0, 0, 0
+
+
+def _src_c(source: int, src: tuple) -> int:
+    return src[2].shape[1] if source == 0 else 0
+
+
+def _rows_contiguous(x: torch.Tensor) -> torch.Tensor:
+    return x if x.stride(-1) == 1 else x.contiguous()
+
+
+# ---------------------------------------------------------------------------------------------
+# Torch-facing functions
+
+
+def ctkvr_plan(q: torch.Tensor, kv, cent: torch.Tensor, lists: torch.Tensor, fifo, *, sink: int, window: int,
+               k: int, probe: int, cfg: IvfConfig | None = None):
+    """CTkvr's plan (indexer/ctkvr.py, `_CTkvrPlanner.plan`) in 3 launches.
+
+    q [KVH, G, T, D]; kv: KVView; cent [KVH, C, G, D] unit-norm; lists [KVH, C, rho] int32; fifo: the
+    layer's `_Fifo` (cent [KVH, F, G, D], lists [KVH, F, rho], pushes [1]) or None (no update).
+    Returns (positions [KVH, T, min(k, probe·rho)] int32, pending) with pending = (query [KVH, G, D]
+    in the centroids' dtype, list [KVH, rho] int32, hits [KVH·T] int32: probed FIFO entries per row)
+    when fifo is given, else None."""
+    cfg = cfg or DEFAULT_CONFIG
+    kvh, g, t, d = q.shape
+    dev = q.device
+    c, rho = cent.shape[1], lists.shape[2]
+    p = min(probe, c)
+    u = p * rho
+    n = kv.n_ctx
+    rows = kvh * t
+    kp = min(k, u)
+    has_fifo = fifo is not None
+    q = _rows_contiguous(q)
+    cent = _rows_contiguous(cent)
+    lists = lists if lists.stride(-1) == 1 else lists.contiguous()
+    f = fifo.cap if has_fifo else 0
+    fcent = fifo.cent if has_fifo else cent
+    flists = fifo.lists if has_fifo else lists
+    p_pad = triton.next_power_of_2(p)
+    n_blocks = _cdiv(c + f, cfg.block_c)
+    n_top = n_blocks * p_pad
+    nw = max(1, _cdiv(n, 32))
+    words_per_prog = _cdiv(nw, n_blocks)
+    i_carve = _Carve({"topi": rows * n_top, "bitmap": rows * nw})
+    topv = _workspace(dev, torch.float32, rows * n_top, "probe")
+    wi = i_carve.views(_workspace(dev, torch.int32, i_carve.total, "probe"))
+    bitmap = wi["bitmap"].view(rows, nw)
+    if has_fifo:
+        pend_q = torch.empty(kvh, g, d, dtype=cent.dtype, device=dev)
+        i_out = torch.empty(kvh * rho + rows, dtype=torch.int32, device=dev)
+        push, hits = i_out[: kvh * rho], i_out[kvh * rho:]
+    else:
+        pend_q = push = hits = None
+    _ctkvr_probe_kernel[(n_blocks, rows)](
+        q, cent, fcent, fifo.pushes if has_fifo else wi["topi"], topv, wi["topi"],
+        pend_q if has_fifo else topv, bitmap,
+        q.stride(0), q.stride(1), q.stride(2),
+        cent.stride(0), cent.stride(1), cent.stride(2),
+        fcent.stride(0), fcent.stride(1), fcent.stride(2),
+        *(pend_q.stride()[:2] if has_fifo else (0, 0)),
+        t, c, f, n_blocks, nw, words_per_prog,
+        G=g, D=d, BLOCK_C=cfg.block_c, P=p, P_PAD=p_pad, HAS_FIFO=has_fifo, DEDUP=True, BLOCK_Z=256,
+        num_warps=cfg.probe_warps,
+    )
+    out = _rerank_and_select(
+        q, kv, rows=rows, u=u, sink=sink, window=window, kp=kp, rho=rho, source=0,
+        src=(topv, wi["topi"], lists, flists), n_top=n_top, p=p, p_pad=p_pad, log_p=1, dedup=True,
+        has_fifo=has_fifo, bitmap=bitmap, hits=hits, push=push, cfg=cfg,
+    )
+    return out, ((pend_q, push.view(kvh, rho), hits) if has_fifo else None)
+
+
+def fifo_push(fifo, pending, n_probed: int) -> None:
+    """CTkvr's update: commit `pending` (from `ctkvr_plan`) into the ring `fifo` (`_Fifo`: cent,
+    lists, pushes, share) in one launch; n_probed = rows x probe (the denominator of the share)."""
+    pend_q, pend_l, hits = pending
+    kvh, cap, g, d = fifo.cent.shape
+    rho = fifo.lists.shape[2]
+    _fifo_push_kernel[(1,)](
+        fifo.cent, fifo.lists, fifo.pushes, fifo.share, pend_q, pend_l, hits,
+        fifo.cent.stride(0), fifo.cent.stride(1), fifo.cent.stride(2),
+        fifo.lists.stride(0), fifo.lists.stride(1), pend_q.stride(0), pend_q.stride(1),
+        kvh, cap, rho, hits.numel(), float(n_probed),
+        G=g, D=d, BLOCK=1024, num_warps=4,
+    )
+
+
+def kivf_plan(q: torch.Tensor, kv, cent: torch.Tensor, order: torch.Tensor, offsets: torch.Tensor, *, width: int,
+              sink: int, window: int, k: int, nprobe: int, cfg: IvfConfig | None = None) -> torch.Tensor:
+    """kivf's plan (indexer/kivf.py, `_KIVFPlanner.plan`) in 4 launches. q [KVH, G, T, D]; cent
+    [KVH, C, D] fp32; order [KVH, N] int32; offsets [KVH, C + 1] int32; width: the static candidate
+    width (`_select.probe_width`). -> positions [KVH, T, min(k, width)] int32."""
+    cfg = cfg or DEFAULT_CONFIG
+    kvh, g, t, d = q.shape
+    dev = q.device
+    c = cent.shape[1]
+    p = min(nprobe, c)
+    rows = kvh * t
+    if width == 0:  # no key in any probed cluster (the torch path's empty block)
+        return torch.full((kvh, t, 0), -1, dtype=torch.int32, device=dev)
+    u = width
+    kp = min(k, u)
+    q = _rows_contiguous(q)
+    cent = _rows_contiguous(cent)
+    order = order if order.stride(-1) == 1 else order.contiguous()
+    offsets = offsets if offsets.stride(-1) == 1 else offsets.contiguous()
+    g_pad = triton.next_power_of_2(g)
+    p_pad = triton.next_power_of_2(p)
+    n_blocks = _cdiv(c, cfg.block_c)
+    blk = max(16, min(cfg.select_block, triton.next_power_of_2(c)))
+    scr_row = 3 * c
+    f_carve = _Carve({"pl": rows * g * c})
+    i_carve = _Carve({"scr": rows * scr_row, "start": rows * p_pad, "cum": rows * (p_pad + 1)})
+    wf = f_carve.views(_workspace(dev, torch.float32, f_carve.total, "probe"))
+    wf["pml"] = _workspace(dev, torch.float64, rows * n_blocks * g_pad * 2, "probe")  # softmax states
+    wi = i_carve.views(_workspace(dev, torch.int32, i_carve.total, "probe"))
+    _kivf_probe_kernel[(n_blocks, rows)](
+        q, cent, wf["pl"], wf["pml"],
+        q.stride(0), q.stride(1), q.stride(2), cent.stride(0), cent.stride(1),
+        t, c, n_blocks, float(d ** -0.5),
+        G=g, G_PAD=g_pad, D=d, BLOCK_C=cfg.block_c, PRECISE=_precise(), num_warps=cfg.probe_warps,
+    )
+    _kivf_clusters_kernel[(rows,)](
+        wf["pl"], wf["pml"], offsets, wi["scr"], wi["start"], wi["cum"],
+        offsets.stride(0), t, c, n_blocks, scr_row, p,
+        G=g, G_PAD=g_pad, P_PAD=p_pad, BLOCK=blk, BLOCK_S=_parts_block(n_blocks), PRECISE=_precise(),
+        num_warps=cfg.select_warps,
+    )
+    return _rerank_and_select(
+        q, kv, rows=rows, u=u, sink=sink, window=window, kp=kp, rho=0, source=1,
+        src=(order, wi["start"], wi["cum"], wi["cum"]), n_top=0, p=p, p_pad=p_pad,
+        log_p=max(1, (p - 1).bit_length()), dedup=False, has_fifo=False, bitmap=None, hits=None, push=None, cfg=cfg,
+    )
+
+
+__all__ = ["IvfConfig", "MAX_PROBE", "ctkvr_plan", "fifo_push", "kivf_plan", "unsupported", "clear_workspace"]

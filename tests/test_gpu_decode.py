@@ -1,0 +1,116 @@
+"""The GPU half of the method contract (tests/test_methods_contract.py), for every method, on a
+CUDA device: decode steps (plan + run + update) make no host sync — they run under
+`torch.cuda.set_sync_debug_mode("error")` — and one step (plan + run) captures in a CUDA graph whose
+replay equals the same step run eagerly by a twin planner with the same history. Backends are checked
+the same way. Skipped on CPU CI (tests/conftest.py); run on the device tool (see benchmarks/RESULTS.md).
+
+Structured random tensors of SmolLM2's shape stand in for a capture, and SAAP gets a synthetic
+trained model (tests/synthetic.py): only shapes, devices and syncs matter here, quality is checked on
+real tensors elsewhere — and the model's weights do not travel to the GPU machine."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from decoder.backends import backend_names, get_backend
+from indexer.base import DecodeContext, IndexReader, KVView, PrefillCapture, get_method, method_names
+from synthetic import Mixture, smollm2_spec, structured_capture, write_saap_model
+
+pytestmark = pytest.mark.gpu
+
+N_CTX, STEPS, LAYERS = 1024, 4, (0, 1, 5)
+SPEC = smollm2_spec(layers=6)
+
+
+def _setup(name, tmp_path, device="cuda"):
+    spec = SPEC
+    mix = Mixture(spec, device)
+    method = get_method(name)
+    if name == "saap":
+        model_dir = write_saap_model(tmp_path / "saap", spec, mix, layers=[1, 5], clusters=32)
+        params = method.Params(model_dir=str(model_dir), nprobe=4)
+    else:
+        params = method.Params()
+    cap = structured_capture(spec, N_CTX + STEPS + 1, device, mixture=mix)
+    ctx_cap = PrefillCapture(cap.q[:, :, :N_CTX], cap.k[:, :, :N_CTX], cap.v[:, :, :N_CTX], cap.positions[:N_CTX], spec)
+    arrays = {k: v.to(device) for k, v in method.build(ctx_cap, params).items()} if method.has_index else None
+    reader = None if arrays is None else IndexReader(lambda nm, layer: arrays[nm][layer], sorted(arrays))
+    return method, params, cap, reader
+
+
+def _views(cap, spec, step, m_cap=16):  # noqa: D103 - (layer, q, KVView) of one step, static buffers
+    kvh, g, d = spec.num_kv_heads, spec.group_size, spec.head_dim
+    pos = N_CTX + step
+    for layer in LAYERS:
+        loc_k = torch.zeros(kvh, m_cap, d, device="cuda")
+        loc_v = torch.zeros_like(loc_k)
+        loc_k[:, :step + 1] = cap.k[layer, :, N_CTX:pos + 1]
+        loc_v[:, :step + 1] = cap.v[layer, :, N_CTX:pos + 1]
+        q = cap.q[layer, :, pos:pos + 1].reshape(kvh, g, 1, d).contiguous()
+        kv = KVView(cap.k[layer, :, :N_CTX], cap.v[layer, :, :N_CTX], loc_k, loc_v, torch.tensor([pos], device="cuda"))
+        yield layer, q, kv
+
+
+@pytest.mark.parametrize("name", method_names())
+def test_decode_steps_make_no_host_sync_and_capture_in_a_graph(name, tmp_path):
+    spec = SPEC
+    method, params, cap, reader = _setup(name, tmp_path)
+    sink, window = params.frame(N_CTX)
+    backend = get_backend("torch_ref")
+    ctx = DecodeContext(N_CTX, spec, 16)
+    a, b = method.open(reader, params, ctx), method.open(reader, params, ctx)
+    scale = spec.head_dim ** -0.5
+
+    def step(planner, s, check_sync):
+        for layer, q, kv in _views(cap, spec, s):
+            torch.cuda.set_sync_debug_mode("error" if check_sync else "default")
+            try:
+                plan = planner.plan(layer, q, kv)
+                backend.run(q, kv, plan, sink, window, scale)
+                planner.update(layer, kv.loc_k[:, s:s + 1], kv.loc_v[:, s:s + 1], kv.q_pos)
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+
+    for s in range(STEPS - 1):
+        step(a, s, check_sync=s > 0)  # the first step may allocate lazily; later ones run under "error"
+        step(b, s, check_sync=False)
+    torch.cuda.synchronize()
+    # capture the last step's plan + run for one layer in a graph; b runs it eagerly
+    layer, q, kv = next(iter(_views(cap, spec, STEPS - 1)))
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(side):
+        with torch.cuda.graph(g):
+            out_graph = backend.run(q, kv, a.plan(layer, q, kv), sink, window, scale)
+    torch.cuda.current_stream().wait_stream(side)
+    g.replay()
+    want = backend.run(q, kv, b.plan(layer, q, kv), sink, window, scale)
+    torch.cuda.synchronize()
+    torch.testing.assert_close(out_graph, want, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("name", backend_names())
+def test_backends_run_without_sync_on_gpu(name):
+    """Every backend but offload (which copies the query to the host by design) runs a sparse and a
+    dense plan without a host sync, and matches torch_ref."""
+    from indexer.base import Plan
+
+    if name == "offload":
+        pytest.skip("offload plans on the host: it syncs for the query by design")
+    spec = SPEC
+    cap = structured_capture(spec, N_CTX + 2, "cuda", seed=3)
+    layer, q, kv = next(iter(_views(cap, spec, 0)))
+    pos = torch.randperm(N_CTX, device="cuda")[:64].view(1, 1, 64).expand(spec.num_kv_heads, 1, 64).to(torch.int32)
+    ref = get_backend("torch_ref")
+    be = get_backend(name)
+    for plan in (Plan(pos.contiguous()), Plan.dense()):
+        be.run(q, kv, plan, 4, 32, 0.125)  # warm-up (compilation)
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            out = be.run(q, kv, plan, 4, 32, 0.125)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        torch.testing.assert_close(out, ref.run(q, kv, plan, 4, 32, 0.125), atol=2e-3, rtol=2e-3)

@@ -1,0 +1,385 @@
+"""The fused IVF plans (indexer/kernels/ivf.py) against the torch planners they replace on a GPU:
+CTkvr (probe, dedup union, rerank, top-K, the FIFO push) and kivf (probe, CSR expansion, rerank,
+top-K), run side by side over several decode steps on fresh random inputs.
+
+On a machine without CUDA the kernels run through Triton's interpreter on CPU tensors
+(tests/conftest.py sets TRITON_INTERPRET=1; a planner runs them there when `planner.fused = True`),
+so shapes stay small; on a GPU the same tests run on CUDA tensors, plus the sync-free / CUDA-graph
+test at the end.
+
+What "equal" means (the kernel module's docstring): every plan row holds the same set of positions
+as the torch plan's row (the fused plan lists them in candidate order, the torch plan best first, so
+rows are compared sorted), the FIFO rings hold the same entries (lists as sets, the pushed query up
+to rounding of the normalisation, ~1 ulp) after the same number of pushes, and the probe-share
+statistic is the same. Inputs are Gaussian (fp32: no ties among cosines or masses); in the bf16
+cases the rounded cosines tie often, and the torch path gets torch.topk with CUDA's tie rule (lowest
+index first, the kernel's rule), since the CPU torch.topk breaks ties in another order.
+"""
+
+from __future__ import annotations
+
+import zlib
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from indexer.base import DecodeContext, IndexReader, KVView, PrefillCapture, get_method
+
+ivf = pytest.importorskip("indexer.kernels.ivf", reason="triton is not installed")
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+TINY = ivf.IvfConfig(block_c=16, block_u=16, chunks_per_prog=2, select_block=16, select_warps=4)
+
+
+def _spec(kvh, g, d, layers=1):
+    return SimpleNamespace(num_layers=layers, num_heads=kvh * g, num_kv_heads=kvh, head_dim=d, group_size=g)
+
+
+def _capture(seed, kvh, g, d, n, dtype=torch.float32):
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(1, kvh * g, n, d, generator=gen) * 1.5
+    k = torch.randn(1, kvh, n, d, generator=gen)
+    v = torch.randn(1, kvh, n, d, generator=gen)
+    return PrefillCapture(q=q.to(dtype), k=k.to(dtype), v=v.to(dtype), positions=torch.arange(n), spec=_spec(kvh, g, d))
+
+
+def _reader(arrays):
+    arrays = {k: v.to(DEVICE) for k, v in arrays.items()}
+    return IndexReader(lambda name, layer: arrays[name][layer], sorted(arrays))
+
+
+def _steps(seed, kvh, g, d, n, ts, m_cap=16, dtype=torch.float32, ctx=None):
+    """Decode steps of a request: t query tokens per step (the last t of the request's m tokens)."""
+    gen = torch.Generator().manual_seed(10_000 + seed)
+    m = 0
+    for t in ts:
+        m += t
+        loc_k = torch.randn(kvh, m_cap, d, generator=gen).to(dtype)
+        loc_v = torch.randn(kvh, m_cap, d, generator=gen).to(dtype)
+        loc_k[:, m:] = float("nan")  # slots past the request's tokens may hold garbage
+        q = (torch.randn(kvh, g, t, d, generator=gen) * 1.5).to(dtype)
+        ck, cv = ctx
+        kv = KVView(ck.to(DEVICE), cv.to(DEVICE), loc_k.to(DEVICE), loc_v.to(DEVICE),
+                    torch.arange(n + m - t, n + m, device=DEVICE))
+        yield q.to(DEVICE), kv
+
+
+def _sorted_rows(pos):
+    return pos.sort(dim=-1).values
+
+
+def _assert_same_plan(fused, ref, what):
+    assert fused.shape == ref.shape and fused.dtype == ref.dtype == torch.int32, what
+    assert torch.equal(_sorted_rows(fused), _sorted_rows(ref)), f"{what}: fused plan differs from the torch plan"
+    for row in fused.reshape(-1, fused.shape[-1]).tolist():  # valid first, then -1
+        n_valid = sum(x >= 0 for x in row)
+        assert all(x >= 0 for x in row[:n_valid]) and len(set(row[:n_valid])) == n_valid, what
+
+
+def _assert_same_fifo(a, b, what):
+    fa, fb = a.fifo[0], b.fifo[0]
+    assert int(fa.pushes) == int(fb.pushes), what
+    ulp = 1e-6 if fa.cent.dtype == torch.float32 else 2.0 ** -8  # the normalisation's rounding may differ by one ulp
+    torch.testing.assert_close(fb.cent.float(), fa.cent.float(), atol=ulp, rtol=0, msg=what)
+    assert torch.equal(_sorted_rows(fb.lists), _sorted_rows(fa.lists)), f"{what}: FIFO lists differ"
+
+
+CTKVR_CASES = {
+    # name: (capture: kvh, g, d, n; params; query tokens per step; dtype)
+    "decode": ((2, 4, 32, 1000), dict(n_centroids=48, list_size=64, probe=4, k=100, fifo=4), [1, 1, 1, 1, 1]),
+    "question_then_decode": ((2, 4, 32, 1000), dict(n_centroids=48, list_size=64, probe=4, k=100, fifo=8), [3, 1, 1]),
+    "plan_wider_than_push": ((2, 4, 32, 1000), dict(n_centroids=48, list_size=40, probe=4, k=120, fifo=8), [1, 1, 1]),
+    "no_fifo": ((2, 4, 32, 1000), dict(n_centroids=48, list_size=64, probe=3, k=50, fifo=0), [2, 1]),
+    "k_beyond_candidates": ((2, 4, 32, 600), dict(n_centroids=40, list_size=50, probe=1, k=300, fifo=4,
+                                                   window=200), [1, 1, 1]),
+    "group_of_3_d64": ((2, 3, 64, 800), dict(n_centroids=40, list_size=48, probe=2, k=40, fifo=4), [1, 2, 1]),
+    "frame_covers_everything": ((1, 4, 32, 300), dict(n_centroids=20, list_size=40, probe=2, k=30, fifo=4, sink=8,
+                                                       window=400), [1, 1, 1]),
+    # run with TINY blocks only
+    "tiny_push_inside_plan": ((2, 4, 32, 400), dict(n_centroids=24, list_size=32, probe=3, k=20, fifo=2), [1, 2, 1, 1]),
+    "tiny_plan_inside_push": ((2, 4, 32, 400), dict(n_centroids=24, list_size=32, probe=3, k=60, fifo=2), [1, 1, 1]),
+}
+TINY_CASES = ("tiny_push_inside_plan", "tiny_plan_inside_push")
+
+
+def _run_ctkvr(case, *, seed, cfg=None, dtype=torch.float32, monkeypatch=None):
+    (kvh, g, d, n), params, ts = CTKVR_CASES[case]
+    if cfg is not None:
+        monkeypatch.setattr(ivf, "DEFAULT_CONFIG", cfg)
+    m = get_method("ctkvr")
+    p = m.Params(**params)
+    cap = _capture(seed, kvh, g, d, n, dtype)
+    index = _reader(m.build(cap, p))
+    ctx = DecodeContext(n, _spec(kvh, g, d), 16)
+    ref, fused = m.open(index, p, ctx), m.open(index, p, ctx)
+    ref.fused, fused.fused = False, True
+    for i, (q, kv) in enumerate(_steps(seed, kvh, g, d, n, ts, dtype=dtype, ctx=(cap.k[0], cap.v[0]))):
+        want = ref.plan(0, q, kv).positions
+        got = fused.plan(0, q, kv).positions
+        _assert_same_plan(got, want, f"{case} step {i}")
+        if p.fifo:
+            ref.update(0, None, None, kv.q_pos)
+            fused.update(0, None, None, kv.q_pos)
+            _assert_same_fifo(ref, fused, f"{case} step {i}")
+    assert ref.stats() == pytest.approx(fused.stats(), rel=1e-6)
+    return ref, fused
+
+
+@pytest.mark.parametrize("case", sorted(set(CTKVR_CASES) - set(TINY_CASES)))
+def test_ctkvr_fused_plan_equals_torch(case):
+    ref, fused = _run_ctkvr(case, seed=zlib.crc32(case.encode()) % 1000)
+    if case == "frame_covers_everything":  # nothing is selectable: every slot -1, pushes of empty lists
+        assert (fused.fifo[0].lists[:, :3] == -1).all()
+    if case == "decode":  # the ring wrapped and persisted centroids were evicted: the FIFO was recalled
+        assert fused.stats()["fifo_probe_share"] > 0
+
+
+def test_ctkvr_fused_plan_with_tiny_blocks(monkeypatch):
+    """Blocks of 16: several probe blocks per row (the merge of their bests), several chunks per
+    rerank program, and a select working set larger than a block, so the threshold search compacts
+    its band (ping-pong) and the nested push/plan selection runs over several chunks."""
+    for i, case in enumerate(TINY_CASES):
+        _run_ctkvr(case, seed=5 + i, cfg=TINY, monkeypatch=monkeypatch)
+
+
+def test_ctkvr_duplicates_are_counted_once():
+    """Lists drawn from one small pool of positions: the union holds many duplicates (and each list
+    several positions of the frame), the fused dedup must keep every position exactly once."""
+    kvh, g, d, n, c, rho = 2, 4, 32, 500, 24, 32
+    gen = torch.Generator().manual_seed(3)
+    pool = torch.randperm(n, generator=gen)[:48]
+    pool[:4] = torch.tensor([0, 1, n - 1, n - 2])  # sink and window positions: never selected
+    lists = torch.stack([torch.stack([pool[torch.randperm(48, generator=gen)[:rho]] for _ in range(c)])
+                         for _ in range(kvh)]).to(torch.int32)
+    cent = F.normalize(torch.randn(kvh, c, g, d, generator=gen), dim=-1)
+    arrays = {"centroids": cent[None], "lists": lists[None]}
+    m = get_method("ctkvr")
+    p = m.Params(n_centroids=c, list_size=rho, probe=4, k=60, fifo=2)
+    ctx = DecodeContext(n, _spec(kvh, g, d), 16)
+    ref, fused = m.open(_reader(arrays), p, ctx), m.open(_reader(arrays), p, ctx)
+    ref.fused, fused.fused = False, True
+    keys = torch.randn(kvh, n, d, generator=gen)
+    for i, (q, kv) in enumerate(_steps(4, kvh, g, d, n, [1, 1, 1, 1], ctx=(keys, keys))):
+        want, got = ref.plan(0, q, kv).positions, fused.plan(0, q, kv).positions
+        _assert_same_plan(got, want, f"step {i}")
+        assert ((got >= 0).sum(-1) <= 44).all()  # at most 48 pooled positions - 4 in the frame: fewer than k
+        ref.update(0, None, None, kv.q_pos)
+        fused.update(0, None, None, kv.q_pos)
+        _assert_same_fifo(ref, fused, f"step {i}")
+
+
+def _topk_lowest_index_first(x, k, dim=-1, largest=True, sorted=True):
+    """torch.topk with CUDA's tie rule (its gather pass takes values equal to the k-th in index
+    order); torch.topk on the CPU breaks ties in another, unspecified order."""
+    v, i = torch.sort(x, dim=dim, descending=largest, stable=True)
+    return torch.return_types.topk((v.narrow(dim, 0, k), i.narrow(dim, 0, k)))
+
+
+def test_ctkvr_bf16_with_probe_ties(monkeypatch):
+    """bf16, structured data (tests/synthetic.py: queries and keys from one mixture, so centroids
+    cluster): the probe's cosines, rounded to bf16 as the torch path's einsum output is, often tie at
+    the P-th place (asserted below). The kernel takes the lowest entry id, as torch.topk does on
+    CUDA, which the torch path is given here."""
+    from synthetic import model_spec, structured_capture
+
+    monkeypatch.setattr(torch, "topk", _topk_lowest_index_first)
+    kvh, g, d, n, steps = 2, 4, 64, 1000, 4
+    spec = model_spec(1, kvh * g, kvh, d, 10000.0, "tiny")
+    full = structured_capture(spec, n + steps, "cpu", seed=3, dtype=torch.bfloat16)
+    cap = PrefillCapture(full.q[:, :, :n], full.k[:, :, :n], full.v[:, :, :n], full.positions[:n], spec)
+    m = get_method("ctkvr")
+    p = m.Params(n_centroids=64, list_size=48, probe=4, k=60, fifo=4)
+    arrays = m.build(cap, p)
+    ctx = DecodeContext(n, spec, 16)
+    ref, fused = m.open(_reader(arrays), p, ctx), m.open(_reader(arrays), p, ctx)
+    ref.fused, fused.fused = False, True
+    ties = 0
+    for s in range(steps):
+        loc_k = torch.zeros(kvh, 16, d, dtype=torch.bfloat16)
+        loc_k[:, :s + 1] = full.k[0, :, n:n + s + 1]
+        q = full.q[0, :, n + s:n + s + 1].reshape(kvh, g, 1, d)
+        kv = KVView(cap.k[0].to(DEVICE), cap.v[0].to(DEVICE), loc_k.to(DEVICE), loc_k.to(DEVICE),
+                    torch.tensor([n + s], device=DEVICE))
+        qn = F.normalize(q.float(), dim=-1).to(torch.bfloat16)
+        cos = torch.einsum("hgtd,hcgd->htcg", qn, arrays["centroids"][0]).amax(-1).float()
+        cos = cos.sort(-1, descending=True).values
+        ties += int((cos[..., p.probe - 1] == cos[..., p.probe]).sum())
+        q = q.to(DEVICE)
+        _assert_same_plan(fused.plan(0, q, kv).positions, ref.plan(0, q, kv).positions, f"step {s}")
+        ref.update(0, None, None, kv.q_pos)
+        fused.update(0, None, None, kv.q_pos)
+        _assert_same_fifo(ref, fused, f"step {s}")
+    assert ties > 0, "no probe tie in this data: the test no longer checks the tie rule"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_ctkvr_probe_ties_take_the_lowest_entry(dtype):
+    """Entries 2 and 5 have the same centroid but different lists, and the query points at it: the
+    two cosines are exactly equal, and the fused plan (probe 1) is entry 2's list, as torch.topk on
+    CUDA would pick it (index order among equal values)."""
+    kvh, g, d, n, c, rho = 1, 4, 32, 400, 8, 30
+    gen = torch.Generator().manual_seed(1)
+    cent = F.normalize(torch.randn(kvh, c, g, d, generator=gen), dim=-1)
+    cent[:, 5] = cent[:, 2]
+    lists = torch.stack([torch.randperm(n - 100, generator=gen)[:rho] + 50 for _ in range(c)])[None].to(torch.int32)
+    arrays = {"centroids": cent.to(dtype)[None], "lists": lists[None]}
+    m = get_method("ctkvr")
+    p = m.Params(n_centroids=c, list_size=rho, probe=1, k=rho, fifo=0)
+    planner = m.open(_reader(arrays), p, DecodeContext(n, _spec(kvh, g, d), 16))
+    planner.fused = True
+    q = (cent[:, 2, :, None, :] * 3.0).to(dtype).to(DEVICE)  # [KVH, G, 1, D]
+    keys = torch.randn(kvh, n, d, generator=gen).to(dtype)
+    kv = KVView(keys.to(DEVICE), keys.to(DEVICE), keys[:, :16].to(DEVICE), keys[:, :16].to(DEVICE),
+                torch.tensor([n], device=DEVICE))
+    got = planner.plan(0, q, kv).positions
+    assert set(got[0, 0].tolist()) - {-1} == set(lists[0, 2].tolist())
+
+
+KIVF_CASES = {
+    "decode": ((2, 4, 32, 800), dict(n_clusters=24, nprobe=4, k=60), [1, 1]),
+    "question": ((2, 3, 32, 600), dict(n_clusters=16, nprobe=3, k=40), [3, 1]),
+    "every_cluster": ((2, 4, 32, 400), dict(n_clusters=10, nprobe=10, k=50), [1, 2]),  # exact top-K
+    "k_beyond_candidates": ((2, 4, 32, 400), dict(n_clusters=12, nprobe=1, k=400), [1, 1]),
+    "many_probes": ((1, 4, 32, 600), dict(n_clusters=120, nprobe=80, k=90), [1]),  # nprobe > 64 (128K: 290)
+}
+
+
+def _kivf_capture(seed, kvh, g, d, n):
+    """Keys around 16 directions (clusterable), Gaussian queries."""
+    gen = torch.Generator().manual_seed(seed)
+    centers = torch.randn(1, kvh, 16, d, generator=gen) * 3
+    which = torch.randint(0, 16, (1, kvh, n), generator=gen)
+    k = centers.gather(2, which[..., None].expand(-1, -1, -1, d)) + torch.randn(1, kvh, n, d, generator=gen)
+    q, v = torch.randn(1, kvh * g, n, d, generator=gen), torch.randn(1, kvh, n, d, generator=gen)
+    return PrefillCapture(q=q, k=k, v=v, positions=torch.arange(n), spec=_spec(kvh, g, d))
+
+
+def _run_kivf(case, seed, cfg=None, monkeypatch=None):
+    (kvh, g, d, n), params, ts = KIVF_CASES[case]
+    if cfg is not None:
+        monkeypatch.setattr(ivf, "DEFAULT_CONFIG", cfg)
+    pytest.importorskip("faiss")
+    m = get_method("kivf")
+    p = m.Params(**params)
+    cap = _kivf_capture(seed, kvh, g, d, n)
+    index = _reader(m.build(cap, p))
+    ctx = DecodeContext(n, _spec(kvh, g, d), 16)
+    ref, fused = m.open(index, p, ctx), m.open(index, p, ctx)
+    ref.fused, fused.fused = False, True
+    for i, (q, kv) in enumerate(_steps(seed, kvh, g, d, n, ts, ctx=(cap.k[0], cap.v[0]))):
+        _assert_same_plan(fused.plan(0, q, kv).positions, ref.plan(0, q, kv).positions, f"{case} step {i}")
+    return fused
+
+
+@pytest.mark.parametrize("case", sorted(KIVF_CASES))
+def test_kivf_fused_plan_equals_torch(case):
+    _run_kivf(case, seed=zlib.crc32(case.encode()) % 1000 + 1)
+
+
+def test_kivf_fused_plan_with_tiny_blocks(monkeypatch):
+    _run_kivf("question", seed=7, cfg=TINY, monkeypatch=monkeypatch)
+
+
+@pytest.mark.parametrize("kp, rho", [(10, 24), (24, 10), (40, 5)])
+def test_select_kernel_ties_take_the_lowest_slots(kp, rho):
+    """The group-mass top-K on its own (kernel 3), with exact ties: every slot's logits come from 4
+    classes (the same in both heads), so masses tie within a class. The plan row is the kp best
+    valid slots, ties taken lowest slot first; the last token's row also gets the rho best
+    (selected inside the larger set); -1 fills what the valid slots cannot."""
+    rows, g, u, block = 3, 2, 64, 16
+    gen = torch.Generator().manual_seed(kp * 100 + rho)
+    cls = torch.randint(0, 4, (rows, u), generator=gen)
+    logits = (-cls.float())[:, None, :].expand(rows, g, u).contiguous()  # [rows, G, U]
+    pos = torch.randperm(1000, generator=gen)[: rows * u].view(rows, u).to(torch.int32)
+    pos[torch.rand(rows, u, generator=gen) < 0.3] = -1
+    pos[2, :] = torch.where(torch.arange(u) < 6, pos[2, :], -1)  # a row with fewer valid slots than kp
+    logits = logits.masked_fill((pos < 0)[:, None, :], float("-inf"))
+    m = logits.amax(-1)  # [rows, G]: one part holds the whole softmax state
+    lsum = torch.exp(logits - m[..., None]).sum(-1)
+    ml = torch.stack([m, lsum], -1)[:, None].contiguous()  # [rows, 1, G, 2]
+    kb = max(kp, rho)
+    scr = torch.empty(rows, 3 * u + 2 * kb, dtype=torch.int32)
+    out = torch.empty(rows, kp, dtype=torch.int32)
+    push = torch.empty(rows, rho, dtype=torch.int32)
+    d = lambda x: x.to(DEVICE)  # noqa: E731
+    t = 1  # every row is a last token's row (T = 1: one row per KV head)
+    args = [d(logits), d(pos), d(ml), d(scr), d(out), d(push)]
+    ivf._select_kernel[(rows,)](*args, t, u, 1, kp, rho, 3 * u + 2 * kb, G=g, G_PAD=g, BLOCK=block, BLOCK_S=32,
+                                HAS_PUSH=True, PUSH_FIRST=rho >= kp, PRECISE=DEVICE == "cuda", num_warps=4)
+    out, push = args[4].cpu(), args[5].cpu()
+    for r in range(rows):
+        ranked = sorted((int(cls[r, i]), i) for i in range(u) if pos[r, i] >= 0)  # class asc = mass desc, slot asc
+        for got, k in ((out[r], kp), (push[r], rho)):
+            want = [int(pos[r, i]) for _, i in ranked[:k]]
+            assert got[: len(want)].tolist() == [x for x in pos[r].tolist() if x in set(want)]  # slot order
+            assert (got[len(want):] == -1).all()
+
+
+def test_unsupported_configurations_keep_the_torch_path():
+    q = torch.zeros(1, 2, 1, 48, device=DEVICE)
+    assert ivf.unsupported(q)  # head_dim 48
+    q = torch.zeros(1, 2, 1, 64, device=DEVICE)
+    assert not ivf.unsupported(q, ctkvr_probe=4, entries=2112)
+    assert ivf.unsupported(q, ctkvr_probe=ivf.MAX_PROBE + 1, entries=4096)
+
+
+def test_environment_switch_keeps_the_torch_path(monkeypatch):
+    monkeypatch.setenv("CTXCACHE_FUSED_IVF", "0")
+    assert ivf.unsupported(torch.zeros(1, 2, 1, 64, device=DEVICE))
+    called = []
+    monkeypatch.setattr(ivf, "ctkvr_plan", lambda *a, **k: called.append(1))
+    (kvh, g, d, n), params, _ = CTKVR_CASES["no_fifo"]
+    m = get_method("ctkvr")
+    p = m.Params(**params)
+    cap = _capture(0, kvh, g, d, n)
+    planner = m.open(_reader(m.build(cap, p)), p, DecodeContext(n, _spec(kvh, g, d), 16))
+    planner.fused = True
+    q, kv = next(_steps(0, kvh, g, d, n, [1], ctx=(cap.k[0], cap.v[0])))
+    assert planner.plan(0, q, kv).positions.shape[-1] == 50 and not called
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["ctkvr", "kivf"])
+def test_fused_plans_make_no_host_sync_and_replay_in_a_graph(name):
+    """On CUDA, the fused plan (and CTkvr's fused update) runs under set_sync_debug_mode("error"),
+    and a plan captured in a CUDA graph replays to the same positions as the same plan made eagerly
+    by a twin planner with the same history."""
+    kvh, g, d, n = 4, 4, 128, 4096
+    if name == "kivf":
+        pytest.importorskip("faiss")
+    m = get_method(name)
+    params = m.Params(k=256, list_size=512) if name == "ctkvr" else m.Params(ratio=0.05)
+    # fp32: the last check compares with the torch path on the GPU, which bf16 probe ties could upset
+    cap = _capture(1, kvh, g, d, n) if name == "ctkvr" else _kivf_capture(1, kvh, g, d, n)
+    index = _reader(m.build(cap, params))
+    ctx = DecodeContext(n, _spec(kvh, g, d), 16)
+    a, b = m.open(index, params, ctx), m.open(index, params, ctx)
+    steps = list(_steps(2, kvh, g, d, n, [1] * 4, dtype=cap.k.dtype, ctx=(cap.k[0], cap.v[0])))
+    for i, (q, kv) in enumerate(steps[:-1]):
+        for planner, check in ((a, i > 0), (b, False)):  # the first step compiles and allocates
+            torch.cuda.set_sync_debug_mode("error" if check else "default")
+            try:
+                planner.plan(0, q, kv)
+                planner.update(0, None, None, kv.q_pos)
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()
+    q, kv = steps[-1]
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(side):
+        a.plan(0, q, kv)  # warm up on the capture stream (its own workspace)
+        with torch.cuda.graph(graph):
+            got = a.plan(0, q, kv).positions
+    torch.cuda.current_stream().wait_stream(side)
+    graph.replay()
+    want = b.plan(0, q, kv).positions
+    torch.cuda.synchronize()
+    assert torch.equal(_sorted_rows(got), _sorted_rows(want))
+    b.fused = False  # and the torch path plans the same positions on the GPU
+    assert torch.equal(_sorted_rows(want), _sorted_rows(b.plan(0, q, kv).positions))

@@ -1,0 +1,416 @@
+"""decoder/runner.py: the batched decode runner computes what the transformers path computes.
+
+The reference is `decoder.generate` (the model's own modules + the ctxcache attention hook, the
+same planner and backend): its greedy tokens, and its logits teacher-forced with the runner's
+tokens (`hf_logits`, the same loop as `generate` with the logits kept). CPU tests run the default
+model in fp32 with `torch_ref`; the `gpu` tests run random weights of SmolLM2's shape in bf16 with
+the `triton` backend, eager vs CUDA-graph replay vs transformers, and check that no step syncs.
+
+Measured (2-core CPU, fp32, SmolLM2-135M, 2026-11-23): runner vs transformers logits max abs
+difference 3.4e-5 (logits up to ~37; fused q/k/v and gate/up GEMMs and batched rows sum in another
+order), greedy tokens identical; in bf16 on the CPU the two are bitwise equal. Tolerance: 1e-4.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import PASSKEY_QUESTION, passkey_document
+from decoder.backends import get_backend
+from decoder.generate import ContextKV, DecodeStep, generate
+from decoder.runner import Runner, gumbel_noise, graph_safe, sample_tokens
+from indexer.base import DecodeContext, IndexReader, Planner, PrefillCapture, get_method
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+ATOL_FP32 = 1e-4
+N_NEW = 10  # "The pass key is 31337": digits are one token each
+
+
+def capture_ctx(cap: PrefillCapture, n: int | None = None) -> tuple[ContextKV, PrefillCapture]:
+    """A ContextKV over the first n tokens of a capture (a causal prefix is a context of its own)."""
+    n = n or cap.n_tokens
+    sub = PrefillCapture(None if cap.q is None else cap.q[:, :, :n], cap.k[:, :, :n], cap.v[:, :, :n],
+                         cap.positions[:n], cap.spec)
+    return ContextKV(n, lambda name, layer: (sub.k if name == "kv/k" else sub.v)[layer]), sub
+
+
+def open_planner(name: str, sub: PrefillCapture, spec, max_local: int, device="cpu", **params):
+    method = get_method(name)
+    p = method.Params(**params)
+    reader = None
+    if method.has_index:
+        arrays = {k: v.to(device) for k, v in method.build(sub, p).items()}
+        reader = IndexReader(lambda nm, layer: arrays[nm][layer], sorted(arrays))
+    return (lambda: method.open(reader, p, DecodeContext(sub.n_tokens, spec, max_local))), p
+
+
+@torch.inference_mode()
+def hf_logits(lm, ctx, planner, params, question, tokens, backend) -> torch.Tensor:
+    """[len(tokens), V] fp32: `generate`'s forward passes (question, then tokens[:-1] one by one)."""
+    from transformers import DynamicCache
+
+    model = lm.model
+    dev = next(model.parameters()).device
+    step = DecodeStep(lm.spec, ctx, planner, params, backend, dev)
+    cache = DynamicCache(config=model.config)
+    inp, pos, out = torch.tensor([question], device=dev), ctx.n_tokens, []
+    for tok in [None] + list(tokens[:-1]):
+        if tok is not None:
+            inp = torch.tensor([[tok]], device=dev)
+        t = inp.shape[1]
+        step.q_pos = torch.arange(pos, pos + t, device=dev)
+        o = model(input_ids=inp, position_ids=step.q_pos[None], past_key_values=cache, use_cache=True,
+                  logits_to_keep=1, ctx_step=step)
+        out.append(o.logits[0, -1].float())
+        pos += t
+    planner.close()
+    return torch.stack(out)
+
+
+def run_all(runner: Runner, slots: list[int], join: dict[int, tuple] | None = None) -> dict[int, torch.Tensor]:
+    """Step until every request finished; {slot: [steps, V] logits}. `join`: step index -> add()
+    arguments of a request that joins before that step."""
+    logits: dict[int, list] = {s: [] for s in slots}
+    i = 0
+    while runner.active() or (join and i in join):
+        if join and i in join:
+            s = runner.add(*join[i])
+            logits[s] = []
+        for s, _ in runner.step():
+            logits[s].append(runner.requests[s].logits.clone())
+        i += 1
+    return {s: torch.stack(v) for s, v in logits.items()}
+
+
+def answer(runner: Runner, slot: int, eos) -> list[int]:
+    toks = runner.requests[slot].tokens
+    return toks[:-1] if toks and toks[-1] in eos else toks
+
+
+@pytest.fixture(scope="module")
+def passkey_cap(lm):
+    from decoder.prefill import prefill
+
+    return prefill(lm, lm.context_ids(passkey_document(31337)))
+
+
+# ---------------------------------------------------------------------------------------------
+# CPU: the default model, fp32
+
+
+@pytest.mark.parametrize("name", ["full", "topk"])
+def test_one_request_equals_transformers(lm, passkey_cap, name):
+    ctx, sub = capture_ctx(passkey_cap)
+    q = lm.question_ids(PASSKEY_QUESTION)
+    be = get_backend("torch_ref")
+    planner, params = open_planner(name, sub, lm.spec, len(q) + N_NEW)
+    want = generate(lm, ctx, planner(), params, q, backend=be, max_tokens=N_NEW)
+    runner = Runner(lm, be)
+    slot = runner.add(ctx, planner(), params, q, N_NEW)
+    got = run_all(runner, [slot])[slot]
+    toks = runner.requests[slot].tokens
+    assert answer(runner, slot, lm.eos_token_ids) == want.token_ids
+    assert "31337" in lm.tokenizer.decode(toks)
+    ref = hf_logits(lm, ctx, planner(), params, q, toks, be)
+    torch.testing.assert_close(got, ref, atol=ATOL_FP32, rtol=0)
+    assert runner.requests[slot].finish_reason in ("stop", "length")
+    runner.remove(slot)
+    assert runner.requests == {} and runner.step() == []
+
+
+def test_three_concurrent_requests_equal_their_serial_answers(lm, captured_2k, passkey_cap):
+    """Different contexts and methods in one batch, one of them joining a step later: each
+    request's tokens are its serial `generate` answer and its logits the transformers path's."""
+    n_new = 6
+    be = get_backend("torch_ref")
+    q_doc = lm.question_ids("What does the scheduler do?")
+    q_key = lm.question_ids(PASSKEY_QUESTION)
+    cases = []  # (ctx, planner factory, params, question)
+    for cap, n, name, q, kw in ((captured_2k, None, "full", q_doc, {}), (passkey_cap, None, "topk", q_key, {}),
+                                (captured_2k, 1024, "ctkvr", q_doc, {"k": 128, "list_size": 256})):
+        ctx, sub = capture_ctx(cap, n)
+        planner, params = open_planner(name, sub, lm.spec, len(q) + n_new, **kw)
+        cases.append((ctx, planner, params, q))
+    runner = Runner(lm, be, track_fraction=True)
+    slots = [runner.add(ctx, planner(), params, q, n_new) for ctx, planner, params, q in cases[:2]]
+    ctx, planner, params, q = cases[2]
+    logits = run_all(runner, slots, join={1: (ctx, planner(), params, q, n_new)})
+    slots = sorted(logits)
+    assert len(slots) == 3
+    for slot, (ctx, planner, params, q) in zip(slots, cases):
+        want = generate(lm, ctx, planner(), params, q, backend=be, max_tokens=n_new)
+        assert answer(runner, slot, lm.eos_token_ids) == want.token_ids, slot
+        ref = hf_logits(lm, ctx, planner(), params, q, runner.requests[slot].tokens, be)
+        torch.testing.assert_close(logits[slot], ref, atol=ATOL_FP32, rtol=0)
+        frac = runner.kv_fraction(slot)
+        assert (frac == pytest.approx(1.0)) if slot == slots[0] else (0.0 < frac < 0.5), (slot, frac)
+
+
+@pytest.mark.parametrize("arch", ["llama3_rope_untied_bias", "qwen2"])
+def test_other_llama_family_shapes_equal_transformers(arch):
+    """Random tiny models: llama3 rope scaling (the rotary module's inv_freq, not the plain
+    theta formula), an untied lm_head and attention biases; Qwen2's q/k/v biases, tied head."""
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    from decoder.attention import ATTN_IMPLEMENTATION, register_attention
+    from decoder.model import LoadedModel
+    from decoder.prefill import prefill
+    from synthetic import model_spec
+
+    register_attention()
+    torch.manual_seed(0)
+    dims = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=3, num_attention_heads=4,
+                num_key_value_heads=2, vocab_size=512, max_position_embeddings=4096)
+    if arch == "qwen2":
+        model = Qwen2ForCausalLM._from_config(Qwen2Config(**dims, tie_word_embeddings=True),
+                                              attn_implementation=ATTN_IMPLEMENTATION)
+        assert model.model.layers[0].self_attn.q_proj.bias is not None
+    else:
+        rope = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 64}
+        model = LlamaForCausalLM._from_config(
+            LlamaConfig(**dims, rope_theta=500000.0, rope_scaling=rope, attention_bias=True, tie_word_embeddings=False),
+            attn_implementation=ATTN_IMPLEMENTATION)
+        default = 1.0 / 500000.0 ** (torch.arange(0, 32, 2).float() / 32)
+        assert not torch.allclose(model.model.rotary_emb.inv_freq, default)  # the scaling matters here
+    for p in model.parameters():  # HF zero-inits biases: make them count
+        if p.dim() == 1 and not torch.all(p == 1):
+            p.data.normal_(0, 0.5)
+    model.eval()
+    lm = LoadedModel(spec=model_spec(3, 4, 2, 32, 500000.0, f"tiny-{arch}"), tokenizer=None, model=model)
+    g = torch.Generator().manual_seed(1)
+    cap = prefill(lm, torch.randint(0, 512, (300,), generator=g).tolist())
+    ctx, sub = capture_ctx(cap)
+    q = torch.randint(0, 512, (5,), generator=g).tolist()
+    be = get_backend("torch_ref")
+    for name in ("full", "topk"):
+        planner, params = open_planner(name, sub, lm.spec, len(q) + N_NEW)
+        want = generate(lm, ctx, planner(), params, q, backend=be, max_tokens=N_NEW)
+        runner = Runner(lm, be)
+        slot = runner.add(ctx, planner(), params, q, N_NEW)
+        got = run_all(runner, [slot])[slot]
+        assert runner.requests[slot].tokens == want.token_ids
+        ref = hf_logits(lm, ctx, planner(), params, q, want.token_ids, be)
+        torch.testing.assert_close(got, ref, atol=ATOL_FP32, rtol=0)
+
+
+def test_sampling_draws_softmax_reproducibly():
+    """Gumbel-max with hashed noise: frequencies follow softmax(logits / T); a row is a function of
+    (seed, position) only; temperature-0 rows stay greedy in a sampling batch."""
+    torch.manual_seed(0)
+    v = 8
+    logits = torch.randn(v) * 1.5
+    n = 40000
+    rows = logits.expand(n, v)
+    temp = torch.full((n,), 0.7)
+    toks = sample_tokens(rows, temp, torch.full((n,), 123, dtype=torch.long), torch.arange(n), hot=True)
+    freq = torch.bincount(toks, minlength=v).float() / n
+    want = torch.softmax(logits / 0.7, -1)
+    assert (freq - want).abs().max() < 0.01  # 40K draws: standard error <= 0.0025
+    a = gumbel_noise(torch.tensor([5, 5, 6]), torch.tensor([100, 101, 100]), 64)
+    b = gumbel_noise(torch.tensor([5]), torch.tensor([100]), 64)
+    assert torch.equal(a[0], b[0]) and not torch.equal(a[0], a[1]) and not torch.equal(a[0], a[2])
+    mixed = sample_tokens(logits.expand(2, v), torch.tensor([0.0, 5.0]), torch.tensor([1, 1]), torch.tensor([7, 7]),
+                          True)
+    assert int(mixed[0]) == int(logits.argmax())
+
+
+def test_sampled_request_is_the_same_alone_and_in_a_batch(lm, passkey_cap):
+    ctx, sub = capture_ctx(passkey_cap)
+    q = lm.question_ids(PASSKEY_QUESTION)
+    be = get_backend("torch_ref")
+    planner, params = open_planner("full", sub, lm.spec, len(q) + 6)
+    alone = Runner(lm, be)
+    s = alone.add(ctx, planner(), params, q, 6, temperature=1.5, seed=7)
+    run_all(alone, [s])
+    batch = Runner(lm, be)
+    other = batch.add(ctx, planner(), params, lm.question_ids("Say hello."), 6)
+    s2 = batch.add(ctx, planner(), params, q, 6, temperature=1.5, seed=7)
+    run_all(batch, [other, s2])
+    assert batch.requests[s2].tokens == alone.requests[s].tokens
+    greedy = Runner(lm, be)
+    s3 = greedy.add(ctx, planner(), params, q, 6)
+    run_all(greedy, [s3])
+    assert greedy.requests[s3].tokens != alone.requests[s].tokens  # T = 1.5 does sample
+
+
+def test_graph_safety_and_finishing(lm, passkey_cap):
+    class Flagged(Planner):
+        graph_safe = False
+
+        def plan(self, layer, q, kv):
+            return get_method("full").open(None, None, None).plan(layer, q, kv)
+
+    ctx, sub = capture_ctx(passkey_cap)
+    cs = get_method("csattn")
+    assert not graph_safe(Flagged())
+    assert graph_safe(get_method("full").open(None, None, None))
+    no_index = IndexReader(lambda name, layer: None, [])  # the planner reads it only when planning
+    assert graph_safe(cs.open(no_index, cs.Params(period=1), DecodeContext(sub.n_tokens, lm.spec, 8))) is True
+    assert graph_safe(cs.open(no_index, cs.Params(period=4), DecodeContext(sub.n_tokens, lm.spec, 8))) is False
+    runner = Runner(lm, get_backend("torch_ref"))
+    slot = runner.add(ctx, Flagged(), get_method("full").Params(), lm.question_ids(PASSKEY_QUESTION), 2)
+    assert runner.requests[slot].safe is False
+    assert len(runner.step()) == 1 and len(runner.step()) == 1 and runner.step() == []
+    assert runner.requests[slot].finish_reason == "length" and runner.graph_status == "eager: graphs off"
+    with pytest.raises(ValueError):
+        runner.add(ctx, Flagged(), get_method("full").Params(), [], 2)
+
+
+# ---------------------------------------------------------------------------------------------
+# GPU: random weights of SmolLM2's shape, triton backend
+
+# Tolerances of runner vs transformers on the GPU (teacher-forced, per step, ||got - ref|| / ||ref||):
+# * fp32 (no TF32): full 1e-4 (only the fused GEMMs' summation order differs); sparse methods 5e-3:
+#   a ~1e-7 difference in a score can swap a near-tie of the selection, which moves the output by
+#   the (small, nearly equal) masses of the swapped keys (CPU dry run of this test: full 6e-7, topk
+#   6e-7, ctkvr 8e-5). Argmax equal wherever the reference's top-2 margin exceeds 1e-2.
+# * bf16: the fused GEMMs may pick other cuBLAS kernels than the separate q/k/v/gate/up
+#   projections, so an output element can round to the neighbouring bf16 value. Measured on the
+#   CPU with every GEMM output of the runner perturbed by up to one bf16 ulp (a pessimistic
+#   stand-in): dense 1.8e-2, topk 0.10 (a perturbed query can swap a near-tie in the selection);
+#   unperturbed CPU dry run of this test: full 0, topk 1.7e-2, ctkvr 0.
+#   Bounds: full 3e-2 with argmax equal where the margin exceeds 0.05 (logits ~2 are quantized to
+#   1/64); sparse methods 0.15.
+# Graph replay vs eager (same kernels, same inputs): expected equal; allowed 1e-3 (bf16).
+TOL = {torch.float32: {"full": 1e-4, "sparse": 5e-3, "margin": 1e-2},
+       torch.bfloat16: {"full": 3e-2, "sparse": 0.15, "margin": 0.05}}
+REL_GRAPH = 1e-3
+
+
+def _rel(a, b):
+    return ((a.float() - b.float()).norm(dim=-1) / b.float().norm(dim=-1).clamp_min(1e-12))
+
+
+def _same_decode(got: torch.Tensor, ref: torch.Tensor, rel: float, margin: float) -> int:
+    """Compare step by step until the first token that differs (allowed only where the reference's
+    top-2 margin is below `margin`); returns the steps compared."""
+    for i in range(min(len(got), len(ref))):
+        assert _rel(got[i], ref[i]) <= rel, (i, float(_rel(got[i], ref[i])))
+        if got[i].argmax() != ref[i].argmax():
+            top = ref[i].topk(2).values
+            assert float(top[0] - top[1]) < margin, (i, float(top[0] - top[1]))
+            return i + 1
+    return min(len(got), len(ref))
+
+
+_GPU: dict = {}
+
+
+def gpu_setup(dtype):
+    """(LoadedModel, (ContextKV, capture)) of a random SmolLM2-shaped model in `dtype` on CUDA and a
+    1,024-token context prefilled by it (built once per dtype)."""
+    if dtype in _GPU:
+        return _GPU[dtype]
+    import dataclasses
+
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from decoder.attention import ATTN_IMPLEMENTATION, register_attention
+    from decoder.model import LoadedModel
+    from decoder.prefill import prefill
+    from synthetic import smollm2_spec
+
+    register_attention()
+    torch.manual_seed(0)
+    cfg = LlamaConfig(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
+                      num_key_value_heads=3, vocab_size=49152, rope_theta=100000.0, tie_word_embeddings=True,
+                      rms_norm_eps=1e-5, max_position_embeddings=8192)
+    with torch.device("cuda"):
+        model = LlamaForCausalLM._from_config(cfg, attn_implementation=ATTN_IMPLEMENTATION, dtype=dtype)
+    lm = LoadedModel(spec=dataclasses.replace(smollm2_spec(30), dtype=str(dtype).removeprefix("torch.")),
+                     tokenizer=None, model=model.eval(), eos_token_ids=())
+    g = torch.Generator().manual_seed(1)
+    cap = prefill(lm, torch.randint(0, 49152, (1024,), generator=g).tolist())
+    cap = PrefillCapture(cap.q.cuda(), cap.k.cuda(), cap.v.cuda(), cap.positions.cuda(), cap.spec)
+    _GPU[dtype] = (lm, capture_ctx(cap))
+    return _GPU[dtype]
+
+
+def _gpu_requests(lm, gpu_ctx, n_new):
+    ctx, sub = gpu_ctx
+    g = torch.Generator().manual_seed(2)
+    out = []
+    for name in ("full", "topk", "ctkvr"):
+        q = torch.randint(0, 49152, (12,), generator=g).tolist()
+        planner, params = open_planner(name, sub, lm.spec, len(q) + n_new, device="cuda")
+        out.append((name, ctx, planner, params, q))
+    return out
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_gpu_graph_replay_equals_eager_equals_transformers(dtype):
+    """Three requests (full, topk, ctkvr) in one batch: the CUDA-graph runner, the eager runner and
+    the transformers path agree (tolerances above); the graph is captured once and replayed."""
+    lm, gpu_ctx = gpu_setup(dtype)
+    n_new = 10
+    be = get_backend("triton")
+    reqs = _gpu_requests(lm, gpu_ctx, n_new)
+    runs = {}
+    for graphs in (True, False):
+        runner = Runner(lm, be, graphs=graphs)
+        slots = [runner.add(ctx, planner(), params, q, n_new) for _, ctx, planner, params, q in reqs]
+        logits = {s: [] for s in slots}
+        status = []
+        while runner.active():
+            for s, _ in runner.step():
+                logits[s].append(runner.requests[s].logits.clone())
+            status.append(runner.graph_status)
+        runs[graphs] = ([torch.stack(logits[s]) for s in slots], [runner.requests[s].tokens for s in slots])
+        if graphs:  # question chunks, one eager warm-up step, a capture, then replays
+            assert status[:3] == ["", "eager: warming up", "captured"] and set(status[3:]) == {"replayed"}, status
+            assert runner.captures == 1
+        del runner
+    (g_logits, g_toks), (e_logits, _) = runs[True], runs[False]
+    tol = TOL[dtype]
+    unstable = []
+    for (name, ctx, planner, params, q), got, eager, toks in zip(reqs, g_logits, e_logits, g_toks):
+        if name == "ctkvr" and dtype == torch.bfloat16 and _rel(got[0], eager[0]) > REL_GRAPH:
+            # Known, open (benchmarks/RESULTS.md, "Fused searches"): in bf16 the fused CTkvr plan of a
+            # question chunk is not bitwise reproducible between two identical runs on an H100 (step-0
+            # logits 1.27e-2 apart, both eager); fp32 is. The rest of this request is still compared
+            # with transformers below, at the sparse tolerance.
+            unstable.append(float(_rel(got[0], eager[0])))
+            n_cmp = 0
+        else:
+            n_cmp = _same_decode(got, eager, REL_GRAPH, 1e-2)
+        print(f"{dtype} {name}: graph vs eager max rel "
+              f"{float(_rel(got[:n_cmp], eager[:n_cmp]).max()) if n_cmp else float('nan'):.2e} over {n_cmp} steps")
+        ref = hf_logits(lm, ctx, planner(), params, q, toks, be)  # teacher-forced with the graph run's tokens
+        rel = _rel(got, ref)
+        print(f"{dtype} {name}: runner vs transformers max rel {float(rel.max()):.2e}, "
+              f"max abs {float((got - ref).abs().max()):.3e}")
+        assert (rel <= tol["full" if name == "full" else "sparse"]).all(), (name, rel)
+        if name == "full" or dtype == torch.float32:
+            top = ref.topk(2, dim=-1).values
+            sure = (top[:, 0] - top[:, 1]) > tol["margin"]
+            assert torch.equal(got.argmax(-1)[sure], ref.argmax(-1)[sure]), name
+    if unstable:
+        pytest.xfail(f"fused CTkvr plan not reproducible run to run in bf16 (step-0 rel {unstable[0]:.2e}); open")
+
+
+@pytest.mark.gpu
+def test_gpu_steps_make_no_host_sync():
+    """After the first two steps (question chunks, then the eager warm-up that may allocate lazily),
+    eager steps and graph replays run under set_sync_debug_mode("error"); the capture itself fails on
+    any sync (the runner would then say `eager: capture failed`)."""
+    lm, gpu_ctx = gpu_setup(torch.bfloat16)
+    be = get_backend("triton")
+    for graphs in (True, False):
+        runner = Runner(lm, be, graphs=graphs, track_fraction=True)
+        for _, ctx, planner, params, q in _gpu_requests(lm, gpu_ctx, 8):
+            runner.add(ctx, planner(), params, q, 8)
+        runner.step()
+        runner.step()
+        runner.sync_check = True
+        statuses = []
+        while runner.active():
+            runner.step()
+            statuses.append(runner.graph_status)
+        if graphs:
+            assert statuses[0] == "captured" and set(statuses[1:]) == {"replayed"}, statuses
+        else:
+            assert set(statuses) == {"eager: graphs off"}
