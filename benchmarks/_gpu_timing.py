@@ -12,6 +12,14 @@ import time
 
 import torch
 
+# One Llama-3.1-8B layer, the shape every GPU benchmark times: 32 query heads, 8 KV heads (GQA group
+# 4), head dim 128, RoPE theta 500000, bf16; the request holds M_LOCAL tokens.
+H, KVH, D = 32, 8, 128
+G = H // KVH
+M_LOCAL = 64
+THETA = 500000.0
+BF = torch.bfloat16
+
 
 class Timing:
     def __init__(self, device: str = "cuda"):

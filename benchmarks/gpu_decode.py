@@ -49,7 +49,7 @@ import torch.nn.functional as F
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from benchmarks._gpu_timing import Timing, kernel_profile  # noqa: E402
+from benchmarks._gpu_timing import BF, D, G, H, KVH, M_LOCAL, THETA, Timing, kernel_profile  # noqa: E402
 from decoder.backends import backend_names, get_backend  # noqa: E402
 from decoder.rope import apply_rope  # noqa: E402
 from indexer.base import DecodeContext, IndexReader, KVView, PrefillCapture, get_method  # noqa: E402
@@ -57,11 +57,6 @@ from indexer.base import DecodeContext, IndexReader, KVView, PrefillCapture, get
 sys.path.insert(0, str(ROOT / "tests"))
 from synthetic import Mixture, llama8b_spec, write_saap_model  # noqa: E402
 
-H, KVH, D = 32, 8, 128
-G = H // KVH
-M_LOCAL = 64
-THETA = 500000.0
-BF = torch.bfloat16
 DEV = "cuda"
 T = Timing(DEV)
 METHODS = ["streaming", "topk", "csattn", "ctkvr", "kivf", "lfps", "psa", "saap"]

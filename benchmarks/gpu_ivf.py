@@ -49,16 +49,11 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
 
-from benchmarks._gpu_timing import Timing, kernel_profile  # noqa: E402
+from benchmarks._gpu_timing import BF, D, G, H, KVH, M_LOCAL, THETA, Timing, kernel_profile  # noqa: E402
 from decoder.rope import apply_rope  # noqa: E402
 from indexer.base import DecodeContext, IndexReader, KVView, PrefillCapture, get_method  # noqa: E402
 from synthetic import Mixture, llama8b_spec  # noqa: E402
 
-H, KVH, D = 32, 8, 128
-G = H // KVH
-M_LOCAL = 64
-THETA = 500000.0
-BF = torch.bfloat16
 
 
 def make_inputs(n: int, mix: Mixture, seed: int, dev: str):

@@ -59,7 +59,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
 
 import indexer.kernels  # noqa: E402,F401  (the interpreter's NumPy fix, before any kernel module)
-from benchmarks._gpu_timing import Timing, kernel_profile  # noqa: E402
+from benchmarks._gpu_timing import BF, D, G, H, KVH, M_LOCAL, THETA, Timing, kernel_profile  # noqa: E402
 from decoder.backends import backend_names, get_backend  # noqa: E402
 from decoder.rope import apply_rope, undo_rope  # noqa: E402
 from indexer.base import DecodeContext, IndexReader, KVView, PrefillCapture, get_method  # noqa: E402
@@ -67,11 +67,6 @@ from indexer.kernels import saap as K  # noqa: E402
 from indexer.saap import SaapModel, bucket_scores  # noqa: E402
 from synthetic import Mixture, llama8b_spec, write_saap_model  # noqa: E402
 
-H, KVH, D = 32, 8, 128
-G = H // KVH
-M_LOCAL = 64
-THETA = 500000.0
-BF = torch.bfloat16
 T = Timing("cuda")
 
 SWEEP = [  # PlanConfig variants for --sweep (the default first); all compile for sm_90 without spills

@@ -26,12 +26,7 @@ THETA = 10000.0
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def _weights(kvh: int, d: int, hd: int, c: int, g: torch.Generator) -> dict[str, torch.Tensor]:
