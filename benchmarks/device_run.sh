@@ -5,7 +5,8 @@
 #
 #   device tool: run(command="bash benchmarks/device_run.sh tests decode before_after",
 #                    carry=[".whl", ".old"])
-#   stages: tests | decode | decode512 | before_after | kernels | e2e32 | e2e128 (default: tests decode before_after)
+#   stages: tests | kerneltests | decode | decode512 | before_after | kernels | e2e32 | e2e128 | e2e128rest
+#   (default: tests decode before_after)
 #   .old = the tree before the plan/run redesign (`git archive <commit> decoder indexer storage`), for
 #   the before/after decode comparison.
 set -uo pipefail
@@ -22,11 +23,13 @@ for stage in $stages; do
     tests)
       python3 -m pytest -q -p no:cacheprovider -m gpu -o addopts="" \
         tests/test_gpu_decode.py tests/test_triton_attention.py tests/test_backends.py tests/test_pipeline.py \
-        tests/test_csattn.py tests/test_saap_device.py tests/test_runner.py tests/test_kernels_select.py \
-        tests/test_kernels_saap.py tests/test_kernels_ivf.py 2>&1 | tee "$OUT/gpu_tests.log" | tail -40
+        tests/test_csattn.py tests/test_saap_device.py tests/test_runner.py tests/test_kernels_*.py \
+        2>&1 | tee "$OUT/gpu_tests.log" | tail -40
       python3 -m pytest -q -p no:cacheprovider -o addopts="" tests/test_triton_attention.py tests/test_backends.py \
-        tests/test_kernels_select.py tests/test_kernels_saap.py tests/test_kernels_ivf.py \
-        2>&1 | tail -3 | tee -a "$OUT/gpu_tests.log" ;;
+        tests/test_kernels_*.py 2>&1 | tail -3 | tee -a "$OUT/gpu_tests.log" ;;
+    kerneltests)  # the kernel test files only, GPU and non-GPU tests alike
+      python3 -m pytest -q -p no:cacheprovider -o addopts="" -x tests/test_kernels_*.py 2>&1 \
+        | tee "$OUT/gpu_kernel_tests.log" | tail -30 ;;
     kernels)
       python3 benchmarks/gpu_select.py --sweep 2>&1 | tee "$OUT/gpu_select.log" | tail -25
       python3 benchmarks/gpu_saap_plan.py --sweep 2>&1 | tee "$OUT/gpu_saap_plan.log" | tail -25
@@ -36,8 +39,13 @@ for stage in $stages; do
     e2e128)
       python3 benchmarks/gpu_e2e.py --lengths 131072 --batches 1 8 --methods hf full ctkvr saap csattn 2>&1 \
         | tee "$OUT/gpu_e2e_128k.log" | tail -30 ;;
+    e2e128rest)  # the methods and the offload rows the first 128K run left out
+      python3 benchmarks/gpu_e2e.py --lengths 131072 --batches 1 8 --methods full csattn psa lfps kivf ctkvr \
+        --backends triton offload --offload-batches 8 --offload-methods csattn ctkvr --eager-tokens 0 --hf-tokens 0 --tokens 8 \
+        --out "$OUT/e2e_rest" 2>&1 | tee "$OUT/gpu_e2e_128k_rest.log" | tail -40 ;;
     decode)
-      python3 benchmarks/gpu_decode.py --lengths 32768 131072 --batches 1 8 --profile 2>&1 | tee "$OUT/gpu_decode.log" \
+      python3 benchmarks/gpu_decode.py --lengths 32768 131072 --batches 1 8 --profile --torch-plans --backends triton \
+        2>&1 | tee "$OUT/gpu_decode.log" \
         | grep -v "^  \|^    " ;;
     decode512)
       python3 benchmarks/gpu_decode.py --lengths 524288 --batches 1 --out "$OUT/512k" 2>&1 | tee "$OUT/gpu_decode_512k.log" \

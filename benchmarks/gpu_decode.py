@@ -26,8 +26,14 @@ Budgets (rho 5% where the method has a ratio): topk, csattn (alpha 0.1, the pape
 setting), kivf, lfps ratio 0.05; ctkvr at its paper operating point (k = 1024, lists 2560, probe 4);
 psa eps 0.95 with at most `--psa-max-ratio` of the blocks; saap C = 1024, nprobe 32 (~3%).
 
-Rows (JSON, $OUT/gpu_decode.json): n, batch, method, backend, mode (eager|graph), ms, sdpa_ms (full
-SDPA, same batch and mode), sdpa_slice_ms, ratio = sdpa_ms / ms (> 1: faster than dense).
+Fused searches against their torch path (`--torch-plans`, B = 1, the triton backend): the same request
+is opened a second time with the planner's fused kernels switched off (`planner.fused = False`, saap:
+`use_kernels = False`) and timed the same way (rows with planner "torch"; the default rows are
+planner "auto": fused where the method has kernels); `plan_agreement` = the mean over plan rows of
+|fused row ∩ torch row| / |torch row| (positions as sets, -1 ignored): 1.0 = the same plan.
+
+Rows (JSON, $OUT/gpu_decode.json): n, batch, method, backend, planner, mode (eager|graph), ms, sdpa_ms
+(full SDPA, same batch and mode), sdpa_slice_ms, ratio = sdpa_ms / ms (> 1: faster than dense).
 """
 
 from __future__ import annotations
@@ -117,12 +123,16 @@ def prefill_layer_ms(n: int) -> float:
 class Request:
     """One request on one context: static buffers a graph can read, the planner, the backend."""
 
-    def __init__(self, ctx_k, ctx_v, loc_k, loc_v, q, arrays, method, params, layer, sp, backend):
+    def __init__(self, ctx_k, ctx_v, loc_k, loc_v, q, arrays, method, params, layer, sp, backend, torch_plan=False):
         self.kv = KVView(ctx_k, ctx_v, loc_k, loc_v, torch.tensor([ctx_k.shape[1] + M_LOCAL - 1], device=DEV))
         self.q = q
         self.layer = layer
         reader = None if arrays is None else IndexReader(lambda nm, l: arrays[nm][l], sorted(arrays))
         self.planner = method.open(reader, params, DecodeContext(ctx_k.shape[1], sp, M_LOCAL))
+        if torch_plan:  # the planner's torch path (the reference its fused kernels are checked against)
+            for attr in ("fused", "use_kernels"):
+                if hasattr(self.planner, attr):
+                    setattr(self.planner, attr, False)
         self.sink, self.window = params.frame(ctx_k.shape[1])
         self.backend = backend
         self.plan = None
@@ -140,8 +150,22 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-12))
 
 
+def has_fused_path(planner) -> bool:
+    return hasattr(planner, "fused") or hasattr(planner, "use_kernels")
+
+
+def plan_agreement(got: torch.Tensor, want: torch.Tensor) -> float:
+    """Mean over rows of |got ∩ want| / |want| (positions as sets, -1 ignored; 1.0 for two empty rows)."""
+    g, w = got.reshape(-1, got.shape[-1]).long(), want.reshape(-1, want.shape[-1]).long()
+    scores = []
+    for a, b in zip(g.cpu(), w.cpu()):
+        sa, sb = set(a[a >= 0].tolist()), set(b[b >= 0].tolist())
+        scores.append(1.0 if not sb and not sa else len(sa & sb) / max(len(sb), 1))
+    return sum(scores) / max(len(scores), 1)
+
+
 def run_length(n: int, batches: list[int], methods: list[str], backends: list[str], reps: int, psa_max_ratio: float,
-               workdir: Path, profile: bool = False) -> tuple[list[dict], list[dict]]:
+               workdir: Path, profile: bool = False, torch_plans: bool = False) -> tuple[list[dict], list[dict]]:
     rows, builds = [], []
     sp1, sp2 = spec(1), spec(2)
     mix = Mixture(sp2, DEV, seed=0)
@@ -234,7 +258,8 @@ def run_length(n: int, batches: list[int], methods: list[str], backends: list[st
                             prof = {"error": f"{type(e).__name__}: {e}"[:200], "kernels_per_call": 0,
                                     "device_us_per_call": 0.0, "top": []}
                     for mode, ms in (("eager", eager), ("graph", graph)):
-                        rows.append({"n": n, "batch": b, "method": name, "backend": be_name, "mode": mode, "ms": ms,
+                        rows.append({"n": n, "batch": b, "method": name, "backend": be_name, "planner": "auto",
+                                     "mode": mode, "ms": ms,
                                      "sdpa_ms": sdpa[b, mode], "sdpa_slice_ms": sdpa_slice[b, mode],
                                      "ratio": ratio(sdpa[b, mode], ms), "plan_k": k_plan,
                                      "plan_filled": valid, "err_vs_torch_ref": err,
@@ -247,6 +272,8 @@ def run_length(n: int, batches: list[int], methods: list[str], backends: list[st
                     print(f"  {name:9s} {be_name:9s} B={b}: eager {eager:.3f} ms ({sdpa[b, 'eager'] / eager:.2f}x sdpa), "
                           f"graph {g_txt}, K={k_plan} filled={valid if valid is None else round(valid, 3)} err={err:.1e}"
                           f"{'' if why == 'ok' else ' graph: ' + why}", flush=True)
+                    if torch_plans and b == 1 and be_name == "triton" and has_fused_path(reqs[0].planner):
+                        rows += torch_plan_rows(reqs[0], method, params, arrays, layer, sp, be, n, sdpa, reps, name)
                     del reqs
             del arrays
             torch.cuda.empty_cache() if DEV == "cuda" else None
@@ -254,6 +281,23 @@ def run_length(n: int, batches: list[int], methods: list[str], backends: list[st
             traceback.print_exc()
             rows.append({"n": n, "method": name, "error": f"{type(e).__name__}: {str(e)[:300]}"})
     return rows, builds
+
+
+def torch_plan_rows(fused_req, method, params, arrays, layer, sp, be, n, sdpa, reps, name) -> list[dict]:
+    """The same request with the planner's torch path: time it and compare its plan with the fused one."""
+    kv = fused_req.kv
+    req = Request(kv.ctx_k, kv.ctx_v, kv.loc_k, kv.loc_v, fused_req.q, arrays, method, params, layer, sp, be,
+                  torch_plan=True)
+    req.step()
+    fp, tp = fused_req.plan.positions, req.plan.positions
+    agree = None if fp is None or tp is None else plan_agreement(fp, tp)
+    eager = T.host_ms(req.step, reps=reps)
+    graph, why = T.graph_ms(req.step, reps=reps)
+    print(f"  {name:9s} torch plan: eager {eager:.3f} ms, graph {graph if graph is None else round(graph, 3)} ms, "
+          f"plan agreement with the fused plan {agree}", flush=True)
+    return [{"n": n, "batch": 1, "method": name, "backend": be.name, "planner": "torch", "mode": mode, "ms": ms,
+             "sdpa_ms": sdpa[1, mode], "ratio": ratio(sdpa[1, mode], ms), "plan_agreement": agree,
+             "graph": why if mode == "graph" else None} for mode, ms in (("eager", eager), ("graph", graph))]
 
 
 def main() -> None:
@@ -267,6 +311,8 @@ def main() -> None:
     ap.add_argument("--psa-max-ratio", type=float, default=0.1)
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--profile", action="store_true", help="kernels per step and the top kernels (B = 1)")
+    ap.add_argument("--torch-plans", action="store_true",
+                    help="also time each fused planner's torch path and compare the plans (B = 1, triton backend)")
     ap.add_argument("--out", default=os.environ.get("OUT", "benchmarks/out"))
     a = ap.parse_args()
     DEV = a.device
@@ -287,7 +333,8 @@ def main() -> None:
     rows, builds = [], []
     with torch.inference_mode(), tempfile.TemporaryDirectory() as tmp:
         for n in a.lengths:
-            r, b = run_length(n, a.batches, a.methods, backends, a.reps, a.psa_max_ratio, Path(tmp), a.profile)
+            r, b = run_length(n, a.batches, a.methods, backends, a.reps, a.psa_max_ratio, Path(tmp), a.profile,
+                                  a.torch_plans)
             rows += r
             builds += b
             (out / "gpu_decode.json").write_text(json.dumps({"info": info, "rows": rows, "builds": builds}, indent=1))
@@ -296,7 +343,8 @@ def main() -> None:
     by = {}
     for r in rows:
         if "error" not in r:
-            by.setdefault((r["n"], r["batch"], r["method"], r["backend"]), {})[r["mode"]] = r
+            by.setdefault((r["n"], r["batch"], r["method"], r["backend"] + ("" if r.get("planner", "auto") == "auto"
+                                                                            else " (torch plan)")), {})[r["mode"]] = r
     for (n, b, m, be), d in by.items():
         e, g = d.get("eager", {}), d.get("graph", {})
         f = lambda x: "-" if x is None else f"{x:.3f}"  # noqa: E731

@@ -346,6 +346,8 @@ def main() -> None:
                     help="'hf' = transformers eager (generate + full); the rest run in the runner")
     ap.add_argument("--backends", nargs="+", default=None, help="default: triton on CUDA, torch_ref on CPU")
     ap.add_argument("--offload-batches", type=int, nargs="+", default=[8], help="batches of the offload backend's rows")
+    ap.add_argument("--offload-methods", nargs="+", default=["csattn", "ctkvr"],
+                    help="methods that get offload rows when the offload backend is asked for")
     ap.add_argument("--tokens", type=int, default=16, help="timed one-token steps per row")
     ap.add_argument("--eager-tokens", type=int, default=4, help="timed steps of the eager runner at B = 1 (0: off)")
     ap.add_argument("--hf-tokens", type=int, default=8)
@@ -456,7 +458,7 @@ def main() -> None:
                             bench.runner(n, ctx, name, method, params, reader, be, b, True, a.tokens, extra)
                             if b == 1 and a.eager_tokens and not bench.over_budget():
                                 bench.runner(n, ctx, name, method, params, reader, be, b, False, a.eager_tokens, extra)
-                    if "offload" in backends:
+                    if "offload" in backends and name in a.offload_methods:
                         if host_ctx is None:
                             hk, hv = ctx_k.cpu(), ctx_v.cpu()
                             host_ctx = ContextKV(n, lambda nm, layer, hk=hk, hv=hv: (hk if nm == "kv/k" else hv)[layer])

@@ -69,13 +69,17 @@ from synthetic import Mixture, llama8b_spec, write_saap_model  # noqa: E402
 
 T = Timing("cuda")
 
-SWEEP = [  # PlanConfig variants for --sweep (the default first); all compile for sm_90 without spills
+SWEEP = [  # PlanConfig variants for --sweep (the default first)
     {},
     {"block_c": 8}, {"block_c": 32}, {"tile": 4096}, {"tile": 16384},  # _logits_kernel: its tile
     {"num_stages": 2}, {"num_stages": 4}, {"num_warps": 8},  # ... its pipelining, and every kernel's warps
     {"block_hidden": 8}, {"block_hidden": 32},  # _hidden_kernel
     {"block_rank": 16}, {"block_rank": 64}, {"block_j": 256}, {"rank_stages": 1},  # _rank_kernel
     {"block_plan": 512}, {"block_plan": 2048},  # _expand_kernel
+    # combinations of the single-knob winners of the first sweep (tile 4096, block_j 256, rank_stages 1)
+    {"tile": 4096, "block_j": 256, "rank_stages": 1},
+    {"tile": 4096, "block_j": 512, "block_rank": 16, "rank_stages": 1},
+    {"tile": 4096, "block_j": 1024, "block_rank": 8, "rank_stages": 1},
 ]
 
 

@@ -69,10 +69,17 @@ Two deliberate departures from the paper:
   t+1 with step t's query while the GPU attends) is dropped: it cost quality (recall of the
   exact top-5% 0.554 vs 0.629, top-1 agreement 0.52 vs 0.83 on SmolLM2; RESULTS_csattn.md); a
   generic plan-ahead for the offload backend may come back later.
-GPU: the final top-K over the dense score buffer is the fused radix select
-(`indexer/kernels/select.py`, 2-3x faster than `torch.topk` at 32-128K); the table lookup and the
-scatter-reduce into the [KVH, T, N] buffer are still plain torch and dominate the plan
-(benchmarks/RESULTS.md, "Decode engine redesign").
+GPU: the search runs fused (`indexer/kernels/csattn.py`): one launch chooses the centroids and list
+weights, one walks the chosen lists straight from the persisted `idx` / `score` tables (no gathered
+copies) and adds each entry into an int64 fixed-point accumulator per (kv head, token) with integer
+atomics (exact, so the scores do not depend on the order of the adds, unlike torch's CUDA
+`scatter_reduce_`), one decodes it into the masked fp32 score buffer and zeroes it again, then the
+fused radix select (`indexer/kernels/select.py`) takes the top-K: 7 launches, no gathered copy of
+the lists, estimated ~40-55 us per layer-step at 128K on an H100 (not measured yet), against ~190 us
+for the torch plan (its gather of the lists and scatter_reduce_ alone ~165 us). This torch code is the
+reference and the CPU path; the fused search selects the same positions per row (as a set; scores
+agree to ~1e-7 relative, ties and rounding: the kernel module's docstring). `planner.fused`: None =
+fused for CUDA tensors (the default), True = also on CPU (Triton's interpreter, tests), False = torch.
 """
 
 from __future__ import annotations
@@ -286,6 +293,16 @@ def search(
 # Planner
 
 
+def _fused_search(q: torch.Tensor, cent: torch.Tensor):
+    """The fused `search` (indexer/kernels/csattn.py) when it can run here, else None (no Triton,
+    or the kernel module's `unsupported` gives reasons: then the torch path)."""
+    try:
+        from indexer.kernels import csattn as kernels
+    except ImportError:
+        return None
+    return None if kernels.unsupported(q, cent) else kernels.search
+
+
 class _CSAttnPlanner(Planner):
     """One request: the search over the shared, read-only tables, plus the search period's state
     (host-side: which plan a layer reuses, and for how many steps it has served)."""
@@ -302,6 +319,7 @@ class _CSAttnPlanner(Planner):
         self._made: dict[int, tuple[Plan, bool]] = {}  # layer -> (this step's plan, searched?), committed by update
         self._searches = 0
         self._reused = 0
+        self.fused: bool | None = None  # None: fused kernels for CUDA tensors; True: also on CPU (interpreter)
 
     def plan(self, layer, q, kv):
         t = q.shape[2]
@@ -310,7 +328,9 @@ class _CSAttnPlanner(Planner):
             self._made[layer] = (last[0], False)
             return last[0]
         cent, idx, score = (self.index.layer(name, layer) for name in ("centroids", "idx", "score"))
-        plan = Plan(search(cent, idx, score, q, kv.q_pos, self.n_ctx, self.k, self.params, self.sink, self.window))
+        fn = _fused_search(q, cent) if self.fused is not False and (self.fused or q.is_cuda) else None
+        plan = Plan((fn or search)(cent, idx, score, q, kv.q_pos, self.n_ctx, self.k, self.params, self.sink,
+                                   self.window))
         self._made[layer] = (plan, True)
         return plan
 
