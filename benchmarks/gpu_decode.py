@@ -19,8 +19,9 @@ GEMMs at random weights), the planner is opened, and the step `backend.run(q, kv
 is timed with each backend (torch_ref, and triton when it is installed). Baselines in the same run:
 SDPA over all N + 64 keys, and SDPA over a contiguous 5% slice (the floor a perfect gather reaches
 at that budget with SDPA's own kernel). B = 8: eight requests on eight contexts (the same values
-copied to distinct memory), stepped one after another inside one graph; SDPA B = 8 is one batched
-call. Every step's output is checked against `torch_ref` over the same plan.
+copied to distinct memory), each request's step on its own side stream inside one graph
+(`decoder.runner.fork_join`, as the runner does; `--serial`: one after another on one stream);
+SDPA B = 8 is one batched call. Every step's output is checked against `torch_ref` over the same plan.
 
 Budgets (rho 5% where the method has a ratio): topk, csattn (alpha 0.1, the paper's 64-128K
 setting), kivf, lfps ratio 0.05; ctkvr at its paper operating point (k = 1024, lists 2560, probe 4);
@@ -57,6 +58,7 @@ sys.path.insert(0, str(ROOT))
 
 from benchmarks._gpu_timing import BF, D, G, H, KVH, M_LOCAL, THETA, Timing, kernel_profile  # noqa: E402
 from decoder.backends import backend_names, get_backend  # noqa: E402
+from decoder.runner import fork_join  # noqa: E402
 from decoder.rope import apply_rope  # noqa: E402
 from indexer.base import DecodeContext, IndexReader, KVView, PrefillCapture, get_method  # noqa: E402
 
@@ -165,7 +167,8 @@ def plan_agreement(got: torch.Tensor, want: torch.Tensor) -> float:
 
 
 def run_length(n: int, batches: list[int], methods: list[str], backends: list[str], reps: int, psa_max_ratio: float,
-               workdir: Path, profile: bool = False, torch_plans: bool = False) -> tuple[list[dict], list[dict]]:
+               workdir: Path, profile: bool = False, torch_plans: bool = False,
+               parallel: bool = True) -> tuple[list[dict], list[dict]]:
     rows, builds = [], []
     sp1, sp2 = spec(1), spec(2)
     mix = Mixture(sp2, DEV, seed=0)
@@ -240,8 +243,12 @@ def run_length(n: int, batches: list[int], methods: list[str], backends: list[st
                         reqs.append(Request(own(ctx_k), own(ctx_v), own(loc_k), own(loc_v), own(q_step), arr_i,
                                             method, params, layer, sp, be))
 
-                    def step(reqs=reqs):
-                        return [r.step() for r in reqs]
+                    streams = None
+                    if b > 1 and parallel and DEV == "cuda":
+                        streams = [torch.cuda.Stream() for _ in reqs]
+
+                    def step(reqs=reqs, streams=streams):
+                        return fork_join(streams, [r.step for r in reqs])
 
                     outs = step()
                     want = ref_backend.run(reqs[0].q, reqs[0].kv, reqs[0].plan, reqs[0].sink, reqs[0].window, scale)
@@ -259,7 +266,7 @@ def run_length(n: int, batches: list[int], methods: list[str], backends: list[st
                                     "device_us_per_call": 0.0, "top": []}
                     for mode, ms in (("eager", eager), ("graph", graph)):
                         rows.append({"n": n, "batch": b, "method": name, "backend": be_name, "planner": "auto",
-                                     "mode": mode, "ms": ms,
+                                     "streams": "parallel" if streams else "one", "mode": mode, "ms": ms,
                                      "sdpa_ms": sdpa[b, mode], "sdpa_slice_ms": sdpa_slice[b, mode],
                                      "ratio": ratio(sdpa[b, mode], ms), "plan_k": k_plan,
                                      "plan_filled": valid, "err_vs_torch_ref": err,
@@ -311,6 +318,9 @@ def main() -> None:
     ap.add_argument("--psa-max-ratio", type=float, default=0.1)
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--profile", action="store_true", help="kernels per step and the top kernels (B = 1)")
+    ap.add_argument("--serial", action="store_true",
+                    help="B > 1: step the requests one after another on one stream (default: each on its own "
+                         "side stream, as decoder.runner does)")
     ap.add_argument("--torch-plans", action="store_true",
                     help="also time each fused planner's torch path and compare the plans (B = 1, triton backend)")
     ap.add_argument("--out", default=os.environ.get("OUT", "benchmarks/out"))
@@ -334,7 +344,7 @@ def main() -> None:
     with torch.inference_mode(), tempfile.TemporaryDirectory() as tmp:
         for n in a.lengths:
             r, b = run_length(n, a.batches, a.methods, backends, a.reps, a.psa_max_ratio, Path(tmp), a.profile,
-                                  a.torch_plans)
+                                  a.torch_plans, not a.serial)
             rows += r
             builds += b
             (out / "gpu_decode.json").write_text(json.dumps({"info": info, "rows": rows, "builds": builds}, indent=1))

@@ -26,6 +26,14 @@ CUDA graph when it can:
   Projections and MLP run once for all requests of the batch ([B, C] rows), attention loops over
   them (each has its own context, planner and plan). Only the sampled token ids are read back:
   one host sync per step, to stream them.
+* **Requests' attention in parallel** (`parallel=True`, CUDA, B > 1, context on the device): each
+  request's plan + run + update of a layer is issued on its own side stream (the batch position's
+  stream: fork from the step's stream, join back before o_proj), so the small search and attention
+  kernels of different requests overlap on the GPU instead of queueing one after another (a
+  graph-captured step keeps them as parallel branches). Kernel workspaces are per stream
+  (`indexer.kernels.Workspaces`), so requests never share scratch memory; a request's tensors are
+  only touched between a fork and the join that follows it, so stream order is preserved across
+  layers and steps. Results do not depend on it (same kernels, same inputs; test).
 * **Sampling**: temperature 0 = greedy (argmax of the fp32 logits, as `generate`). Temperature > 0
   = Gumbel-max with counter-based noise: token = argmax(logits / T + g), g_i = -log(-log(u_i)),
   u_i a 32-bit integer hash of (seed, the token's absolute position, i). That is an exact draw
@@ -38,10 +46,10 @@ CUDA graph when it can:
   `graph_safe` attribute (default True) says its plan()/update() for T = 1 neither branch on host
   state that changes per step (csattn with a search period > 1 does: it reuses a plan for P - 1
   steps) nor allocate persistent state after the request's first one-token step. The rules:
-  - capture only when every request of the batch is graph-safe and has run one eager one-token
-    step (so lazily allocated planner state and grow-only kernel workspaces exist outside the
-    graph's memory pool), no prompt chunk ran in this step, and the backend keeps the context on
-    the device (`offload` plans on the host: eager);
+  - capture only when every request of the batch is graph-safe and the previous step ran exactly
+    this batch eagerly (so lazily allocated planner state and the grow-only kernel workspaces of
+    each request's stream exist outside the graph's memory pool), no prompt chunk ran in this step,
+    and the backend keeps the context on the device (`offload` plans on the host: eager);
   - replay only the graph of exactly this batch, and only if no eager forward ran since its
     capture (an eager call may grow and so free a kernel workspace the graph points to);
   - otherwise run eagerly (same code) and drop the graph; a failed capture falls back to eager
@@ -280,6 +288,23 @@ def sample_tokens(logits: torch.Tensor, temperature: torch.Tensor, seed: torch.T
 # Requests
 
 
+def fork_join(streams: list | None, fns: list) -> list:
+    """Run fns[i]() with streams[i] as the current stream, each after what the current stream has
+    queued so far; the current stream then waits for all of them (inside a CUDA graph capture this
+    records parallel branches). streams None: run them in order on the current stream."""
+    if streams is None:
+        return [fn() for fn in fns]
+    main = torch.cuda.current_stream()
+    outs = []
+    for s, fn in zip(streams, fns, strict=True):
+        s.wait_stream(main)
+        with torch.cuda.stream(s):
+            outs.append(fn())
+    for s in streams:
+        main.wait_stream(s)
+    return outs
+
+
 def graph_safe(planner: Planner) -> bool:
     """Whether a planner's one-token plan()/update() may be captured and replayed (see the module
     docstring). Planners say so with a `graph_safe` attribute; one without it counts as safe unless
@@ -337,10 +362,11 @@ class Runner:
     `graphs`: capture and replay one-token steps on CUDA (False: always eager).
     `track_fraction`: accumulate each request's fraction of visible K/V read (frame + plan) on the
     device, as `generate`'s StepStats (a few small kernels per layer and request).
+    `parallel`: on CUDA, each request's attention runs on its own side stream (module docstring).
     """
 
     def __init__(self, lm, backend: AttentionBackend, device: str | torch.device | None = None, *,
-                 graphs: bool = True, track_fraction: bool = False):
+                 graphs: bool = True, track_fraction: bool = False, parallel: bool = True):
         model = lm.model
         self.w = fuse_weights(model)
         self.device = torch.device(device) if device is not None else self.w.embed.device
@@ -359,6 +385,9 @@ class Runner:
         self._graph: _Graph | None = None
         self._failed: dict[tuple, str] = {}  # batch key -> why its capture failed
         self._stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        self.parallel = parallel and self.device.type == "cuda" and not backend.context_on_host
+        self._side: list[torch.cuda.Stream] = []  # one per batch position (parallel attention)
+        self._eager_key: tuple | None = None  # the batch of the last eager one-token step
 
     # -- requests ------------------------------------------------------------------------------
 
@@ -470,7 +499,7 @@ class Runner:
             why = f"backend {self.backend.name} plans on the host"
         elif not all(r.safe for r in batch):
             why = "a planner is not graph-safe"
-        elif not all(r.warm for r in batch) or prompted:
+        elif not all(r.warm for r in batch) or prompted or self._eager_key != key:
             why = "warming up"
         elif key in self._failed:
             why = self._failed[key]
@@ -490,6 +519,7 @@ class Runner:
             tok, logits = self._forward(batch, 1)
         for r in batch:
             r.warm = True
+        self._eager_key = key
         self.graph_status = f"eager: {why}"
         return tok, logits
 
@@ -543,8 +573,10 @@ class Runner:
             q = apply_rope(q.view(-1, h, d), cos, sin)  # [S, H, D]
             k = apply_rope(k.view(-1, kvh, d), cos, sin)  # [S, KVH, D]
             v = v.view(-1, kvh, d)
-            outs = [self._attend(r, layer, lw.scale, q[i * t:(i + 1) * t], k[i * t:(i + 1) * t], v[i * t:(i + 1) * t],
-                                 q_pos[i], slots[i]) for i, r in enumerate(reqs)]
+            outs = fork_join(self._streams(b), [
+                lambda i=i, r=r: self._attend(r, layer, lw.scale, q[i * t:(i + 1) * t], k[i * t:(i + 1) * t],
+                                              v[i * t:(i + 1) * t], q_pos[i], slots[i])
+                for i, r in enumerate(reqs)])
             a = outs[0] if b == 1 else torch.cat(outs)  # [S, H D]
             x = x + F.linear(a, lw.wo, lw.bo)
             x = x + mlp(rms_norm(x, lw.ln2, w.eps), lw)
@@ -558,6 +590,14 @@ class Runner:
             r.tok.copy_(tok[i:i + 1])
             r.pos += t
         return tok, logits
+
+    def _streams(self, b: int) -> list | None:
+        """The side streams of a batch of b (None: attention runs on the current stream)."""
+        if not self.parallel or b < 2:
+            return None
+        while len(self._side) < b:
+            self._side.append(torch.cuda.Stream(self.device))
+        return self._side[:b]
 
     def _attend(self, r: Request, layer: int, scale: float, q, k, v, q_pos, slots) -> torch.Tensor:
         """One request's attention of one layer. q [T, H, D], k/v [T, KVH, D] post-RoPE, q_pos [T]

@@ -344,14 +344,15 @@ def _gpu_requests(lm, gpu_ctx, n_new):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
 def test_gpu_graph_replay_equals_eager_equals_transformers(dtype):
     """Three requests (full, topk, ctkvr) in one batch: the CUDA-graph runner, the eager runner and
-    the transformers path agree (tolerances above); the graph is captured once and replayed."""
+    the transformers path agree (tolerances above); the graph is captured once and replayed; the
+    requests' attention on parallel side streams (the default) equals it on one stream."""
     lm, gpu_ctx = gpu_setup(dtype)
     n_new = 10
     be = get_backend("triton")
     reqs = _gpu_requests(lm, gpu_ctx, n_new)
     runs = {}
-    for graphs in (True, False):
-        runner = Runner(lm, be, graphs=graphs)
+    for graphs, parallel in ((True, True), (False, True), (True, False)):
+        runner = Runner(lm, be, graphs=graphs, parallel=parallel)
         slots = [runner.add(ctx, planner(), params, q, n_new) for _, ctx, planner, params, q in reqs]
         logits = {s: [] for s in slots}
         status = []
@@ -359,12 +360,18 @@ def test_gpu_graph_replay_equals_eager_equals_transformers(dtype):
             for s, _ in runner.step():
                 logits[s].append(runner.requests[s].logits.clone())
             status.append(runner.graph_status)
-        runs[graphs] = ([torch.stack(logits[s]) for s in slots], [runner.requests[s].tokens for s in slots])
+        runs[graphs, parallel] = ([torch.stack(logits[s]) for s in slots], [runner.requests[s].tokens for s in slots])
         if graphs:  # question chunks, one eager warm-up step, a capture, then replays
             assert status[:3] == ["", "eager: warming up", "captured"] and set(status[3:]) == {"replayed"}, status
             assert runner.captures == 1
         del runner
-    (g_logits, g_toks), (e_logits, _) = runs[True], runs[False]
+    (g_logits, g_toks), (e_logits, _) = runs[True, True], runs[False, True]
+    # the requests' attention on parallel side streams computes what it computes on one stream
+    for (name, *_), par, ser in zip(reqs, g_logits, runs[True, False][0]):
+        if not (name == "ctkvr" and dtype == torch.bfloat16):  # (its question chunk: see below)
+            n_cmp = _same_decode(par, ser, REL_GRAPH, 1e-2)
+            assert n_cmp >= 1, name
+            print(f"{dtype} {name}: parallel vs serial streams max rel {float(_rel(par[:n_cmp], ser[:n_cmp]).max()):.2e}")
     tol = TOL[dtype]
     unstable = []
     for (name, ctx, planner, params, q), got, eager, toks in zip(reqs, g_logits, e_logits, g_toks):
