@@ -120,6 +120,20 @@ Offload mode: the planner runs where the context lives (host memory) while the r
 stay on the GPU; the few local rows it needs (the local-mass probe, the softmax denominators) are
 gathered on their device and moved to the query's.
 
+On a GPU the one-token search and its update run fused (`indexer/kernels/lfps.py`): the table
+moments, thresholds, expansion and capped-candidate scores in two launches over the tables, the
+fused radix select (`indexer/kernels/select.py`) for the C candidates and again for the K plan
+positions, the candidates' exact logits for the whole GQA group (each key row read once) and their
+group mass in two more, the chosen rows' softmax state in two, and update() as a decay launch plus
+one scatter launch per token: 17 launches instead of a dozen passes over [KVH, T, N] tensors, two
+torch.topk and a C-row gather. This torch code is the reference and the CPU path (and the question
+step's `_prompt_search` stays torch); the fused search gives the same candidate sets and plan rows
+(as sets: the kernels list positions in another order), the same bypass decisions, and tables equal
+up to rounding (table moments in float64 there, so a value within ~1e-7 of a threshold may change
+sides; the kernel module's docstring). `planner.fused`: None = fused for CUDA tensors (the default),
+True = also on the CPU through Triton's interpreter (tests), False = always torch;
+`CTXCACHE_FUSED_LFPS=0` keeps every planner on torch.
+
 Reporting: `stats()` gives the candidate fraction (exact q·k per visible token: candidates + the
 frame; a fully bypassed KV head counts the frame only), the bypassed fraction of query heads, the
 fraction of (KV head, token) rows whose expanded set was cut by `max_candidates`, per layer too,
@@ -298,6 +312,15 @@ class Search:
     stats: torch.Tensor | None = None  # [3]: mean candidate fraction, bypassed fraction, capped fraction
 
 
+def _kernels():
+    """The fused search (indexer/kernels/lfps.py), or None where Triton is missing."""
+    try:
+        from indexer.kernels import lfps
+    except ImportError:
+        return None
+    return lfps
+
+
 class _LFPSPlanner(Planner):
     """One request: private copies of the score tables (made at a layer's first plan), the pending
     table update of each layer's last plan, and device-side statistics."""
@@ -316,6 +339,7 @@ class _LFPSPlanner(Planner):
         self._acc: dict[int, torch.Tensor] = {}  # layer -> [3] device sums of Search.stats
         self._steps: dict[int, int] = {}  # layer -> sparse steps accumulated
         self._prompt_steps: dict[int, int] = {}  # layer -> dense question steps
+        self.fused: bool | None = None  # None: fused kernels for CUDA tensors; True: also on CPU (interpreter)
 
     # -- tables -------------------------------------------------------------------------------------
 
@@ -352,13 +376,41 @@ class _LFPSPlanner(Planner):
         if u is None:
             return
         vert, slash = self._tables[layer]
+        if not isinstance(u, TableUpdate):  # a fused plan's: decay + one launch per token
+            _kernels().apply_update(vert, slash, u, gamma=self.params.gamma, n_sink=self.n_sink, window=self.window)
+            return
         vert.mul_(u.decay[:, None]).scatter_add_(1, u.vert_at, u.vert_w)
         slash.mul_(u.decay[:, None]).scatter_add_(1, u.slash_at, u.slash_w)
+
+    def _fused_ok(self, q, kv) -> bool:
+        if self.fused is False or (self.fused is None and not q.is_cuda):
+            return False
+        kern = _kernels()
+        return kern is not None and not kern.unsupported(q, kv)
+
+    def _search_fused(self, layer, q, kv) -> Search:
+        """`search` in Triton launches (indexer/kernels/lfps.py): the same plan rows and candidate
+        sets (as sets), the same update up to rounding; `update` is a fused update."""
+        p = self.params
+        vert, slash = self.tables(layer, q.device)
+        mean_k = var_ratio = None
+        if p.bypass:
+            mean_k = self.index.layer("mean_k", layer).float()  # [KVH, D]
+            var_ratio = self.index.layer("var_ratio", layer).float().reshape(-1)  # [KVH·G]
+        positions, bypass, rest_logit, sparsity, cand, stats, upd = _kernels().search(
+            q, kv, vert, slash, mean_k=mean_k, var_ratio=var_ratio, n_sink=self.n_sink, window=self.window,
+            local=p.local, lam=p.lam, bypass=p.bypass, threshold=p.bypass_threshold, width=self.width, k=self.k)
+        plan = Plan(positions)
+        if p.bypass:
+            plan = Plan(positions, bypass=bypass, rest_logit=rest_logit, rest_value=self.index.layer("mean_v", layer))
+        return Search(plan, upd, candidates=cand, sparsity=sparsity, stats=stats)
 
     def search(self, layer: int, q: torch.Tensor, kv) -> Search:
         """The plan for one layer and step, and the table update it implies. Reads state only."""
         if q.shape[2] > 1 and self.params.dense_prompt:
             return self._prompt_search(layer, q, kv)
+        if self._fused_ok(q, kv):
+            return self._search_fused(layer, q, kv)
         p = self.params
         dev = q.device
         kvh, g, t, d = q.shape

@@ -1,0 +1,768 @@
+"""LFPS's one-token decode search (`indexer/lfps.py`, `_LFPSPlanner.search`, steps 1-5 of its docstring)
+and its table update as a few Triton launches. The torch code of the planner stays the reference and
+the CPU path; the planner dispatches here for CUDA tensors (`planner.fused`, as CTkvr does), or on CPU
+tensors through Triton's interpreter when a test sets `planner.fused = True`.
+
+One layer and step; rows = KVH x T (one per KV head and query token), N context positions, G query
+heads per KV head, C = the candidate cap (`max_candidates`·N), K = the plan's budget, W = window:
+
+1. `_frame_kernel`, grid (rows,): the frame's exact logits for the whole group (each K row loaded once
+   for the G heads): the sink, the window's context rows (their logits kept for the update) and the
+   visible request-local rows -> per head the softmax state (max, sum) of the sink and of window +
+   request rows. With bypass on also the head-sparsity estimate of step 1 (the `local` probe rows, the
+   log-normal global mass from mean_k / var_ratio): `sparsity`, `Plan.bypass`, `Plan.rest_logit`, and
+   the heads that rank (active, or all when the whole group is bypassed).
+2. `_moments_kernel`, grid (ceil((N - sink) / BLOCK_M), rows): per tile of BLOCK_M non-sink positions
+   of both tables (V[j] and S[t - j], 0 past the slash capacity) the count, mean, central 2nd/3rd/4th
+   moment sums and the max, float64, two-pass inside the tile (it sits in registers).
+3. `_candidates_kernel`, grid (P, rows): every program merges its row's tile moments (the exact shift
+   formula: M_k = sum_p sum_i C(k, i) delta_p^(k-i) M_i,p, in float64, fixed order) into the two
+   kurtosis thresholds tau_V, tau_S and the means, then over a chunk of positions evaluates C0 at
+   j+1, j, j-1, j-2 (the expansion offsets -1..+2), keep(j) and "selectable" (outside sink and
+   window), and writes the capped-candidate score V[j] + S[t - j] or -inf into a [rows, N] buffer;
+   zeroes the row's candidate flags (int8 [rows, N]); counts the expanded set (statistics).
+4. `topk_positions(buf, C)` (`indexer/kernels/select.py`, the fused radix select, 4 launches): the
+   candidate set [KVH, T, C] int32 (`Search.candidates`), and `_mark_kernel` sets its flags.
+5. `_score_kernel`, grid (P, rows): over a chunk of positions *in position order*, the flagged key rows
+   (masked loads: an unflagged row moves no bytes) -> G exact logits per candidate, written to a
+   [rows, N, G_PAD] fp32 buffer, and the chunk's softmax state per head (online max / sum).
+6. `_mass_kernel`, grid (P, rows): merges the frame's and the chunks' softmax states into the per-head
+   normaliser (fixed order) and writes the group mass (sum over ranking heads of exp(s - max) / sum)
+   of every candidate, -inf elsewhere, into the [rows, N] buffer; its program (0, 0) also writes the
+   step's statistics [3]. Then `topk_positions(mass, K)` (4 launches): the plan's positions.
+7. `_chosen_max_kernel` / `_chosen_sum_kernel`, grid (ceil(K / BLOCK_K), rows): the chosen rows'
+   logits copied out of the shared buffer into the pending update (per step, like the plan), their
+   per-head max (float atomic max: exact, order-free), then sum of exp(s - max') with max' over
+   window + request rows + chosen, as 64-bit fixed point (integer atomics: the same bits in any
+   order; each term <= 1, scaled by 2^(62 - ceil(log2(K + 1))), so ~1e-15 absolute, and the sum is
+   >= 1 because the max term is 1).
+
+`update()`: `_decay_kernel`, grid (ceil(max(N, N + max_local) / BLOCK), KVH): both tables times
+gamma^(tokens whose group is active); then per token (in order) `_add_kernel`, grid
+(ceil((W + K) / BLOCK_K), KVH): the weights of the window's context rows and of the chosen positions
+(softmax over window + request rows + chosen, sink removed, mean over the active heads, halved, times
+gamma^(later updating tokens)) added to V[j] and S[t - j]. Within one launch every address has one
+writer (a token's positions are distinct, and so are its offsets t - j): no float atomics anywhere,
+so plans and tables are bit-identical run to run. 17 launches per layer-step (15 plan, 2 update).
+
+What may differ from the torch path: rounding. The table moments are float64 here (the torch path's
+are float32 on fp32 tables), so tau and the means differ by ~1e-7 relative and a position whose table
+value lies that close to a threshold or a mean can change sides; logits are fp32 dot products of the
+fp32 query with the fp32 or bf16 key in another summation order (~1e-7 relative), and the normalisers
+are summed in another order. Ties: equal capped scores or equal masses at the C-th / K-th place are
+broken by the select kernel (arbitrary, like torch.topk's); a candidate set and a plan row are sets
+(any order), compared as sets by the tests. Tables after `update` agree with the torch path's to
+~1e-6 relative (tests/test_kernels_lfps.py states the tolerance).
+
+Bytes per layer-step at 128K (Llama-3.1-8B layer: KVH 8, G 4, D 128, bf16 K, T 1, max_candidates 0.3,
+ratio 0.05: C = 39322, K = 6554; 8 rows; the tables are fp32, 2 x 8 x 131072 x 4 B = 8.4 MB):
+
+| launch | reads | writes | floor at ~3 TB/s |
+|---|---|---|---|
+| frame | ~40 K rows per KV head (sink 4, window 32, probe 5) + request rows | tiny | ~2 us (latency) |
+| moments | tables 8.4 MB | 64 tiles x 8 rows x 96 B | ~3 us |
+| candidates | tables 8.4 MB (the +-2 shifts hit L1) | scores 4.2 MB, flags 1 MB | ~5 us |
+| select C (4) | scores 4.2 MB (then L2) | 1.3 MB | ~12 us (select.py) |
+| mark | 1.3 MB | 0.3 MB of flags | ~1.5 us |
+| score | flags 1 MB, K rows 8 x 39322 x 256 B = 80.5 MB | logits 5 MB | ~29 us |
+| mass | flags 1 MB, logits 5 MB | masses 4.2 MB | ~4 us |
+| select K (4) | masses 4.2 MB | 0.2 MB | ~12 us |
+| chosen max + sum | 2 x 0.84 MB (logits of the chosen) | 0.84 MB | ~3 us |
+| decay + add | tables 8.4 MB + 0.2 MB scattered | 8.4 MB | ~7 us |
+
+About 130 MB per layer-step, ~80 us at the bandwidth floor plus ~17 launch gaps; estimate ~90-110 us
+per layer-step in a CUDA graph (the torch path: 1.376 ms with attention; SDPA over the whole context
+0.217 ms). The K rows of the candidates dominate (the unavoidable cost of `max_candidates` 0.3: a
+smaller cap scales it down linearly); the two selects are next. Flops are negligible (8 x 39322 x 4 x
+128 x 2 = 0.3 Gflop, on CUDA cores as row-wise dot products, so the logits are exact fp32 like the torch
+path's einsum rather than bf16 tensor-core products).
+
+Workspaces (grow-only, per device and stream, shared by the layers of a step: everything in them is
+consumed inside one plan): the tile moments, the score / mass buffer [rows, N] fp32, the flags
+[rows, N] int8, the logits [rows, N, G_PAD] fp32 (16 MB at 128K), the chunks' softmax states and
+expanded counts. Outputs allocated per call like the torch path's (a caller may keep them): the plan
+(positions, bypass, rest_logit), sparsity, statistics, the candidates, and the pending update (the
+chosen rows' logits [rows, K, G_PAD], the window's [rows, W, G_PAD], per-row softmax states and
+sums: ~0.9 MB per layer at 128K). Every launch size is a host int from shapes: no host sync,
+CUDA-graph capturable.
+
+Checked without a GPU (Triton 3.6, ahead-of-time compile for sm_90 with the JIT's 16-divisibility
+of strides, default knobs, Llama-3.1-8B shapes: G 4, D 128 bf16): no register spills; registers per
+thread (4 warps): frame 95 (80 without bypass), moments 95, candidates 55, mark 10, score 111 (BR 32;
+64 rows would take 149), mass 40, chosen max 25, chosen sum 32, decay 54, add 42. Not measured:
+everything about speed.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import os
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+from triton.language.extra import libdevice
+
+from indexer.kernels import Workspaces, interpreted  # also makes Triton 3.6's interpreter work with NumPy 2.4
+from indexer.kernels.select import topk_positions
+
+NEG_BIG: tl.constexpr = tl.constexpr(-1.0e30)  # initial running max: finite, so exp(m_old - m_new) is never nan
+# per row and head: sink max, sink sum, window+request max, window+request sum, ranking weight
+N_FRAME_STATS: tl.constexpr = tl.constexpr(5)
+# per row and head (the pending update): window+request max, sum, active, chosen max
+N_REC: tl.constexpr = tl.constexpr(4)
+
+_WS = Workspaces()
+
+
+@dataclass(frozen=True)
+class LfpsConfig:
+    """Launch knobs (tests shrink them so the interpreter runs several programs per row)."""
+
+    block: int = 256  # positions per tile of the candidates and mass kernels (a chunk is whole tiles)
+    block_score: int = 32  # key rows per tile of the score kernel (x D: its registers)
+    block_moments: int = 2048  # positions per program of the moments kernel
+    block_k: int = 256  # slots per program of the chosen / add kernels
+    block_decay: int = 1024
+    programs_per_sm: int = 4  # programs per launch ~ programs_per_sm x SMs, split over the rows
+    score_stages: int = 1  # software pipelining of the score kernel's loop over its chunk
+    num_warps: int = 4
+
+
+DEFAULT_CONFIG = LfpsConfig()
+
+
+@dataclass
+class FusedUpdate:
+    """What the fused plan leaves for update(): the plan's positions and the chosen and window rows'
+    logits with the softmax states behind their weights (all per call; read by two launches)."""
+
+    positions: torch.Tensor  # [KVH, T, K] int32
+    chosen_logits: torch.Tensor  # [rows, K, G_PAD] fp32
+    window_logits: torch.Tensor  # [rows, W, G_PAD] fp32
+    rec: torch.Tensor  # [rows, N_REC, G_PAD] fp32
+    sums: torch.Tensor  # [rows, G_PAD] int64 fixed point
+    q_pos: torch.Tensor  # [T]
+    shift: int  # fixed-point scale 2^shift
+
+
+# ---------------------------------------------------------------------------------------------
+# Device helpers
+
+
+@triton.jit
+def _exp(x, PRECISE: tl.constexpr):
+    if PRECISE:  # libdevice expf (~1 ulp, like torch's); tl.exp is ex2.approx on NVIDIA
+        return libdevice.exp(x)
+    else:  # the interpreter (numpy) has no libdevice
+        return tl.exp(x)
+
+
+@triton.jit
+def _log(x, PRECISE: tl.constexpr):
+    if PRECISE:
+        return libdevice.log(x)
+    else:
+        return tl.log(x)
+
+
+@triton.jit
+def _key_rows(KB, stride_n, rows, ok, D: tl.constexpr, DP: tl.constexpr):
+    """rows [BR] (int64, any value where not ok) of a [*, D] key block -> [BR, DP] fp32, 0 where not ok."""
+    ar_d = tl.arange(0, DP)
+    return tl.load(KB + rows[:, None] * stride_n + ar_d[None, :], mask=ok[:, None] & (ar_d < D)[None, :],
+                   other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _group_logits(k, QROW, stride_qg, scale, BR: tl.constexpr, G: tl.constexpr, GP: tl.constexpr,
+                  D: tl.constexpr, DP: tl.constexpr):
+    """k [BR, DP] fp32 -> [BR, GP] logits q_g . k * scale of the G heads (fp32 products, like the
+    torch path's einsum of q.float() with the rows .float()); -inf in padded head columns."""
+    ar_d = tl.arange(0, DP)
+    ar_g = tl.arange(0, GP)
+    out = tl.full([BR, GP], float("-inf"), tl.float32)
+    for g in tl.static_range(G):
+        qg = tl.load(QROW + g * stride_qg + ar_d, mask=ar_d < D, other=0.0).to(tl.float32)
+        sg = tl.sum(k * qg[None, :], 1) * scale
+        out = tl.where(ar_g[None, :] == g, sg[:, None], out)
+    return out
+
+
+@triton.jit
+def _online(m, l, s, ok, PRECISE: tl.constexpr):
+    """Softmax state per head (m [GP] running max, l [GP] sum of exp(x - m)) plus the rows of s
+    [BR, GP] where ok [BR]."""
+    sm = tl.where(ok[:, None], s, float("-inf"))
+    m_new = tl.maximum(m, tl.max(sm, 0))
+    l = l * _exp(m - m_new, PRECISE) + tl.sum(_exp(sm - m_new[None, :], PRECISE), 0)
+    return m_new, l
+
+
+@triton.jit
+def _log_state(m, l, PRECISE: tl.constexpr):
+    """log-sum-exp of a softmax state; -inf where it holds nothing."""
+    return tl.where(l > 0, m + _log(tl.where(l > 0, l, 1.0), PRECISE), float("-inf"))
+
+
+@triton.jit
+def _row_coords(QPOS, r, T, N, NS, W):
+    kvh = r // T
+    t = r % T
+    qpos = tl.load(QPOS + t).to(tl.int64)
+    w_lo = tl.minimum(tl.maximum(qpos - W + 1, NS), N)  # frame_bounds: the window's first context row
+    return kvh, t, qpos, w_lo
+
+
+# ---------------------------------------------------------------------------------------------
+# 1. frame + head sparsity
+
+
+@triton.jit(do_not_specialize=["T", "N", "M", "NS", "W", "LOCAL"])
+def _frame_kernel(Q, CK, LK, QPOS, MEANK, VARR, SPARS, BYP, REST, FST, WLOG, REC, SUMS,
+                  T, N, M, NS, W, LOCAL, sq_h, sq_g, sq_t, sck_h, sck_n, slk_h, slk_n, smk_h, scale, threshold,
+                  G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, BR: tl.constexpr,
+                  BYPASS: tl.constexpr, PRECISE: tl.constexpr):
+    r = tl.program_id(0).to(tl.int64)
+    kvh, t, qpos, w_lo = _row_coords(QPOS, r, T, N, NS, W)
+    QROW = Q + kvh * sq_h + t * sq_t
+    CKH = CK + kvh * sck_h
+    LKH = LK + kvh * slk_h
+    ar = tl.arange(0, BR).to(tl.int64)
+    ar_g = tl.arange(0, GP)
+    ok_g = ar_g < G
+
+    m_s = tl.full([GP], NEG_BIG, tl.float32)  # the sink
+    l_s = tl.zeros([GP], tl.float32)
+    for i0 in range(0, NS, BR):
+        rows = i0 + ar
+        ok = rows < NS
+        s = _group_logits(_key_rows(CKH, sck_n, rows, ok, D, DP), QROW, sq_g, scale, BR, G, GP, D, DP)
+        m_s, l_s = _online(m_s, l_s, s, ok, PRECISE)
+    m_w = tl.full([GP], NEG_BIG, tl.float32)  # the window's context rows, then the visible request rows
+    l_w = tl.zeros([GP], tl.float32)
+    for i0 in range(0, W, BR):
+        i = i0 + ar
+        pos = w_lo + i
+        ok = (i < W) & (pos < N)
+        s = _group_logits(_key_rows(CKH, sck_n, pos, ok, D, DP), QROW, sq_g, scale, BR, G, GP, D, DP)
+        tl.store(WLOG + (r * W + i)[:, None] * GP + ar_g[None, :], tl.where(ok[:, None], s, float("-inf")),
+                 mask=(i < W)[:, None])
+        m_w, l_w = _online(m_w, l_w, s, ok, PRECISE)
+    n_loc = tl.minimum(tl.maximum(qpos - N + 1, 0), M)
+    for i0 in range(0, n_loc, BR):
+        rows = i0 + ar
+        ok = rows < n_loc
+        s = _group_logits(_key_rows(LKH, slk_n, rows, ok, D, DP), QROW, sq_g, scale, BR, G, GP, D, DP)
+        m_w, l_w = _online(m_w, l_w, s, ok, PRECISE)
+
+    if BYPASS:
+        m_p = tl.full([GP], NEG_BIG, tl.float32)  # the last `local` positions (context or request rows)
+        l_p = tl.zeros([GP], tl.float32)
+        for i0 in range(0, LOCAL, BR):
+            i = i0 + ar
+            lp = qpos - i
+            ok = (i < LOCAL) & (lp >= NS)
+            in_ctx = lp < N
+            k = _key_rows(CKH, sck_n, tl.minimum(tl.maximum(lp, 0), N - 1), ok & in_ctx, D, DP)
+            k += _key_rows(LKH, slk_n, tl.minimum(tl.maximum(lp - N, 0), M - 1), ok & (lp >= N), D, DP)
+            s = _group_logits(k, QROW, sq_g, scale, BR, G, GP, D, DP)
+            m_p, l_p = _online(m_p, l_p, s, ok, PRECISE)
+        log_sink = _log_state(m_s, l_s, PRECISE)  # -inf without a sink
+        log_local = _log_state(m_p, l_p, PRECISE)
+        ar_d = tl.arange(0, DP)
+        qq = tl.load(QROW + ar_g[:, None] * sq_g + ar_d[None, :], mask=ok_g[:, None] & (ar_d < D)[None, :],
+                     other=0.0).to(tl.float32)  # [GP, DP]
+        mk = tl.load(MEANK + kvh * smk_h + ar_d, mask=ar_d < D, other=0.0).to(tl.float32)
+        mu = tl.sum(qq * mk[None, :], 1) * scale
+        vr = tl.load(VARR + kvh * G + ar_g, mask=ok_g, other=0.0).to(tl.float32)
+        sig2 = vr * tl.sum(qq * qq, 1) * (scale * scale)
+        n_glob = tl.maximum(qpos + 1 - NS, 1).to(tl.float32)
+        log_global = _log(n_glob, PRECISE) + mu + sig2 / 2
+        sparsity = 1.0 / (1.0 + _exp(-(log_sink - tl.maximum(log_global, log_local)), PRECISE))
+        byp = (sparsity > threshold) & ok_g
+        n_rest = w_lo - NS  # context tokens outside the frame
+        log_rest = _log(tl.maximum(n_rest, 1).to(tl.float32), PRECISE) + mu + sig2 / 2
+        rest = tl.where(byp & (n_rest > 0), log_rest, float("-inf"))
+        out = (kvh * G + ar_g) * T + t  # [KVH, G, T]
+        tl.store(SPARS + out, sparsity, mask=ok_g)
+        tl.store(BYP + out, byp.to(tl.uint8), mask=ok_g)
+        tl.store(REST + out, rest, mask=ok_g)
+        act = ok_g & ~byp
+    else:
+        act = ok_g
+    group = tl.sum(act.to(tl.int32), 0) > 0
+    rank = tl.where(group, act, ok_g)  # heads that rank the candidates: every head of a bypassed group
+    fst = FST + r * (N_FRAME_STATS * GP) + ar_g
+    tl.store(fst, m_s)
+    tl.store(fst + GP, l_s)
+    tl.store(fst + 2 * GP, m_w)
+    tl.store(fst + 3 * GP, l_w)
+    tl.store(fst + 4 * GP, rank.to(tl.float32))
+    rec = REC + r * (N_REC * GP) + ar_g
+    tl.store(rec, m_w)
+    tl.store(rec + GP, l_w)
+    tl.store(rec + 2 * GP, act.to(tl.float32))
+    tl.store(rec + 3 * GP, tl.full([GP], NEG_BIG, tl.float32))  # chosen max: atomic max target
+    tl.store(SUMS + r * GP + ar_g, tl.zeros([GP], tl.int64))
+
+
+# ---------------------------------------------------------------------------------------------
+# 2-3. table moments -> thresholds -> capped-candidate scores
+
+
+@triton.jit
+def _slash_at(SLH, qpos, j, ok, SC):
+    """S[t - j] where ok, 0 past the slash capacity (and where not ok)."""
+    off = qpos - j
+    return tl.load(SLH + off, mask=ok & (off < SC), other=0.0)
+
+
+@triton.jit
+def _tile_moments(x, ok):
+    """x [B] fp32 -> (count, mean, M2, M3, M4, max) over ok, float64, central sums about the tile mean."""
+    xd = x.to(tl.float64)
+    n = tl.sum(ok.to(tl.float64), 0)
+    mean = tl.sum(tl.where(ok, xd, 0.0), 0) / tl.maximum(n, 1.0)
+    c = tl.where(ok, xd - mean, 0.0)
+    c2 = c * c
+    mx = tl.max(tl.where(ok, xd, float("-inf")), 0)
+    return n, mean, tl.sum(c2, 0), tl.sum(c2 * c, 0), tl.sum(c2 * c2, 0), mx
+
+
+@triton.jit(do_not_specialize=["T", "N", "NS", "W", "SC"])
+def _moments_kernel(VERT, SLASH, QPOS, PART, T, N, NS, W, SC, s_vh, s_sh, BLOCK: tl.constexpr):
+    p = tl.program_id(0).to(tl.int64)
+    r = tl.program_id(1).to(tl.int64)
+    kvh, t, qpos, w_lo = _row_coords(QPOS, r, T, N, NS, W)
+    j = NS + p * BLOCK + tl.arange(0, BLOCK)
+    ok = j < N
+    v = tl.load(VERT + kvh * s_vh + j, mask=ok, other=0.0)
+    s = _slash_at(SLASH + kvh * s_sh, qpos, j, ok, SC)
+    dst = PART + (r * tl.num_programs(0) + p) * 16
+    n, mean, m2, m3, m4, mx = _tile_moments(v, ok)
+    tl.store(dst + 0, n)
+    tl.store(dst + 1, mean)
+    tl.store(dst + 2, m2)
+    tl.store(dst + 3, m3)
+    tl.store(dst + 4, m4)
+    tl.store(dst + 5, mx)
+    n, mean, m2, m3, m4, mx = _tile_moments(s, ok)
+    tl.store(dst + 8, n)
+    tl.store(dst + 9, mean)
+    tl.store(dst + 10, m2)
+    tl.store(dst + 11, m3)
+    tl.store(dst + 12, m4)
+    tl.store(dst + 13, mx)
+
+
+@triton.jit
+def _threshold(PART, n_parts, lam, PP: tl.constexpr):
+    """Tile moments PART[p * 16 + 0..5] of one table -> (tau, mean) over the row (float64):
+    tau = mean + lam (max - mean) sqrt(3 / kurtosis), +inf where the variance is 0 (the torch path's
+    `kurtosis_threshold`, its clamps included)."""
+    pp = tl.arange(0, PP)
+    okp = pp < n_parts
+    n_p = tl.load(PART + pp * 16, mask=okp, other=0.0)
+    mu_p = tl.load(PART + pp * 16 + 1, mask=okp, other=0.0)
+    m2_p = tl.load(PART + pp * 16 + 2, mask=okp, other=0.0)
+    m3_p = tl.load(PART + pp * 16 + 3, mask=okp, other=0.0)
+    m4_p = tl.load(PART + pp * 16 + 4, mask=okp, other=0.0)
+    mx = tl.max(tl.load(PART + pp * 16 + 5, mask=okp, other=float("-inf")), 0)
+    n = tl.sum(n_p, 0)
+    cnt = tl.maximum(n, 1.0)
+    mean = tl.sum(n_p * mu_p, 0) / cnt
+    d = tl.where(n_p > 0, mu_p - mean, 0.0)
+    d2 = d * d
+    m2 = tl.sum(m2_p + n_p * d2, 0)
+    m4 = tl.sum(m4_p + 4.0 * d * m3_p + 6.0 * d2 * m2_p + n_p * d2 * d2, 0)
+    var = m2 / cnt
+    kurt = (m4 / cnt) / tl.maximum(var * var, 1e-30)
+    tau = mean + lam * (mx - mean) * tl.sqrt(3.0 / tl.maximum(kurt, 1e-30))
+    return tl.where(var > 0, tau, float("inf")), mean
+
+
+@triton.jit(do_not_specialize=["T", "N", "NS", "W", "SC", "n_parts", "chunk"])
+def _candidates_kernel(VERT, SLASH, QPOS, PART, BUF, FLAG, CNT, T, N, NS, W, SC, n_parts, chunk, s_vh, s_sh, lam,
+                       PP: tl.constexpr, BLOCK: tl.constexpr):
+    p = tl.program_id(0).to(tl.int64)
+    r = tl.program_id(1).to(tl.int64)
+    kvh, t, qpos, w_lo = _row_coords(QPOS, r, T, N, NS, W)
+    part = PART + r * n_parts * 16
+    tau_v, mean_v = _threshold(part, n_parts, lam, PP)
+    tau_s, mean_s = _threshold(part + 8, n_parts, lam, PP)
+    VH = VERT + kvh * s_vh
+    SH = SLASH + kvh * s_sh
+    lo = p * chunk
+    hi = tl.minimum(lo + chunk, N)
+    count = tl.zeros([BLOCK], tl.int32)
+    for j0 in range(lo, hi, BLOCK):
+        j = j0 + tl.arange(0, BLOCK)
+        inr = j < hi
+        near = j < 0  # C0 at j + 1, j, j - 1, j - 2 (expansion offsets -1, 0, +1, +2)
+        keep = j < 0
+        score = tl.zeros([BLOCK], tl.float32)
+        for dd in tl.static_range(4):
+            i = j + 1 - dd
+            ok = (i >= NS) & (i < N)
+            v = tl.load(VH + i, mask=ok, other=0.0)
+            s = _slash_at(SH, qpos, i, ok, SC)
+            near = near | (ok & ((v.to(tl.float64) > tau_v) | (s.to(tl.float64) > tau_s)))
+            if dd == 1:
+                keep = ok & ((v.to(tl.float64) > mean_v) | (s.to(tl.float64) > mean_s))
+                score = v + s
+        sel = near & keep & (j >= NS) & (j < w_lo) & inr
+        tl.store(BUF + r * N + j, tl.where(sel, score, float("-inf")), mask=inr)
+        tl.store(FLAG + r * N + j, tl.zeros([BLOCK], tl.int8), mask=inr)
+        count += sel.to(tl.int32)
+    tl.store(CNT + r * tl.num_programs(0) + p, tl.sum(count, 0))
+
+
+@triton.jit(do_not_specialize=["N", "C"])
+def _mark_kernel(CAND, FLAG, N, C, BLOCK: tl.constexpr):
+    p = tl.program_id(0).to(tl.int64)
+    r = tl.program_id(1).to(tl.int64)
+    slot = p * BLOCK + tl.arange(0, BLOCK)
+    c = tl.load(CAND + r * C + slot, mask=slot < C, other=-1).to(tl.int64)
+    tl.store(FLAG + r * N + c, tl.full([BLOCK], 1, tl.int8), mask=c >= 0)
+
+
+# ---------------------------------------------------------------------------------------------
+# 5-6. exact logits of the candidates -> group mass
+
+
+@triton.jit(do_not_specialize=["T", "N", "chunk"])
+def _score_kernel(Q, CK, FLAG, LOGIT, K4P, T, N, chunk, sq_h, sq_g, sq_t, sck_h, sck_n, scale,
+                  G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, BR: tl.constexpr,
+                  PRECISE: tl.constexpr, NUM_STAGES: tl.constexpr):
+    p = tl.program_id(0).to(tl.int64)
+    r = tl.program_id(1).to(tl.int64)
+    kvh = r // T
+    t = r % T
+    QROW = Q + kvh * sq_h + t * sq_t
+    CKH = CK + kvh * sck_h
+    ar_g = tl.arange(0, GP)
+    m = tl.full([GP], NEG_BIG, tl.float32)
+    l = tl.zeros([GP], tl.float32)
+    lo = p * chunk
+    hi = tl.minimum(lo + chunk, N)
+    for j0 in tl.range(lo, hi, BR, num_stages=NUM_STAGES):
+        j = j0 + tl.arange(0, BR)
+        f = tl.load(FLAG + r * N + j, mask=j < hi, other=0) != 0
+        s = _group_logits(_key_rows(CKH, sck_n, j, f, D, DP), QROW, sq_g, scale, BR, G, GP, D, DP)
+        tl.store(LOGIT + (r * N + j)[:, None] * GP + ar_g[None, :], s, mask=f[:, None])
+        m, l = _online(m, l, s, f, PRECISE)
+    dst = K4P + ((r * tl.num_programs(0) + p) * 2) * GP + ar_g
+    tl.store(dst, m)
+    tl.store(dst + GP, l)
+
+
+@triton.jit(do_not_specialize=["T", "N", "NS", "W", "R", "C", "chunk", "n_parts", "n_cnt"])
+def _mass_kernel(FLAG, LOGIT, K4P, FST, BUF, CNT, REC, QPOS, STATS, T, N, NS, W, R, C, chunk, n_parts, n_cnt,
+                 G: tl.constexpr, GP: tl.constexpr, BR: tl.constexpr, PP: tl.constexpr, RP: tl.constexpr,
+                 CP: tl.constexpr, BYPASS: tl.constexpr, PRECISE: tl.constexpr):
+    p = tl.program_id(0).to(tl.int64)
+    r = tl.program_id(1).to(tl.int64)
+    ar_g = tl.arange(0, GP)
+    fst = FST + r * (N_FRAME_STATS * GP) + ar_g
+    m_s = tl.load(fst)
+    l_s = tl.load(fst + GP)
+    m_w = tl.load(fst + 2 * GP)
+    l_w = tl.load(fst + 3 * GP)
+    rank = tl.load(fst + 4 * GP)
+    pp = tl.arange(0, PP)
+    okp = (pp < n_parts)[:, None]
+    src = K4P + (r * n_parts + pp)[:, None] * (2 * GP) + ar_g[None, :]
+    m_p = tl.load(src, mask=okp, other=NEG_BIG)  # [PP, GP]
+    l_p = tl.load(src + GP, mask=okp, other=0.0)
+    mx = tl.maximum(tl.maximum(m_s, m_w), tl.max(m_p, 0))
+    z = l_s * _exp(m_s - mx, PRECISE) + l_w * _exp(m_w - mx, PRECISE) \
+        + tl.sum(l_p * _exp(m_p - mx[None, :], PRECISE), 0)
+    z = tl.where(z > 0, z, 1.0)  # padded heads (rank 0) and empty rows
+    lo = p * chunk
+    hi = tl.minimum(lo + chunk, N)
+    for j0 in range(lo, hi, BR):
+        j = j0 + tl.arange(0, BR)
+        inr = j < hi
+        f = tl.load(FLAG + r * N + j, mask=inr, other=0) != 0
+        lg = tl.load(LOGIT + (r * N + j)[:, None] * GP + ar_g[None, :], mask=f[:, None], other=float("-inf"))
+        w = _exp(lg - mx[None, :], PRECISE) / z[None, :]
+        mass = tl.sum(w * rank[None, :], 1)
+        tl.store(BUF + r * N + j, tl.where(f, mass, float("-inf")), mask=inr)
+
+    if (p == 0) & (r == 0):  # the step's statistics (the torch path's Search.stats)
+        rr = tl.arange(0, RP)
+        okr = rr < R
+        cc = tl.arange(0, CP)
+        cnt = tl.sum(tl.load(CNT + rr[:, None] * n_cnt + cc[None, :], mask=okr[:, None] & (cc < n_cnt)[None, :],
+                             other=0), 1)  # [RP] expanded set sizes
+        act = tl.load(REC + rr[:, None] * (N_REC * GP) + 2 * GP + ar_g[None, :], mask=okr[:, None], other=0.0)
+        n_act = tl.sum(act, 1)
+        qp = tl.load(QPOS + rr % T, mask=okr, other=0).to(tl.int64)
+        w_lo = tl.minimum(tl.maximum(qp - W + 1, NS), N)
+        frame = NS + tl.minimum(tl.maximum(N - w_lo, 0), W) + tl.maximum(qp - N + 1, 0)
+        scored = frame + tl.where(n_act > 0, tl.minimum(cnt, C), 0)
+        s0 = tl.sum(tl.where(okr, scored.to(tl.float32) / (qp + 1).to(tl.float32), 0.0), 0) / R
+        if BYPASS:
+            s1 = (R * G - tl.sum(n_act, 0)) / (R * G)
+        else:
+            s1 = 0.0
+        s2 = tl.sum((okr & (cnt > C)).to(tl.float32), 0) / R
+        tl.store(STATS, s0)
+        tl.store(STATS + 1, s1)
+        tl.store(STATS + 2, s2)
+
+
+# ---------------------------------------------------------------------------------------------
+# 7. the chosen rows' softmax state (the pending update)
+
+
+@triton.jit(do_not_specialize=["N", "K"])
+def _chosen_max_kernel(POS, LOGIT, LC, REC, N, K, G: tl.constexpr, GP: tl.constexpr, BLOCK: tl.constexpr):
+    p = tl.program_id(0).to(tl.int64)
+    r = tl.program_id(1).to(tl.int64)
+    ar_g = tl.arange(0, GP)
+    slot = p * BLOCK + tl.arange(0, BLOCK)
+    oks = slot < K
+    pos = tl.load(POS + r * K + slot, mask=oks, other=-1).to(tl.int64)
+    ok = pos >= 0
+    lg = tl.load(LOGIT + (r * N + pos)[:, None] * GP + ar_g[None, :], mask=ok[:, None], other=float("-inf"))
+    tl.store(LC + (r * K + slot)[:, None] * GP + ar_g[None, :], lg, mask=oks[:, None])
+    if tl.sum(ok.to(tl.int32), 0) > 0:
+        tl.atomic_max(REC + r * (N_REC * GP) + 3 * GP + ar_g, tl.max(lg, 0), mask=ar_g < G, sem="relaxed")
+
+
+@triton.jit(do_not_specialize=["K"])
+def _chosen_sum_kernel(LC, REC, SUMS, K, G: tl.constexpr, GP: tl.constexpr, BLOCK: tl.constexpr,
+                       FX: tl.constexpr, PRECISE: tl.constexpr):
+    p = tl.program_id(0).to(tl.int64)
+    r = tl.program_id(1).to(tl.int64)
+    ar_g = tl.arange(0, GP)
+    slot = p * BLOCK + tl.arange(0, BLOCK)
+    lg = tl.load(LC + (r * K + slot)[:, None] * GP + ar_g[None, :], mask=(slot < K)[:, None], other=float("-inf"))
+    rec = REC + r * (N_REC * GP) + ar_g
+    mx = tl.maximum(tl.load(rec), tl.load(rec + 3 * GP))  # over window + request rows + chosen
+    e = _exp(lg - mx[None, :], PRECISE)  # <= 1
+    fx = (e.to(tl.float64) * FX + 0.5).to(tl.int64)  # 64-bit fixed point: order-free integer sums
+    tl.atomic_add(SUMS + r * GP + ar_g, tl.sum(fx, 0), mask=ar_g < G, sem="relaxed")
+
+
+# ---------------------------------------------------------------------------------------------
+# update(): decay, then the weights of each token in order
+
+
+@triton.jit
+def _updating(REC, r, GP: tl.constexpr):
+    """Whether row r's group updates the tables (some head is not bypassed)."""
+    act = tl.load(REC + r * (N_REC * GP) + 2 * GP + tl.arange(0, GP))
+    return tl.sum(act, 0) > 0
+
+
+@triton.jit(do_not_specialize=["T", "N", "SC"])
+def _decay_kernel(VERT, SLASH, REC, T, N, SC, s_vh, s_sh, gamma, GP: tl.constexpr, BLOCK: tl.constexpr):
+    p = tl.program_id(0).to(tl.int64)
+    kvh = tl.program_id(1).to(tl.int64)
+    dec = gamma * 0 + 1.0
+    for t in range(0, T):
+        dec = tl.where(_updating(REC, kvh * T + t, GP), dec * gamma, dec)
+    j = p * BLOCK + tl.arange(0, BLOCK)
+    v = tl.load(VERT + kvh * s_vh + j, mask=j < N)
+    tl.store(VERT + kvh * s_vh + j, v * dec, mask=j < N)
+    s = tl.load(SLASH + kvh * s_sh + j, mask=j < SC)
+    tl.store(SLASH + kvh * s_sh + j, s * dec, mask=j < SC)
+
+
+@triton.jit(do_not_specialize=["T", "t", "N", "NS", "W", "SC", "K"])
+def _add_kernel(VERT, SLASH, POS, LC, WLOG, REC, SUMS, QPOS, T, t, N, NS, W, SC, K, s_vh, s_sh, gamma,
+                G: tl.constexpr, GP: tl.constexpr, BLOCK: tl.constexpr, IFX: tl.constexpr,
+                PRECISE: tl.constexpr):
+    p = tl.program_id(0).to(tl.int64)
+    kvh = tl.program_id(1).to(tl.int64)
+    r = kvh * T + t
+    if _updating(REC, r, GP):
+        later = gamma * 0 + 1.0  # gamma^(updating tokens after t)
+        for u in range(t + 1, T):
+            later = tl.where(_updating(REC, kvh * T + u, GP), later * gamma, later)
+        coef = 0.5 * later
+        kvh_, t_, qpos, w_lo = _row_coords(QPOS, r, T, N, NS, W)
+        ar_g = tl.arange(0, GP)
+        rec = REC + r * (N_REC * GP) + ar_g
+        m_w = tl.load(rec)
+        l_w = tl.load(rec + GP)
+        act = tl.load(rec + 2 * GP)
+        mx = tl.maximum(m_w, tl.load(rec + 3 * GP))
+        z = l_w * _exp(m_w - mx, PRECISE) + (tl.load(SUMS + r * GP + ar_g).to(tl.float64) * IFX).to(tl.float32)
+        z = tl.where(z > 0, z, 1.0)
+        n_act = tl.maximum(tl.sum(act, 0), 1.0)
+        slot = p * BLOCK + tl.arange(0, BLOCK)
+        is_w = slot < W
+        is_c = (slot >= W) & (slot < W + K)
+        cs = tl.where(is_c, slot - W, 0)
+        wpos = w_lo + slot
+        cpos = tl.load(POS + r * K + cs, mask=is_c, other=-1).to(tl.int64)
+        pos = tl.where(is_w, wpos, cpos)
+        ok = (is_w & (wpos < N)) | (is_c & (cpos >= 0))
+        lw = tl.load(WLOG + (r * W + slot)[:, None] * GP + ar_g[None, :], mask=is_w[:, None], other=float("-inf"))
+        lc = tl.load(LC + (r * K + cs)[:, None] * GP + ar_g[None, :], mask=is_c[:, None], other=float("-inf"))
+        lg = tl.where(is_w[:, None], lw, lc)
+        att = _exp(lg - mx[None, :], PRECISE) / z[None, :]
+        w = tl.sum(att * act[None, :], 1) / n_act * coef
+        vp = VERT + kvh * s_vh + pos
+        tl.store(vp, tl.load(vp, mask=ok) + w, mask=ok)
+        off = qpos - pos
+        oks = ok & (off < SC)
+        sp = SLASH + kvh * s_sh + off
+        tl.store(sp, tl.load(sp, mask=oks) + w, mask=oks)
+
+
+# ---------------------------------------------------------------------------------------------
+# Host side
+
+
+def unsupported(q: torch.Tensor, kv) -> list[str]:
+    """Reasons the fused search cannot run for this step (empty = fine); the planner keeps torch."""
+    reasons = []
+    if q.device.type != "cuda" and not interpreted():
+        reasons.append("the fused LFPS search needs CUDA tensors (or TRITON_INTERPRET=1)")
+    if kv.ctx_k.device != q.device or kv.loc_k.device != q.device:
+        reasons.append("the fused LFPS search needs the context and request rows on the query's device "
+                       "(offload mode plans on the host with torch)")
+    if kv.ctx_k.stride(-1) != 1 or kv.loc_k.stride(-1) != 1:
+        reasons.append("key rows must be contiguous along the head dimension")
+    if kv.loc_k.shape[1] == 0:
+        reasons.append("no request-local slots")
+    if os.environ.get("CTXCACHE_FUSED_LFPS", "1") == "0":
+        reasons.append("the fused LFPS search is switched off (CTXCACHE_FUSED_LFPS=0)")
+    return reasons
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _pow2(x: int, lo: int = 1) -> int:
+    return max(lo, triton.next_power_of_2(max(x, 1)))
+
+
+@functools.lru_cache(maxsize=16)
+def _cuda_sm_count(idx: int) -> int:
+    return torch.cuda.get_device_properties(idx).multi_processor_count
+
+
+def _sm_count(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 4  # the interpreter: a few programs per row
+    return _cuda_sm_count(device.index if device.index is not None else torch.cuda.current_device())
+
+
+def _chunks(n: int, rows: int, block: int, device, cfg: LfpsConfig) -> tuple[int, int]:
+    """(chunk, programs per row) over n positions: chunks are whole tiles."""
+    per_row = max(1, cfg.programs_per_sm * _sm_count(device) // max(rows, 1))
+    chunk = _cdiv(_cdiv(max(n, 1), per_row), block) * block
+    return chunk, _cdiv(max(n, 1), chunk)
+
+
+def fixed_point_shift(k: int) -> int:
+    """Scale 2^shift of the chosen rows' fixed-point sums: k terms <= 1 stay below 2^62."""
+    return 62 - math.ceil(math.log2(k + 1))
+
+
+def search(q, kv, vert, slash, *, mean_k, var_ratio, n_sink: int, window: int, local: int, lam: float,
+           bypass: bool, threshold: float, width: int, k: int, cfg: LfpsConfig | None = None):
+    """The one-token search of `_LFPSPlanner.search` (module docstring) for q [KVH, G, T, D] and the
+    layer's tables vert [KVH, N], slash [KVH, SC] (fp32, read only). Returns (positions [KVH, T, K]
+    int32, bypass [KVH, G, T] bool | None, rest_logit | None, sparsity | None, candidates
+    [KVH, T, C] int32, stats [3] fp32, FusedUpdate)."""
+    cfg = cfg or DEFAULT_CONFIG
+    dev = q.device
+    kvh, g, t, d = q.shape
+    n, sc = vert.shape[1], slash.shape[1]
+    ns = min(n_sink, n)
+    m = kv.loc_k.shape[1]
+    rows = kvh * t
+    gp, dp = _pow2(g, 2), _pow2(d, 16)
+    br = cfg.block
+    precise = dev.type == "cuda"
+    scale = d ** -0.5
+    nw = cfg.num_warps
+    q_pos = kv.q_pos
+    ck, lk = kv.ctx_k, kv.loc_k
+    q = q if q.stride(-1) == 1 else q.contiguous()
+
+    # outputs (per call)
+    sparsity = torch.empty(kvh, g, t, dtype=torch.float32, device=dev) if bypass else None
+    byp = torch.empty(kvh, g, t, dtype=torch.uint8, device=dev) if bypass else None
+    rest = torch.empty(kvh, g, t, dtype=torch.float32, device=dev) if bypass else None
+    stats = torch.empty(3, dtype=torch.float32, device=dev)
+    rec = torch.empty(rows, N_REC.value, gp, dtype=torch.float32, device=dev)
+    sums = torch.empty(rows, gp, dtype=torch.int64, device=dev)
+    wlog = torch.empty(rows, max(window, 1), gp, dtype=torch.float32, device=dev)
+    lc = torch.empty(rows, k, gp, dtype=torch.float32, device=dev)
+
+    # workspaces (consumed inside this call)
+    p2 = _cdiv(max(n - ns, 1), cfg.block_moments)
+    chunk, pc = _chunks(n, rows, br, dev, cfg)
+    part = _WS.get(dev, "lfps.moments", rows * p2 * 16, torch.float64)
+    fst = _WS.get(dev, "lfps.frame", rows * N_FRAME_STATS.value * gp, torch.float32)
+    buf = _WS.get(dev, "lfps.scores", rows * n, torch.float32)
+    flag = _WS.get(dev, "lfps.flags", rows * n, torch.int8)
+    cnt = _WS.get(dev, "lfps.counts", rows * pc, torch.int32)
+    logit = _WS.get(dev, "lfps.logits", rows * n * gp, torch.float32)
+    k4p = _WS.get(dev, "lfps.states", rows * pc * 2 * gp, torch.float32)
+    dummy = stats  # unused pointers when bypass is off
+
+    _frame_kernel[(rows,)](
+        q, ck, lk, q_pos, mean_k if bypass else dummy, var_ratio if bypass else dummy,
+        sparsity if bypass else dummy, byp if bypass else dummy, rest if bypass else dummy,
+        fst, wlog, rec, sums, t, n, m, ns, window, local,
+        q.stride(0), q.stride(1), q.stride(2), ck.stride(0), ck.stride(1), lk.stride(0), lk.stride(1),
+        mean_k.stride(0) if bypass else 0, scale, threshold,
+        G=g, GP=gp, D=d, DP=dp, BR=16, BYPASS=bypass, PRECISE=precise, num_warps=nw)
+    _moments_kernel[(p2, rows)](vert, slash, q_pos, part, t, n, ns, window, sc, vert.stride(0), slash.stride(0),
+                                BLOCK=cfg.block_moments, num_warps=nw)
+    _candidates_kernel[(pc, rows)](vert, slash, q_pos, part, buf, flag, cnt, t, n, ns, window, sc, p2, chunk,
+                                   vert.stride(0), slash.stride(0), lam, PP=_pow2(p2, 2), BLOCK=br, num_warps=nw)
+    cand = topk_positions(buf.view(kvh, t, n), width)  # [KVH, T, C] int32
+    _mark_kernel[(_cdiv(width, cfg.block_k), rows)](cand, flag, n, width, BLOCK=cfg.block_k, num_warps=nw)
+    br_score = min(cfg.block_score, br, 4096 // dp)  # 32 rows at D 128: 111 registers, no spills (sm_90)
+    _score_kernel[(pc, rows)](q, ck, flag, logit, k4p, t, n, chunk, q.stride(0), q.stride(1), q.stride(2),
+                              ck.stride(0), ck.stride(1), scale, G=g, GP=gp, D=d, DP=dp, BR=br_score,
+                              PRECISE=precise, NUM_STAGES=1 if interpreted() else cfg.score_stages, num_warps=nw)
+    _mass_kernel[(pc, rows)](flag, logit, k4p, fst, buf, cnt, rec, q_pos, stats, t, n, ns, window, rows, width,
+                             chunk, pc, pc, G=g, GP=gp, BR=br, PP=_pow2(pc, 2), RP=_pow2(rows, 2), CP=_pow2(pc, 2),
+                             BYPASS=bypass, PRECISE=precise, num_warps=nw)
+    positions = topk_positions(buf.view(kvh, t, n), k)  # [KVH, T, K] int32
+    grid_k = (_cdiv(k, cfg.block_k), rows)
+    shift = fixed_point_shift(k)
+    _chosen_max_kernel[grid_k](positions, logit, lc, rec, n, k, G=g, GP=gp, BLOCK=cfg.block_k, num_warps=nw)
+    _chosen_sum_kernel[grid_k](lc, rec, sums, k, G=g, GP=gp, BLOCK=cfg.block_k, FX=float(2 ** shift),
+                               PRECISE=precise, num_warps=nw)
+    upd = FusedUpdate(positions, lc, wlog, rec, sums, q_pos, shift)
+    return (positions, byp.view(torch.bool) if bypass else None, rest, sparsity, cand, stats, upd)
+
+
+def apply_update(vert: torch.Tensor, slash: torch.Tensor, u: FusedUpdate, *, gamma: float, n_sink: int, window: int,
+                 cfg: LfpsConfig | None = None) -> None:
+    """Commit a fused plan's table update in place (module docstring): decay, then each token's
+    weights in order (one launch per token, so no address has two writers in a launch)."""
+    cfg = cfg or DEFAULT_CONFIG
+    kvh, t, k = u.positions.shape
+    n, sc = vert.shape[1], slash.shape[1]
+    ns = min(n_sink, n)
+    gp = u.rec.shape[-1]
+    g = gp  # padded heads carry act = 0: they add nothing
+    nw = cfg.num_warps
+    precise = vert.device.type == "cuda"
+    _decay_kernel[(_cdiv(max(n, sc), cfg.block_decay), kvh)](vert, slash, u.rec, t, n, sc, vert.stride(0),
+                                                             slash.stride(0), gamma, GP=gp, BLOCK=cfg.block_decay,
+                                                             num_warps=nw)
+    for i in range(t):
+        _add_kernel[(_cdiv(window + k, cfg.block_k), kvh)](
+            vert, slash, u.positions, u.chosen_logits, u.window_logits, u.rec, u.sums, u.q_pos, t, i, n, ns,
+            window, sc, k, vert.stride(0), slash.stride(0), gamma, G=g, GP=gp, BLOCK=cfg.block_k,
+            IFX=float(2.0 ** -u.shift), PRECISE=precise, num_warps=nw)
+
+
+__all__ = ["DEFAULT_CONFIG", "FusedUpdate", "LfpsConfig", "apply_update", "fixed_point_shift", "search", "unsupported"]

@@ -1,0 +1,680 @@
+"""PSA's decode plan (`indexer/psa.py`, `progressive_plan`) in four Triton launches instead of the
+torch path's ~280 dispatched ops (views included; a full sort of the block scores, a gather of the
+candidates' keys, cumsum / cummin and their masks). The planner dispatches here for CUDA tensors
+(`planner.fused`: None = fused for CUDA tensors, True = also on CPU tensors through Triton's
+interpreter, the tests' mode, False = torch); the torch function stays the reference and the CPU
+path. `CTXCACHE_FUSED_PSA=0` keeps every planner on torch (A/B runs).
+
+What one plan computes, per layer and row (KV head, query token): rows = KVH x T; G query heads per
+KV head; nb context blocks of bs tokens, K = B_max = ceil(max_ratio · nb) candidates:
+
+    x[g, b]   = crit(q_g, meta_b) · scale            cuboid q⁻·min + q⁺·max, center, or q·mean
+    score[b]  = Σ_g softmax_b(x[g, ·])[b]             over the row's ranked blocks (not sink/window)
+    cand      = the K best blocks, best first         ties: lowest block id first
+    AS_b[g]   = Σ_{keys of b} exp(q_g·k · scale - m_g), and the dense part's (its sink/window blocks
+                and visible request-local keys), m_g = the max of every such logit (the torch path's)
+    P_acc     = AS_acc / (AS_acc + AS_min·N_left) after each candidate; stop at the first check
+                (every `microbatch` blocks, the last candidate, the last ranked block) where every
+                head has P_acc >= eps (eps = 1: no block left)
+    plan      = the dense-part blocks' tokens outside the frame, then the processed candidates' tokens
+
+Kernels (grids from shapes only, no host sync, fixed-shape outputs; rows of one chunk of tokens):
+
+1. `_crit_kernel`, grid (ceil(nb / BLOCK_B), ceil(T·G / BLOCK_Q), KVH): the criticality of BLOCK_B
+   blocks for BLOCK_Q query rows (token, head) as a tl.dot against the metadata tiles as stored
+   (fp16: min and max rows for cuboid / center, the mean row for mean), rounded to the metadata's
+   dtype on a GPU as the torch path's GEMM output, times the scale -> X [rows·G, nb] fp32; and per
+   (row, head) the softmax state (max, sum of exp) of its ranked blocks in the tile -> PS.
+2. `_select_kernel`, grid (rows,): the softmax normalisation per head from the tiles' states (fixed
+   order), the group score of every block as an int key (float bits + 1: scores are >= 0, so the
+   bits keep the order; 0 = a dense-part block), the K-th largest key by bisection on the key value
+   (`ivf._top_threshold`: in registers for nb <= 4096, compacting passes over L2 beyond), and the
+   K candidates (block id, key) in block order -> CAND / CKEY [rows, K], their count -> NCAND.
+3. `_sums_kernel`, grid (ceil(K / SLOTS) + 1, rows): a program takes SLOTS candidates (128 key rows:
+   4 blocks of 32), loads their keys once for the whole GQA group (tl.dot [G, D] x [D, 128]), the
+   logits rounded to the query's dtype (the torch einsum's output), and per block and head the max
+   and the sum of exp(x - max); it writes them at the block's rank, counted against the row's K
+   keys (keys greater, or equal with a lower block id: a stable descending sort, O(K) compares per
+   candidate from L2) -> SID [rows, K] (block ids best first), SMX / SSM [rows·G, K]. The row's last
+   program does the dense part (online max / sum over its sink/window blocks and request-local keys).
+4. `_stop_kernel`, grid (rows,): m per head = max(dense max, candidates' maxima); AS_b = sum_b ·
+   exp(max_b - m); then the rule in chunks of BLOCK candidates with carries (tl.cumsum for AS_acc, an
+   associative min scan for AS_min, IEEE division for P_acc), stopping at the first chunk that holds
+   the stop point; writes the plan row (the torch path's layout and order), `ranked` (-1 past the
+   candidates), `blocks`, `used`, P_acc at the stop and `capped`.
+
+T > 1 (a question chunk): the same kernels, rows = KVH x T; tokens are planned in chunks of
+`x_budget` / (KVH·G·nb) (32 at 128K) per launch sequence, which bounds the workspace (X: 16 MiB).
+Each token gathers its own candidates' keys, so the key bytes grow with T (27 MB per token at 128K;
+tokens of one chunk share many blocks, which L2 absorbs in part); for T above ~10 a variant that
+reads every key once for all tokens (as the torch path's `score_all`) would move fewer bytes; not
+written (a question is planned once per request, decode steps are T = 1).
+
+Bytes per plan at a Llama-3.1-8B layer (KVH 8, G 4, D 128, bf16 K, fp16 metadata), 128K context
+(nb = 4096 blocks of 32), max_ratio 0.1 (K = 410 candidates = 13120 keys), T = 1 (8 rows):
+
+| kernel | reads | writes | floor at 3 TB/s |
+|---|---|---|---|
+| crit | metadata min + max 8 x 4096 x 2 x 128 x 2 B = 16.8 MB (mean: 8.4 MB) | X 0.5 MB, PS 16 KB (L2) | 5.6 us |
+| select | X + PS 0.5 MB (L2) | keys 128 KB (L2), candidates 26 KB | latency: ~4-6 us |
+| sums | K rows 8 x 410 x 32 x 256 B = 26.9 MB + dense part ~0.2 MB; keys for the ranks 1.4 MB (L2) | 0.1 MB | 9.0 us |
+| stop | 0.1 MB (L2) | plan 8 x 13184 x 4 B = 0.42 MB, ranked 26 KB | latency: ~2-3 us |
+| total | ~44 MB | | ~15 us + the two one-program-per-row kernels |
+
+Flops are small (crit 8 x 4096 x 16 x 256 x 2 = 268 Mflop on tensor cores, padded to 16 query
+rows; sums 8 x 13120 x 16 x 128 x 2 = 430 Mflop; the ranks 8 x 410² compares). The select and stop
+kernels run one program per row (8 SMs at T = 1): the select's ~25-30 bisection steps over 4096
+keys in registers (one block reduction each), its score pass (16K exp per row) and its compaction
+are the serial part. Expected: ~25-35 us per layer-step at 128K including four graph-replayed
+launch gaps, ~10-15 us at 32K (meta and candidates 4x fewer), against the torch plan's ~250-400 us
+(0.464 ms plan + attention at 128K, 0.334 ms at 32K, measured on the H100 before this module).
+Not measured yet: benchmarks/gpu_decode.py times the decode step with the planner as it dispatches.
+
+Results against the torch path (what may differ):
+* Criticality: the same formulas; on a GPU the dot takes the metadata's dtype (fp16 operands, q
+  cast as the torch path casts it, fp32 accumulation) and its result is rounded to that dtype, as
+  the torch path's GEMM output; on the CPU (interpreter) both run in fp32. The summation order
+  differs from cuBLAS's, so a GPU criticality can round to the neighbouring fp16 value when its fp32
+  sum lies within a few ulps of a rounding midpoint (~1e-3 of the values), which can swap two blocks
+  whose group scores are within ~0.1 % (the same as two cuBLAS versions would); elsewhere the scores
+  differ by fp32 rounding (~1e-7 relative: the softmax normalisation is combined from per-tile
+  states, 1/Z is multiplied, the group sum is a tree). Computing both in fp32 instead was measured
+  on the H100 (2026-11-22): the plan + attention step at 128K went from 0.081 to 0.149 ms (FMAs
+  instead of MMAs) and near-ties still swapped, so the fp16 GEMM stays.
+* Order and ties: blocks best first, equal scores lowest block id first (a stable descending sort),
+  also at the K-th place. The torch path's `torch.sort` leaves the order of ties unspecified; the
+  tests give it a stable sort.
+* Exact sums: per block (max, sum of exp(x - max)), rescaled to the common max m, which is exactly
+  the torch path's m (a max of the same logits; the logits are rounded to the query's dtype as its
+  einsum's output). exp(max_b - m)·sum_b differs from the sum of exp(x - m) by a few ulps. (An upper
+  bound such as the best block's criticality would save nothing here, and the cuboid bound of
+  128-dim keys can exceed the true max logit by tens after scaling: exp(x - bound) would underflow
+  for whole blocks and move AS_min.)
+* The rule: the same fp32 formulas (cumsum in chunks: another summation order), so P_acc agrees to
+  ~1e-6 relative; a stop point moves only where P_acc lies that close to eps at a check.
+* Deterministic: no atomics, every reduction in a fixed order: the same inputs give the same plan,
+  run to run. Outputs are allocated per call as the torch path's are (a caller may keep plans).
+* `ranked` past the candidates is -1 (the torch path: whatever the sort put there).
+The tests check equal position sets (and equal rows, order included), equal blocks / used / capped
+and the rank order on fp32 and bf16 Gaussian data, every criticality, eps < 1 and = 1, capped and
+uncapped, T = 1 and 3, and the tie rule on integer-valued data with duplicated blocks.
+
+Checked without a GPU (Triton 3.6, ahead-of-time compile for sm_90 at the shape above with the JIT's
+16-divisibility of pointers and strides, default knobs): no register spills; registers per thread:
+crit 124 (cuboid) / 116 (center) / 80 (mean) with 4 warps, select 128 (8 warps, block 4096), sums
+96 (4 warps, 37 KB shared memory), stop 128 (4 warps); fp32 q/K and metadata (ieee dots) compile
+too (crit 166, sums 124).
+
+Workspaces: one float32 and one int32 buffer per device and stream (grow-only, `Workspaces`):
+X, PS, the per-candidate sums, the select scratch (keys + ping/pong), candidates, ranks' output.
+Every kernel writes what the next one reads before it is read, so no buffer needs zeroing and a
+plan never depends on what an earlier (possibly interrupted) plan left there. Stream order makes
+reuse safe; a graph captured on a side stream gets its own buffers.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from indexer.kernels import Workspaces, interpreted  # also makes Triton 3.6's interpreter work with NumPy 2.4
+from indexer.kernels.ivf import _exp, _round_as, _top_threshold  # shared device helpers (exp, rounding, k-th key)
+from indexer.psa import ProgressivePlan, dense_part_blocks
+
+NEG_BIG: tl.constexpr = tl.constexpr(-1.0e30)  # the max of an empty set: finite, so exp(m - m') is never nan
+INT_MAX: tl.constexpr = tl.constexpr(2147483647)
+KINDS = {"cuboid": 0, "center": 1, "mean": 2}
+SUPPORTED_HEAD_DIMS = (16, 32, 64, 128, 256)
+MAX_BLOCK_SIZE = 256  # tokens per PSA block a sums program holds (a tile of >= one block)
+
+
+# ---------------------------------------------------------------------------------------------
+# Device helpers
+
+
+@triton.jit
+def _min_combine(a, b):
+    return tl.minimum(a, b)
+
+
+@triton.jit
+def _window_start(QPOS, t, n_ctx, s_end, window, bs, nb):
+    """(w_lo, first forced window block) of query token t: the window's context part is [w_lo, n_ctx)
+    (`indexer.base.frame_bounds`); blocks >= the second are dense-part blocks (nb: none)."""
+    qp = tl.load(QPOS + t).to(tl.int32)
+    w_lo = tl.minimum(tl.maximum(qp - window + 1, s_end), n_ctx)
+    return w_lo, tl.where(w_lo < n_ctx, w_lo // bs, nb)
+
+
+@triton.jit
+def _logits(q, k, qk_scale, LOGIT_DT: tl.constexpr, DOT_FP32: tl.constexpr):
+    """q [G_PAD, D] (query dtype), k [N, D] -> q·k rounded to the query dtype, times the scale:
+    the torch path's `einsum(q, k.to(q.dtype)).float() * scale`. [G_PAD, N] fp32."""
+    if DOT_FP32:  # the interpreter (its bf16 dot is wrong): fp32 operands holding the same values
+        kf = _round_as(k.to(tl.float32), LOGIT_DT)
+        s = tl.dot(q.to(tl.float32), tl.trans(kf), input_precision="ieee")
+    elif LOGIT_DT == tl.float32:
+        s = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee")
+    else:
+        s = tl.dot(q, tl.trans(k.to(LOGIT_DT)))
+    return _round_as(s, LOGIT_DT) * qk_scale
+
+
+@triton.jit
+def _online(m, l, s, PRECISE: tl.constexpr):
+    """Softmax state (max, sum of exp(x - max)) per row of m/l [G_PAD], updated with s [G_PAD, N]."""
+    m_new = tl.maximum(m, tl.max(s, 1))
+    l = l * _exp(m - m_new, PRECISE) + tl.sum(_exp(s - m_new[:, None], PRECISE), 1)
+    return m_new, l
+
+
+# ---------------------------------------------------------------------------------------------
+# 1. criticality
+
+
+@triton.jit(do_not_specialize=["T", "nb", "n_ctx", "s_end", "window", "n_sb", "bs", "n_bt"])
+def _crit_kernel(
+    Q, QPOS, META, X, PS,
+    sq_h, sq_g, sq_t, sm_h, sm_b, sm_r,
+    T, nb, n_ctx, s_end, window, n_sb, bs, n_bt, qk_scale,
+    G: tl.constexpr, D: tl.constexpr, KIND: tl.constexpr, CDT: tl.constexpr, DOT_FP32: tl.constexpr,
+    BLOCK_Q: tl.constexpr, BLOCK_B: tl.constexpr, PRECISE: tl.constexpr,
+):
+    """Scaled criticality of BLOCK_B blocks for BLOCK_Q query rows (token, head) of one KV head ->
+    X [rows·G, nb] fp32, and per row the softmax state of those blocks that are ranked (not in the
+    row's dense part) -> PS [rows·G, n_bt, 2]."""
+    bt = tl.program_id(0)
+    j = tl.program_id(1) * BLOCK_Q + tl.arange(0, BLOCK_Q)  # query rows t·G + g of this KV head
+    h = tl.program_id(2).to(tl.int64)
+    j_ok = j < T * G
+    t = j // G
+    g = j % G
+    offs_d = tl.arange(0, D)
+    qv = tl.load(Q + h * sq_h + g[:, None] * sq_g + t[:, None] * sq_t + offs_d[None, :], mask=j_ok[:, None],
+                 other=0.0).to(tl.float32)
+    b = bt * BLOCK_B + tl.arange(0, BLOCK_B)
+    b_ok = b < nb
+    mp = META + h * sm_h + b[:, None].to(tl.int64) * sm_b + offs_d[None, :]
+    OPT: tl.constexpr = tl.float32 if DOT_FP32 else CDT
+    PREC: tl.constexpr = "ieee" if OPT == tl.float32 else "tf32"
+    if KIND == 2:  # q·mean
+        mean = tl.load(mp + 2 * sm_r, mask=b_ok[:, None], other=0.0).to(OPT)
+        x = tl.dot(qv.to(CDT).to(OPT), tl.trans(mean), input_precision=PREC)
+    else:  # cuboid: q⁻·min + q⁺·max; center: (q/2)·min + (q/2)·max
+        lo = tl.load(mp, mask=b_ok[:, None], other=0.0).to(OPT)
+        hi = tl.load(mp + sm_r, mask=b_ok[:, None], other=0.0).to(OPT)
+        if KIND == 0:
+            qa = tl.minimum(qv, 0.0)
+            qb = tl.maximum(qv, 0.0)
+        else:
+            qa = qv * 0.5
+            qb = qa
+        x = tl.dot(qa.to(CDT).to(OPT), tl.trans(lo), input_precision=PREC)
+        x = tl.dot(qb.to(CDT).to(OPT), tl.trans(hi), x, input_precision=PREC)
+    x = x.to(CDT).to(tl.float32) * qk_scale  # the GEMM's output dtype (fp16 on a GPU), then the scale
+    row = h * T * G + j  # = (kv head · T + t) · G + g
+    tl.store(X + row[:, None] * nb + b[None, :], x, mask=j_ok[:, None] & b_ok[None, :])
+
+    qp = tl.load(QPOS + t, mask=j_ok, other=0).to(tl.int32)
+    w_lo = tl.minimum(tl.maximum(qp - window + 1, s_end), n_ctx)
+    first_w = tl.where(w_lo < n_ctx, w_lo // bs, nb)
+    ranked = b_ok[None, :] & (b[None, :] >= n_sb) & (b[None, :] < first_w[:, None])
+    xm = tl.where(ranked, x, float("-inf"))
+    m = tl.maximum(tl.max(xm, 1), NEG_BIG)
+    s = tl.sum(_exp(xm - m[:, None], PRECISE), 1)
+    ps = PS + (row * n_bt + bt) * 2
+    tl.store(ps, m, mask=j_ok)
+    tl.store(ps + 1, s, mask=j_ok)
+
+
+# ---------------------------------------------------------------------------------------------
+# 2. group score, the B_max best blocks
+
+
+@triton.jit(do_not_specialize=["T", "nb", "n_ctx", "s_end", "window", "n_sb", "bs", "n_bt", "K", "scr_row"])
+def _select_kernel(
+    X, PS, QPOS, SCR, CAND, CKEY, NCAND,
+    T, nb, n_ctx, s_end, window, n_sb, bs, n_bt, K, scr_row,
+    G: tl.constexpr, G_PAD: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK: tl.constexpr,
+    PRECISE: tl.constexpr,
+):
+    """One program per row (KV head, token): the group score of every ranked block (sum over the
+    group's heads of the softmax over blocks) as an int key (float bits + 1; 0 = dense-part block),
+    the K best keys (ties: lowest block id), and their block ids and keys in block order ->
+    CAND / CKEY [rows, K], their count -> NCAND [rows]."""
+    r = tl.program_id(0)
+    t = r % T
+    ar_g = tl.arange(0, G_PAD)
+    g_ok = ar_g < G
+    hrow = r.to(tl.int64) * G + ar_g  # X / PS rows of the group's heads
+
+    # softmax normalisation per head from the criticality programs' states (fixed order)
+    m_all = tl.full([G_PAD], NEG_BIG, tl.float32)
+    for c0 in range(0, n_bt, BLOCK_P):
+        i = c0 + tl.arange(0, BLOCK_P)
+        msk = g_ok[:, None] & (i < n_bt)[None, :]
+        m = tl.load(PS + (hrow[:, None] * n_bt + i[None, :]) * 2, mask=msk, other=NEG_BIG)
+        m_all = tl.maximum(m_all, tl.max(m, 1))
+    z = tl.zeros([G_PAD], tl.float32)
+    for c0 in range(0, n_bt, BLOCK_P):
+        i = c0 + tl.arange(0, BLOCK_P)
+        msk = g_ok[:, None] & (i < n_bt)[None, :]
+        m = tl.load(PS + (hrow[:, None] * n_bt + i[None, :]) * 2, mask=msk, other=NEG_BIG)
+        s = tl.load(PS + (hrow[:, None] * n_bt + i[None, :]) * 2 + 1, mask=msk, other=0.0)
+        z += tl.sum(s * _exp(m - m_all[:, None], PRECISE), 1)
+    inv_z = tl.div_rn(1.0 + 0.0 * z, tl.where(z > 0, z, 1.0))
+
+    _, first_w = _window_start(QPOS, t, n_ctx, s_end, window, bs, nb)
+    row = SCR + r.to(tl.int64) * scr_row
+    n_valid = r * 0
+    key_min = r * 0 + INT_MAX
+    key_max = r * 0
+    for c0 in range(0, nb, BLOCK_C):
+        b = c0 + tl.arange(0, BLOCK_C)
+        ranked = (b < nb) & (b >= n_sb) & (b < first_w)
+        x = tl.load(X + hrow[:, None] * nb + b[None, :], mask=g_ok[:, None] & ranked[None, :], other=float("-inf"))
+        p = _exp(x - m_all[:, None], PRECISE) * inv_z[:, None]  # softmax over blocks, per head
+        score = tl.sum(p, 0)
+        key = tl.where(ranked, score.to(tl.int32, bitcast=True) + 1, 0)  # score >= 0: bits keep the order
+        tl.store(row + b, key, mask=b < nb)
+        n_valid += tl.sum(ranked.to(tl.int32), 0)
+        key_min = tl.minimum(key_min, tl.min(tl.where(ranked, key, INT_MAX), 0))
+        key_max = tl.maximum(key_max, tl.max(key, 0))
+    tl.debug_barrier()  # the keys' stores before other threads read them
+    thr, take = _top_threshold(row, nb, K, key_min, n_valid, key_max + 1, BLOCK)
+
+    ar = tl.arange(0, BLOCK)
+    base = r * 0
+    eq_base = r * 0
+    out = r.to(tl.int64) * K
+    for c0 in range(0, nb, BLOCK):
+        o = c0 + ar
+        inn = o < nb
+        key = tl.load(row + o, mask=inn, other=0)
+        eq = (key == thr) & inn
+        eq_rank = eq_base + tl.cumsum(eq.to(tl.int32), 0) - 1
+        w = ((key > thr) | (eq & (eq_rank < take))) & (key > 0) & inn
+        at = base + tl.cumsum(w.to(tl.int32), 0) - 1
+        tl.store(CAND + out + at, o, mask=w)
+        tl.store(CKEY + out + at, key, mask=w)
+        base += tl.sum(w.to(tl.int32), 0)
+        eq_base += tl.sum(eq.to(tl.int32), 0)
+    tl.store(NCAND + r, base)
+
+
+# ---------------------------------------------------------------------------------------------
+# 3. exact sums: the candidates (in rank order) and the dense part
+
+
+@triton.jit(do_not_specialize=["T", "n_ctx", "n_loc", "nb", "K", "s_end", "window", "n_sb", "first_w0", "F", "bs",
+                               "n_st"])
+def _sums_kernel(
+    Q, CK, LK, QPOS, CAND, CKEY, NCAND, SID, SMX, SSM, DMX, DSM,
+    sq_h, sq_g, sq_t, sck_h, sck_n, slk_h, slk_n,
+    T, n_ctx, n_loc, nb, K, s_end, window, n_sb, first_w0, F, bs, n_st, qk_scale,
+    G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, BS_PAD: tl.constexpr, SLOTS: tl.constexpr,
+    BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, LOGIT_DT: tl.constexpr, DOT_FP32: tl.constexpr,
+    PRECISE: tl.constexpr,
+):
+    """Programs 0 .. n_st - 1 of a row: SLOTS candidate blocks each. A candidate's rank in the
+    order (key desc, block id asc) is the count of candidates before it (the row's K keys, from
+    L2); its block's keys are read once for the group's heads, and (block id, max, sum of exp(x -
+    max) per head) are written to slot `rank` -> SID [rows, K], SMX / SSM [rows·G, K]. Program
+    n_st: the same state over the dense part (the row's sink/window blocks, its visible
+    request-local keys) -> DMX / DSM [rows·G]."""
+    s = tl.program_id(0)
+    r = tl.program_id(1)
+    h = (r // T).to(tl.int64)
+    t = r % T
+    ar_g = tl.arange(0, G_PAD)
+    g_ok = ar_g < G
+    offs_d = tl.arange(0, D)
+    q = tl.load(Q + h * sq_h + ar_g[:, None] * sq_g + t * sq_t + offs_d[None, :], mask=g_ok[:, None], other=0.0)
+    n_cand = tl.load(NCAND + r)
+    row = r.to(tl.int64) * K
+    hrow = r.to(tl.int64) * G + ar_g
+    if s < n_st:
+        i0 = s * SLOTS
+        if i0 < n_cand:
+            u = tl.arange(0, SLOTS * BS_PAD)
+            us = i0 + u // BS_PAD
+            ua = u % BS_PAD
+            bid = tl.load(CAND + row + us, mask=us < n_cand, other=0)
+            tok = bid * bs + ua
+            ok = (us < n_cand) & (ua < bs) & (tok < n_ctx)
+            k = tl.load(CK + h * sck_h + tok[:, None].to(tl.int64) * sck_n + offs_d[None, :], mask=ok[:, None],
+                        other=0.0)  # in flight while the rank is counted
+            sl = i0 + tl.arange(0, SLOTS)
+            sl_ok = sl < n_cand
+            key_i = tl.load(CKEY + row + sl, mask=sl_ok, other=0)
+            rank = tl.zeros([SLOTS], tl.int32)
+            for c0 in range(0, n_cand, BLOCK_R):
+                jj = c0 + tl.arange(0, BLOCK_R)
+                kj = tl.load(CKEY + row + jj, mask=jj < n_cand, other=0)  # 0: below every candidate
+                eq = (kj[None, :] == key_i[:, None]) & (jj[None, :] < sl[:, None])
+                before = (kj[None, :] > key_i[:, None]) | eq  # (key desc, block id asc): slots are in block order
+                rank += tl.sum(before.to(tl.int32), 1)
+            x = tl.where(ok[None, :], _logits(q, k, qk_scale, LOGIT_DT, DOT_FP32), float("-inf"))
+            x3 = tl.reshape(x, (G_PAD, SLOTS, BS_PAD))
+            mb = tl.maximum(tl.max(x3, 2), NEG_BIG)  # [G_PAD, SLOTS]
+            lb = tl.sum(_exp(x3 - mb[:, :, None], PRECISE), 2)
+            ids = tl.load(CAND + row + sl, mask=sl_ok, other=0)
+            tl.store(SID + row + rank, ids, mask=sl_ok)
+            msk = g_ok[:, None] & sl_ok[None, :]
+            tl.store(SMX + hrow[:, None] * K + rank[None, :], mb, mask=msk)
+            tl.store(SSM + hrow[:, None] * K + rank[None, :], lb, mask=msk)
+    else:
+        _, first_w = _window_start(QPOS, t, n_ctx, s_end, window, bs, nb)
+        qp = tl.load(QPOS + t).to(tl.int32)
+        m = tl.full([G_PAD], NEG_BIG, tl.float32)
+        l = tl.zeros([G_PAD], tl.float32)
+        for c0 in range(0, F * BS_PAD, BLOCK_N):  # the dense-part blocks that are this token's
+            u = c0 + tl.arange(0, BLOCK_N)
+            f = u // BS_PAD
+            a = u % BS_PAD
+            bid = tl.where(f < n_sb, f, first_w0 + f - n_sb)
+            tok = bid * bs + a
+            ok = (f < F) & (a < bs) & (tok < n_ctx) & ((bid < n_sb) | (bid >= first_w))
+            k = tl.load(CK + h * sck_h + tok[:, None].to(tl.int64) * sck_n + offs_d[None, :], mask=ok[:, None],
+                        other=0.0)
+            x = tl.where(ok[None, :], _logits(q, k, qk_scale, LOGIT_DT, DOT_FP32), float("-inf"))
+            m, l = _online(m, l, x, PRECISE)
+        n_vis = tl.minimum(n_loc, qp - n_ctx + 1)  # request-local slots j with n_ctx + j <= q_pos
+        for c0 in range(0, n_vis, BLOCK_N):
+            jj = c0 + tl.arange(0, BLOCK_N)
+            ok = jj < n_vis
+            k = tl.load(LK + h * slk_h + jj[:, None].to(tl.int64) * slk_n + offs_d[None, :], mask=ok[:, None],
+                        other=0.0)
+            x = tl.where(ok[None, :], _logits(q, k, qk_scale, LOGIT_DT, DOT_FP32), float("-inf"))
+            m, l = _online(m, l, x, PRECISE)
+        tl.store(DMX + hrow, m, mask=g_ok)
+        tl.store(DSM + hrow, l, mask=g_ok)
+
+
+# ---------------------------------------------------------------------------------------------
+# 4. the stop rule and the plan
+
+
+@triton.jit(do_not_specialize=["T", "n_ctx", "nb", "K", "s_end", "window", "n_sb", "first_w0", "F", "bs",
+                               "microbatch"])
+def _stop_kernel(
+    SID, SMX, SSM, DMX, DSM, NCAND, QPOS, POS, RANKED, BLOCKS, USED, MASS, CAPPED,
+    sp_h, sp_t, sr_h, sr_t, sb_h, sb_t, sm_h, sm_g, sm_t,
+    T, n_ctx, nb, K, s_end, window, n_sb, first_w0, F, bs, microbatch, eps,
+    G: tl.constexpr, G_PAD: tl.constexpr, BLOCK: tl.constexpr, BLOCK_P: tl.constexpr, EXACT: tl.constexpr,
+    PRECISE: tl.constexpr,
+):
+    """One program per row: AS_acc, AS_min, P_acc over the ranked candidates (cumulative, in chunks
+    of BLOCK with carries), the first check where every head has P_acc >= eps, and the row's
+    outputs: positions, ranked block ids, blocks / used counts, P_acc at the stop, capped."""
+    r = tl.program_id(0)
+    h = (r // T).to(tl.int64)
+    t = r % T
+    ar_g = tl.arange(0, G_PAD)
+    g_ok = ar_g < G
+    hrow = r.to(tl.int64) * G + ar_g
+    row = r.to(tl.int64) * K
+    w_lo, first_w = _window_start(QPOS, t, n_ctx, s_end, window, bs, nb)
+    n_forced = n_sb + tl.maximum(nb - tl.maximum(first_w, n_sb), 0)
+    n_ranked = nb - n_forced
+    n_cand = tl.load(NCAND + r)
+    ar = tl.arange(0, BLOCK)
+
+    # the common max m of every processed logit (the torch path's), per head
+    dm = tl.load(DMX + hrow, mask=g_ok, other=NEG_BIG)
+    m = dm
+    for c0 in range(0, n_cand, BLOCK):
+        i = c0 + ar
+        mx = tl.load(SMX + hrow[:, None] * K + i[None, :], mask=g_ok[:, None] & (i < n_cand)[None, :], other=NEG_BIG)
+        m = tl.maximum(m, tl.max(mx, 1))
+    acc_c = tl.load(DSM + hrow, mask=g_ok, other=0.0) * _exp(dm - m, PRECISE)  # AS_acc before any ranked block
+    min_c = tl.full([G_PAD], float("inf"), tl.float32)
+    p_at = tl.full([G_PAD], 1.0, tl.float32)
+    first = n_cand
+    found = n_cand * 0
+    c0 = n_cand * 0
+    while (c0 < n_cand) & (found == 0):
+        i = c0 + ar
+        ok = i < n_cand
+        msk = g_ok[:, None] & ok[None, :]
+        mx = tl.load(SMX + hrow[:, None] * K + i[None, :], mask=msk, other=NEG_BIG)
+        sm = tl.load(SSM + hrow[:, None] * K + i[None, :], mask=msk, other=0.0)
+        bid = tl.load(SID + row + i, mask=ok, other=0)
+        ts = tl.where(msk, sm * _exp(mx - m[:, None], PRECISE), 0.0)  # AS of each block at the common max
+        acc = acc_c[:, None] + tl.cumsum(ts, 1)
+        cnt = tl.minimum((bid + 1) * bs, n_ctx) - bid * bs
+        bs_f = (cnt * 0 + bs).to(tl.float32)
+        full = tl.where(cnt == bs, 1.0, tl.div_rn(bs_f, tl.maximum(cnt, 1).to(tl.float32)))  # partial block
+        am = tl.where(msk, ts * full[None, :], float("inf"))
+        am = tl.minimum(min_c[:, None], tl.associative_scan(am, 1, _min_combine))
+        done = i + 1
+        n_left = tl.maximum(n_ranked - done, 0)
+        rest = tl.where(msk & (n_left[None, :] > 0), tl.where(msk, am, 0.0) * n_left.to(tl.float32)[None, :], 0.0)
+        p = tl.where(rest > 0, tl.div_rn(acc, tl.where(rest > 0, acc + rest, 1.0)), 1.0)
+        if EXACT:
+            head_ok = (n_left <= 0)[None, :] | (p < 0)
+        else:
+            head_ok = p >= eps
+        all_ok = tl.min((head_ok | ~g_ok[:, None]).to(tl.int32), 0) > 0
+        check = ((done % microbatch) == 0) | (done == K) | (done == n_ranked)
+        stop = all_ok & check & ok
+        fst = tl.min(tl.where(stop, i, INT_MAX), 0)
+        found = (fst < INT_MAX).to(tl.int32)
+        at = tl.where(found != 0, fst, n_cand - 1)  # P_acc reported: at the stop, else after the last block
+        in_chunk = (at >= c0) & (at < c0 + BLOCK)
+        p_at = tl.where(in_chunk, tl.sum(tl.where(i[None, :] == at, p, 0.0), 1), p_at)
+        first = tl.where(found != 0, fst, first)
+        acc_c = tl.max(acc, 1)  # cumsums of sums >= 0 never decrease: the max is the last
+        min_c = tl.min(am, 1)
+        c0 += BLOCK
+    used = tl.where(found != 0, first + 1, n_cand)
+    tl.store(BLOCKS + h * sb_h + t * sb_t, (used + n_forced).to(tl.int64))
+    tl.store(USED + h * sb_h + t * sb_t, used.to(tl.int64))
+    tl.store(CAPPED + h * sb_h + t * sb_t, ((found == 0) & (n_cand > 0)).to(tl.int8))
+    tl.store(MASS + h * sm_h + ar_g * sm_g + t * sm_t, tl.where(used > 0, p_at, 1.0), mask=g_ok)
+
+    for c0 in range(0, K, BLOCK):
+        i = c0 + ar
+        bid = tl.load(SID + row + i, mask=i < n_cand, other=-1)
+        tl.store(RANKED + h * sr_h + t * sr_t + i, bid.to(tl.int64), mask=i < K)
+    pos = POS + h * sp_h + t * sp_t
+    for c0 in range(0, F * bs, BLOCK_P):  # the dense-part blocks' tokens outside the frame
+        u = c0 + tl.arange(0, BLOCK_P)
+        f = u // bs
+        bid = tl.where(f < n_sb, f, first_w0 + f - n_sb)
+        tok = bid * bs + u % bs
+        sel = ((bid < n_sb) | (bid >= first_w)) & (tok >= s_end) & (tok < w_lo)
+        tl.store(pos + u, tl.where(sel, tok, -1), mask=u < F * bs)
+    pos += F * bs
+    for c0 in range(0, K * bs, BLOCK_P):  # the processed ranked blocks, best first
+        u = c0 + tl.arange(0, BLOCK_P)
+        i = u // bs
+        bid = tl.load(SID + row + i, mask=i < used, other=0)
+        tok = bid * bs + u % bs
+        tl.store(pos + u, tl.where((i < used) & (tok < n_ctx), tok, -1), mask=u < K * bs)
+
+
+# ---------------------------------------------------------------------------------------------
+# Launch configuration and workspaces (host ints from shapes only)
+
+
+@dataclass(frozen=True)
+class PsaConfig:
+    """Tuning knobs (reasoned defaults, not swept on a GPU; tests swap in tiny ones)."""
+
+    block_b: int = 64  # crit: blocks per program
+    block_q: int = 16  # crit: query rows (token, head) per program (>= 16: a tl.dot)
+    crit_warps: int = 4
+    score_block: int = 1024  # select: blocks per chunk of the score pass
+    select_block: int = 4096  # select: keys the threshold search holds in registers (larger rows: L2 passes)
+    select_warps: int = 8
+    tile_tokens: int = 128  # sums: key rows per program (whole blocks: 4 of 32)
+    rank_block: int = 512  # sums: candidate keys per compare chunk of the rank
+    dense_block: int = 64  # sums: key rows per chunk of the dense part
+    sums_warps: int = 4
+    scan_block: int = 512  # stop: candidates per chunk of the cumulative scan
+    pos_block: int = 1024  # stop: plan slots per store
+    stop_warps: int = 4
+    x_budget: int = 1 << 22  # most criticality floats in the workspace: T is planned in chunks beyond it
+
+
+DEFAULT_CONFIG = PsaConfig()
+
+_WORKSPACES = Workspaces()
+
+
+def clear_workspace() -> None:
+    _WORKSPACES.clear()
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _pow2(x: int) -> int:
+    return triton.next_power_of_2(max(int(x), 1))
+
+
+def unsupported(q: torch.Tensor, meta: torch.Tensor, block_size: int) -> list[str]:
+    """Reasons the fused plan cannot run here (empty = fine); the planner then keeps the torch path."""
+    reasons = []
+    if q.shape[-1] not in SUPPORTED_HEAD_DIMS:
+        reasons.append(f"head_dim {q.shape[-1]} is not supported by the fused PSA plan (powers of two 16..256)")
+    if block_size > MAX_BLOCK_SIZE:
+        reasons.append(f"block_size {block_size} is beyond the fused PSA plan's tile ({MAX_BLOCK_SIZE})")
+    if meta.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        reasons.append(f"block metadata of dtype {meta.dtype} is not supported by the fused PSA plan")
+    if q.device.type != "cuda" and not interpreted():
+        reasons.append("the fused PSA plan needs CUDA tensors (or TRITON_INTERPRET=1)")
+    if os.environ.get("CTXCACHE_FUSED_PSA", "1") == "0":
+        reasons.append("the fused PSA plan is switched off (CTXCACHE_FUSED_PSA=0)")
+    return reasons
+
+
+_TL_DTYPES = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
+
+
+def _carve(get, device: torch.device, dtype: torch.dtype, **sizes: int) -> dict[str, torch.Tensor]:
+    """Consecutive views of one grow-only workspace buffer (`Workspaces.get`), one per named size."""
+    buf = get(device, "psa", sum(sizes.values()), dtype)
+    out, at = {}, 0
+    for name, size in sizes.items():
+        out[name] = buf[at:at + size]
+        at += size
+    return out
+
+
+def _rows_contiguous(x: torch.Tensor) -> torch.Tensor:
+    return x if x.stride(-1) == 1 else x.contiguous()
+
+
+def progressive_plan(
+    q: torch.Tensor,  # [KVH, G, T, D]
+    ctx_k: torch.Tensor,  # [KVH, N, D]
+    loc_k: torch.Tensor,  # [KVH, M, D]
+    q_pos: torch.Tensor,  # [T]
+    meta: torch.Tensor,  # [KVH, blocks, 3, D]
+    block_size: int,
+    *,
+    eps: float,
+    microbatch: int,
+    sink: int,
+    window: int,
+    max_blocks: int,
+    criticality: str = "cuboid",
+    cfg: PsaConfig | None = None,
+) -> ProgressivePlan:
+    """`indexer.psa.progressive_plan` in four launches per chunk of query tokens (one chunk unless
+    T is large); same arguments (no `score_all`: the fused plan never scores every key), same
+    result (module docstring: what may differ). No host sync; allocates only the outputs."""
+    cfg = cfg or DEFAULT_CONFIG
+    dev = q.device
+    kvh, g, t, d = q.shape
+    n = ctx_k.shape[1]
+    bs = block_size
+    nb = meta.shape[1]
+    bm = min(max_blocks, nb)
+    if bm == 0:  # an empty context: nothing to plan (the torch path's answer, no kernel)
+        z = torch.zeros(kvh, t, dtype=torch.int64, device=dev)
+        return ProgressivePlan(torch.full((kvh, t, 0), -1, dtype=torch.int32, device=dev), z,
+                               z[..., :0], z, torch.ones(kvh, g, t, device=dev), z.bool())
+    s_end = min(sink, n)
+    n_sb, first_w0 = dense_part_blocks(n, bs, sink, window)
+    f = n_sb + nb - first_w0
+    positions = torch.empty(kvh, t, (f + bm) * bs, dtype=torch.int32, device=dev)
+    ranked = torch.empty(kvh, t, bm, dtype=torch.int64, device=dev)
+    counts = torch.empty(2, kvh, t, dtype=torch.int64, device=dev)  # blocks, used
+    mass = torch.empty(kvh, g, t, dtype=torch.float32, device=dev)
+    capped = torch.empty(kvh, t, dtype=torch.int8, device=dev)
+
+    q = _rows_contiguous(q)
+    ctx_k = _rows_contiguous(ctx_k)
+    loc_k = _rows_contiguous(loc_k)
+    meta = meta if meta.stride(-1) == 1 else meta.contiguous()
+    q_pos = q_pos if q_pos.stride(-1) == 1 else q_pos.contiguous()
+    tc = max(1, min(t, cfg.x_budget // (kvh * g * nb)))  # query tokens per launch sequence
+    rows = kvh * tc
+    g_pad = max(16, _pow2(g))  # a tl.dot needs 16 rows
+    n_bt = _cdiv(nb, cfg.block_b)
+    bs_pad = _pow2(bs)
+    slots = max(1, cfg.tile_tokens // bs_pad)
+    n_st = _cdiv(bm, slots)
+    scr_row = 3 * nb
+    wf = _carve(_WORKSPACES.get, dev, torch.float32, x=rows * g * nb, ps=rows * g * n_bt * 2, smx=rows * g * bm,
+                ssm=rows * g * bm, dmx=rows * g, dsm=rows * g)
+    wi = _carve(_WORKSPACES.get, dev, torch.int32, scr=rows * scr_row, cand=rows * bm, ckey=rows * bm,
+                sid=rows * bm, ncand=rows)
+    x, ps, smx, ssm, dmx, dsm = (wf[k] for k in ("x", "ps", "smx", "ssm", "dmx", "dsm"))
+    scr, cand, ckey, sid, ncand = (wi[k] for k in ("scr", "cand", "ckey", "sid", "ncand"))
+
+    on_gpu = dev.type == "cuda"
+    precise = not interpreted()
+    cdt = _TL_DTYPES[meta.dtype] if on_gpu else tl.float32  # the torch path's `cdt`
+    logit_dt = _TL_DTYPES.get(q.dtype, tl.float32)
+    dot_fp32 = interpreted()
+    for t0 in range(0, t, tc):
+        t1 = min(t, t0 + tc)
+        tcc = t1 - t0
+        r = kvh * tcc
+        qc, pc = q[:, :, t0:t1], q_pos[t0:t1]
+        _crit_kernel[(n_bt, _cdiv(tcc * g, cfg.block_q), kvh)](
+            qc, pc, meta, x, ps,
+            qc.stride(0), qc.stride(1), qc.stride(2), meta.stride(0), meta.stride(1), meta.stride(2),
+            tcc, nb, n, s_end, window, n_sb, bs, n_bt, float(d ** -0.5),
+            G=g, D=d, KIND=KINDS[criticality], CDT=cdt, DOT_FP32=dot_fp32, BLOCK_Q=cfg.block_q,
+            BLOCK_B=cfg.block_b, PRECISE=precise, num_warps=cfg.crit_warps,
+        )
+        _select_kernel[(r,)](
+            x, ps, pc, scr, cand, ckey, ncand,
+            tcc, nb, n, s_end, window, n_sb, bs, n_bt, bm, scr_row,
+            G=g, G_PAD=_pow2(g), BLOCK_P=max(16, min(256, _pow2(n_bt))),
+            BLOCK_C=max(16, min(cfg.score_block, _pow2(nb))),
+            BLOCK=min(cfg.select_block, max(16, _pow2(nb))), PRECISE=precise, num_warps=cfg.select_warps,
+        )
+        _sums_kernel[(n_st + 1, r)](
+            qc, ctx_k, loc_k, pc, cand, ckey, ncand, sid, smx, ssm, dmx, dsm,
+            qc.stride(0), qc.stride(1), qc.stride(2), ctx_k.stride(0), ctx_k.stride(1),
+            loc_k.stride(0), loc_k.stride(1),
+            tcc, n, loc_k.shape[1], nb, bm, s_end, window, n_sb, first_w0, f, bs, n_st, float(d ** -0.5),
+            G=g, G_PAD=g_pad, D=d, BS_PAD=bs_pad, SLOTS=slots, BLOCK_R=min(cfg.rank_block, max(16, _pow2(bm))),
+            BLOCK_N=cfg.dense_block, LOGIT_DT=logit_dt, DOT_FP32=dot_fp32, PRECISE=precise,
+            num_warps=cfg.sums_warps,
+        )
+        pos_c, rk_c = positions[:, t0:t1], ranked[:, t0:t1]
+        bl_c, us_c, ms_c, cp_c = counts[0, :, t0:t1], counts[1, :, t0:t1], mass[:, :, t0:t1], capped[:, t0:t1]
+        _stop_kernel[(r,)](
+            sid, smx, ssm, dmx, dsm, ncand, pc, pos_c, rk_c, bl_c, us_c, ms_c, cp_c,
+            pos_c.stride(0), pos_c.stride(1), rk_c.stride(0), rk_c.stride(1), bl_c.stride(0), bl_c.stride(1),
+            ms_c.stride(0), ms_c.stride(1), ms_c.stride(2),
+            tcc, n, nb, bm, s_end, window, n_sb, first_w0, f, bs, microbatch, float(eps),
+            G=g, G_PAD=_pow2(g), BLOCK=min(cfg.scan_block, max(16, _pow2(bm))), BLOCK_P=cfg.pos_block,
+            EXACT=eps >= 1.0, PRECISE=precise, num_warps=cfg.stop_warps,
+        )
+    return ProgressivePlan(positions, counts[0], ranked, counts[1], mass, capped.view(torch.bool))
+
+
+__all__ = ["DEFAULT_CONFIG", "PsaConfig", "clear_workspace", "progressive_plan", "unsupported"]
