@@ -34,10 +34,8 @@ from indexer.kernels import lfps as K  # noqa: E402
 from synthetic import Mixture  # noqa: E402
 
 SWEEP = [  # LfpsConfig variants (the default first)
-    {}, {"programs_per_sm": 8}, {"programs_per_sm": 16}, {"programs_per_sm": 32},
-    {"score_stages": 2}, {"score_stages": 3}, {"programs_per_sm": 16, "score_stages": 2},
-    {"programs_per_sm": 16, "score_stages": 3}, {"block_score": 16, "programs_per_sm": 16},
-    {"num_warps": 8, "programs_per_sm": 16},
+    {}, {"score_mma": False}, {"score_tiles": 4, "score_stages": 3}, {"block_score": 128, "num_warps": 8},
+    {"block_score": 128}, {"programs_per_sm": 8}, {"programs_per_sm": 16},
 ]
 
 

@@ -123,16 +123,18 @@ gathered on their device and moved to the query's.
 On a GPU the one-token search and its update run fused (`indexer/kernels/lfps.py`): the table
 moments, thresholds, expansion and capped-candidate scores in two launches over the tables, the
 fused radix select (`indexer/kernels/select.py`) for the C candidates and again for the K plan
-positions, the candidates' exact logits for the whole GQA group (each key row read once) and their
-group mass in two more, the chosen rows' softmax state in two, and update() as a decay launch plus
-one scatter launch per token: 17 launches instead of a dozen passes over [KVH, T, N] tensors, two
-torch.topk and a C-row gather. This torch code is the reference and the CPU path (and the question
-step's `_prompt_search` stays torch); the fused search gives the same candidate sets and plan rows
-(as sets: the kernels list positions in another order), the same bypass decisions, and tables equal
-up to rounding (table moments in float64 there, so a value within ~1e-7 of a threshold may change
-sides; the kernel module's docstring). `planner.fused`: None = fused for CUDA tensors (the default),
-True = also on the CPU through Triton's interpreter (tests), False = always torch;
-`CTXCACHE_FUSED_LFPS=0` keeps every planner on torch.
+positions, the candidates' exact logits for the whole GQA group (straight from the candidate list,
+each key row read once, on tensor cores for bf16 keys with the query split into three bf16 pieces:
+as accurate as fp32), their softmax normalisers and group mass in three more, the chosen rows'
+softmax state in two, and update() as a decay launch plus one scatter launch per token: 18 launches
+instead of a dozen passes over [KVH, T, N] tensors, two torch.topk and a C-row gather. This torch
+code is the reference and the CPU path (and the question step's `_prompt_search` stays torch); the
+fused search gives the same candidate sets and plan rows (as sets: the kernels list positions in
+another order), the same bypass decisions, and tables equal up to rounding (table moments in float64
+there, so a value within ~1e-7 of a threshold may change sides; the kernel module's docstring).
+`planner.fused`: None = fused for CUDA tensors (the default), True = also on the CPU through
+Triton's interpreter (tests), False = always torch; `CTXCACHE_FUSED_LFPS=0` keeps every planner on
+torch.
 
 Reporting: `stats()` gives the candidate fraction (exact q·k per visible token: candidates + the
 frame; a fully bypassed KV head counts the frame only), the bypassed fraction of query heads, the

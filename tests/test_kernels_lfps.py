@@ -172,6 +172,63 @@ def test_fused_search_with_tiny_blocks_and_the_select_kernel(monkeypatch):
         _run(case, cfg=TINY, monkeypatch=monkeypatch, select_kernel=True)
 
 
+@pytest.mark.parametrize("cfg", [dict(block_score=16, score_tiles=3),
+                                 dict(score_mma=False, block_score=8, score_tiles=2)], ids=["mma", "cuda_cores"])
+def test_fused_search_with_bf16_keys_and_score_knobs(cfg, monkeypatch):
+    """bf16 keys through both logit paths of the score kernel (the tensor-core dot with the split
+    query, and fp32 products), several programs per row and several tiles per program."""
+    _run("bf16", cfg=lk.LfpsConfig(**cfg), monkeypatch=monkeypatch)
+
+
+def _logits_and_states(q, ck, cand, *, mma, block, tiles, chunk=64):
+    """The score kernel's logits [rows, N, GP] (NaN where it wrote nothing) and the state kernel's
+    per-chunk softmax states [rows, P, 2, GP] for the candidate list cand [KVH, T, C]."""
+    kvh, g, t, d = q.shape
+    n, c, rows = ck.shape[1], cand.shape[-1], kvh * t
+    gp, dp = lk._pow2(g, 2), lk._pow2(d, 16)
+    logit = torch.full((rows, n, gp), float("nan"), device=q.device)
+    flag = torch.zeros(rows, n, dtype=torch.int8, device=q.device)
+    lk._mark_kernel[(lk._cdiv(c, 32), rows)](cand, flag, n, c, BLOCK=32)
+    lk._score_kernel[(lk._cdiv(c, block * tiles), rows)](
+        q, ck, cand, logit, t, n, c, q.stride(0), q.stride(1), q.stride(2), ck.stride(0), ck.stride(1), d ** -0.5,
+        G=g, GP=gp, D=d, DP=dp, BR=block, TILES=tiles, MMA=mma, NQ=lk._pow2(3 * gp, 16), NUM_STAGES=1,
+        INTERPRETED=lk.interpreted())
+    pc = lk._cdiv(n, chunk)
+    states = torch.empty(rows, pc, 2, gp, device=q.device)
+    lk._state_kernel[(pc, rows)](flag, logit, states, n, chunk, GP=gp, BR=32, PRECISE=q.is_cuda)
+    return logit, states
+
+
+@pytest.mark.parametrize("dtype,mma,block,tiles", [(torch.bfloat16, True, 16, 1), (torch.bfloat16, True, 32, 3),
+                                                    (torch.bfloat16, False, 16, 2), (torch.float32, False, 8, 1)])
+def test_score_kernel_logits_and_states(dtype, mma, block, tiles):
+    """The score kernel against float64 q·k·scale on a shuffled candidate list with empty slots:
+    the candidates' logits to 2e-6 relative + 1e-5 (fp32 products, or exact bf16 products of the
+    three-piece query summed in fp32 on tensor cores), -inf in the padded head column, nothing
+    written elsewhere; and a permuted list (the select kernel's order changes from run to run) gives
+    bit-identical logits and softmax states (the state kernel sums in position order)."""
+    kvh, g, t, d, n, c = 2, 3, 2, 32, 300, 90
+    gen = torch.Generator().manual_seed(7)
+    q = (torch.randn(kvh, g, t, d, generator=gen) * 1.5).to(DEVICE)
+    ck = torch.randn(kvh, n, d, generator=gen).to(dtype).to(DEVICE)
+    cand = torch.stack([torch.randperm(n, generator=gen)[:c] for _ in range(kvh * t)]).view(kvh, t, c).int()
+    cand[..., ::7] = -1  # empty slots anywhere
+    cand = cand.to(DEVICE)
+    logit, states = _logits_and_states(q, ck, cand, mma=mma, block=block, tiles=tiles)
+    want = torch.einsum("hgtd,hnd->htng", q.double().cpu(), ck.double().cpu()) * d ** -0.5  # [KVH, T, N, G]
+    got = logit.cpu().view(kvh, t, n, -1)
+    on = torch.zeros(kvh * t, n, dtype=torch.bool)
+    slots = cand.view(kvh * t, c).long().cpu()
+    row = torch.arange(kvh * t)[:, None].expand_as(slots)
+    on[row[slots >= 0], slots[slots >= 0]] = True
+    on = on.view(kvh, t, n)
+    torch.testing.assert_close(got[..., :g][on].double(), want[on], rtol=2e-6, atol=1e-5)
+    assert bool((got[..., g:][on] == float("-inf")).all()) and bool(got[~on].isnan().all())
+    perm = torch.randperm(c, generator=gen).to(DEVICE)
+    logit2, states2 = _logits_and_states(q, ck, cand[..., perm].contiguous(), mma=mma, block=block, tiles=tiles)
+    assert torch.equal(logit.nan_to_num(), logit2.nan_to_num()) and torch.equal(states, states2)
+
+
 def test_fused_path_is_deterministic():
     """Two planners with the same history: bit-identical plans (as sets), statistics and tables."""
     (kvh, g, d, n), params, ts, dtype = CASES["some_heads_bypassed"]

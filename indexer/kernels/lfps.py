@@ -23,9 +23,20 @@ heads per KV head, C = the candidate cap (`max_candidates`·N), K = the plan's b
    zeroes the row's candidate flags (int8 [rows, N]); counts the expanded set (statistics).
 4. `topk_positions(buf, C)` (`indexer/kernels/select.py`, the fused radix select, 4 launches): the
    candidate set [KVH, T, C] int32 (`Search.candidates`), and `_mark_kernel` sets its flags.
-5. `_score_kernel`, grid (P, rows): over a chunk of positions *in position order*, the flagged key rows
-   (masked loads: an unflagged row moves no bytes) -> G exact logits per candidate, written to a
-   [rows, N, G_PAD] fp32 buffer, and the chunk's softmax state per head (online max / sum).
+5. `_score_kernel`, grid (ceil(C / (BLOCK_S x TILES)), rows): straight from the candidate list, TILES
+   tiles of BLOCK_S [64] slots per program: the slots' positions, then their key rows (a dense list:
+   every load is a whole 2·D-byte row, 16 B per thread) -> the G logits of each candidate, stored at
+   its position in a [rows, N, G_PAD] fp32 buffer (-inf in padded head columns; an empty slot, -1,
+   loads and stores nothing). bf16 keys (`score_mma`, the default): one tensor-core dot per tile,
+   [BLOCK_S, D] bf16 keys x [D, 3·G_PAD -> 16] bf16 query, whose columns hold the three bf16
+   pieces of each head's fp32 query (q = hi + mid + lo, each the bf16 rounding of what the earlier
+   pieces leave: 24 significand bits, so q to ~2^-24), fp32 accumulation, the three pieces' columns
+   summed per head (sm_90: 8 wgmma m64n16k16 per tile). Other key dtypes or `score_mma=False`:
+   fp32 products and sums on CUDA cores, one head at a time.
+   `_state_kernel`, grid (P, rows): per chunk of positions the softmax state per head (online max /
+   sum) of the flagged logits, in position order. A separate launch because the candidate list's
+   order comes from the select kernel's atomic counters and changes from run to run: per-tile states
+   of the score kernel would hold different candidates each run and round differently.
 6. `_mass_kernel`, grid (P, rows): merges the frame's and the chunks' softmax states into the per-head
    normaliser (fixed order) and writes the group mass (sum over ranking heads of exp(s - max) / sum)
    of every candidate, -inf elsewhere, into the [rows, N] buffer; its program (0, 0) also writes the
@@ -43,15 +54,21 @@ gamma^(tokens whose group is active); then per token (in order) `_add_kernel`, g
 (softmax over window + request rows + chosen, sink removed, mean over the active heads, halved, times
 gamma^(later updating tokens)) added to V[j] and S[t - j]. Within one launch every address has one
 writer (a token's positions are distinct, and so are its offsets t - j): no float atomics anywhere,
-so plans and tables are bit-identical run to run. 17 launches per layer-step (15 plan, 2 update).
+so plans and tables are bit-identical run to run. 18 launches per layer-step (16 plan, 2 update).
 
 What may differ from the torch path: rounding. The table moments are float64 here (the torch path's
 are float32 on fp32 tables), so tau and the means differ by ~1e-7 relative and a position whose table
 value lies that close to a threshold or a mean can change sides; logits are fp32 dot products of the
-fp32 query with the fp32 or bf16 key in another summation order (~1e-7 relative), and the normalisers
-are summed in another order. Ties: equal capped scores or equal masses at the C-th / K-th place are
-broken by the select kernel (arbitrary, like torch.topk's); a candidate set and a plan row are sets
-(any order), compared as sets by the tests. Tables after `update` agree with the torch path's to
+fp32 query with the fp32 or bf16 key in another summation order (~1e-7 relative: on CUDA cores an
+fp32 reduction tree; on tensor cores, bf16 keys, exact products of the key with each bf16 piece of
+the query summed in the MMA's fp32 accumulator and the three pieces added: the same ~1e-6 absolute
+error as torch's own fp32 einsum at D 128, where a plain bf16 query would be ~1e-3 relative and
+could move the top-K), and the normalisers are summed in another order. A logit does not depend on
+its candidate's slot (one writer; each dot-product element is reduced in a fixed order whatever its
+row in the tile), and the per-chunk states are summed in position order: the candidate list's
+run-to-run order changes no bit. Ties: equal capped scores or equal masses at the C-th / K-th place
+are broken by the select kernel (arbitrary, like torch.topk's); a candidate set and a plan row are
+sets (any order), compared as sets by the tests. Tables after `update` agree with the torch path's to
 ~1e-6 relative (tests/test_kernels_lfps.py states the tolerance).
 
 Bytes per layer-step at 128K (Llama-3.1-8B layer: KVH 8, G 4, D 128, bf16 K, T 1, max_candidates 0.3,
@@ -64,18 +81,31 @@ ratio 0.05: C = 39322, K = 6554; 8 rows; the tables are fp32, 2 x 8 x 131072 x 4
 | candidates | tables 8.4 MB (the +-2 shifts hit L1) | scores 4.2 MB, flags 1 MB | ~5 us |
 | select C (4) | scores 4.2 MB (then L2) | 1.3 MB | ~12 us (select.py) |
 | mark | 1.3 MB | 0.3 MB of flags | ~1.5 us |
-| score | flags 1 MB, K rows 8 x 39322 x 256 B = 80.5 MB | logits 5 MB | ~29 us |
+| score | candidates 1.3 MB, K rows 8 x 39322 x 256 B = 80.5 MB | logits 5 MB (16 B rows) | ~29 us |
+| state | flags 1 MB, logits 5 MB (in 16.8 MB, L2) | 66 x 8 x 32 B | ~3 us |
 | mass | flags 1 MB, logits 5 MB | masses 4.2 MB | ~4 us |
 | select K (4) | masses 4.2 MB | 0.2 MB | ~12 us |
 | chosen max + sum | 2 x 0.84 MB (logits of the chosen) | 0.84 MB | ~3 us |
 | decay + add | tables 8.4 MB + 0.2 MB scattered | 8.4 MB | ~7 us |
 
-About 130 MB per layer-step, ~80 us at the bandwidth floor plus ~17 launch gaps; estimate ~90-110 us
-per layer-step in a CUDA graph (the torch path: 1.376 ms with attention; SDPA over the whole context
-0.217 ms). The K rows of the candidates dominate (the unavoidable cost of `max_candidates` 0.3: a
-smaller cap scales it down linearly); the two selects are next. Flops are negligible (8 x 39322 x 4 x
-128 x 2 = 0.3 Gflop, on CUDA cores as row-wise dot products, so the logits are exact fp32 like the torch
-path's einsum rather than bf16 tensor-core products).
+About 135 MB per layer-step, ~85 us at the bandwidth floor plus ~18 launch gaps. The K rows of the
+candidates dominate (the unavoidable cost of `max_candidates` 0.3: a smaller cap scales it down
+linearly); the two selects are next. Flops: 8 x 39322 x 4 x 128 x 2 = 0.3 Gflop.
+
+Measured (H100, CUDA graph, gpu_decode.py --profile, the previous score kernel): plan + attention
+0.258 ms, of it the score kernel 153.5 us, the rest ~100 us (candidates 14.9, the two selects 42,
+frame 9.1, mass 6.8, moments 6.8, chosen 4.3, mark 1.9; attention 13.9). That kernel walked all N
+positions of its chunk in position order (grid (P ~ 66, rows): ~4 programs per SM), 32 per tile:
+a flag load, then the flagged rows' key loads that depend on it, ~10 rows (2.5 KB) per tile. So ~62
+tiles one after another per program, each two dependent DRAM round trips, ~10 KB in flight per SM
+(~0.75 TB/s: ~110 us), plus the CUDA-core products and shuffle reductions for all N positions,
+flagged or not (~5.9e7 warp instructions, 3.3x what the candidates need). The list-driven kernel
+loads only the candidates, 64 whole rows (16 KB) per tile, ~10 programs per SM (38 registers, 20 KB
+shared) so ~160 KB in flight per SM, and its work is one dot per tile: it should run near the
+80.5 MB floor, ~30-40 us; the state launch adds ~3-5 us (it reads what the mass kernel reads, 6.8 us
+with its writes). Expected: ~35-45 us instead of 153.5, plan + attention ~0.14-0.15 ms instead of
+0.258. The CUDA-core fallback (`score_mma=False`, 96 registers at 64 rows) issues ~1.8e7 warp
+instructions (products, 64 shuffles per warp and tile) for the same bytes: ~40-50 us expected.
 
 Workspaces (grow-only, per device and stream, shared by the layers of a step: everything in them is
 consumed inside one plan): the tile moments, the score / mass buffer [rows, N] fp32, the flags
@@ -88,9 +118,10 @@ CUDA-graph capturable.
 
 Checked without a GPU (Triton 3.6, ahead-of-time compile for sm_90 with the JIT's 16-divisibility
 of strides, default knobs, Llama-3.1-8B shapes: G 4, D 128 bf16): no register spills; registers per
-thread (4 warps): frame 95 (80 without bypass), moments 95, candidates 55, mark 10, score 111 (BR 32;
-64 rows would take 149), mass 40, chosen max 25, chosen sum 32, decay 54, add 42. Not measured:
-everything about speed.
+thread (4 warps): frame 95 (80 without bypass), moments 95, candidates 55, mark 10, score 38 (64
+slots, tensor cores, 20 KB shared; 4 tiles at 3 stages: 43, 37 KB, the keys by cp.async; CUDA cores:
+96, or 56 at 32 slots), state 40, mass 40, chosen max 25, chosen sum 32, decay 54, add 42. Not
+measured: the new score and state kernels' speed (the estimate above).
 """
 
 from __future__ import annotations
@@ -122,12 +153,14 @@ class LfpsConfig:
     """Launch knobs (tests shrink them so the interpreter runs several programs per row)."""
 
     block: int = 256  # positions per tile of the candidates and mass kernels (a chunk is whole tiles)
-    block_score: int = 32  # key rows per tile of the score kernel (x D: its registers)
+    block_score: int = 64  # candidates per tile of the score kernel (x D: its registers; >= 16 with score_mma)
+    score_tiles: int = 1  # tiles per program of the score kernel (a loop, pipelined by score_stages)
     block_moments: int = 2048  # positions per program of the moments kernel
     block_k: int = 256  # slots per program of the chosen / add kernels
     block_decay: int = 1024
     programs_per_sm: int = 4  # programs per launch ~ programs_per_sm x SMs, split over the rows
-    score_stages: int = 1  # software pipelining of the score kernel's loop over its chunk
+    score_stages: int = 1  # software pipelining of the score kernel's loop over its tiles
+    score_mma: bool = True  # bf16 keys: logits as one tensor-core dot with a 3-piece bf16 split of q
     num_warps: int = 4
 
 
@@ -433,26 +466,84 @@ def _mark_kernel(CAND, FLAG, N, C, BLOCK: tl.constexpr):
 # 5-6. exact logits of the candidates -> group mass
 
 
-@triton.jit(do_not_specialize=["T", "N", "chunk"])
-def _score_kernel(Q, CK, FLAG, LOGIT, K4P, T, N, chunk, sq_h, sq_g, sq_t, sck_h, sck_n, scale,
+@triton.jit
+def _split_query(QROW, stride_qg, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
+                 NQ: tl.constexpr):
+    """The G query rows as the B operand [DP, NQ] bf16 of one tensor-core dot: column piece·GP + g holds
+    piece (0, 1, 2) of q_g = hi + mid + lo, each the bf16 rounding of what the earlier pieces leave
+    (24 significand bits in three 8-bit pieces: the fp32 q to ~2^-24 relative; zero columns past 3·GP)."""
+    ar_d = tl.arange(0, DP)
+    col = tl.arange(0, NQ)
+    g = col % GP
+    piece = col // GP
+    q = tl.load(QROW + g[None, :] * stride_qg + ar_d[:, None],
+                mask=((g < G) & (piece < 3))[None, :] & (ar_d < D)[:, None], other=0.0).to(tl.float32)
+    hi = q.to(tl.bfloat16)
+    rest = q - hi.to(tl.float32)  # exact
+    mid = rest.to(tl.bfloat16)
+    lo = (rest - mid.to(tl.float32)).to(tl.bfloat16)
+    return tl.where(piece[None, :] == 0, hi, tl.where(piece[None, :] == 1, mid, lo))
+
+
+@triton.jit(do_not_specialize=["T", "N", "C"])
+def _score_kernel(Q, CK, CAND, LOGIT, T, N, C, sq_h, sq_g, sq_t, sck_h, sck_n, scale,
                   G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, BR: tl.constexpr,
-                  PRECISE: tl.constexpr, NUM_STAGES: tl.constexpr):
+                  TILES: tl.constexpr, MMA: tl.constexpr, NQ: tl.constexpr, NUM_STAGES: tl.constexpr,
+                  INTERPRETED: tl.constexpr):
+    """TILES tiles of BR candidate slots of row r: the candidates' key rows (a dense list, so whole
+    D-element rows) -> their G logits, stored at their positions in LOGIT (-inf in padded head
+    columns; one writer per address, so the slots' order does not matter)."""
     p = tl.program_id(0).to(tl.int64)
     r = tl.program_id(1).to(tl.int64)
     kvh = r // T
     t = r % T
     QROW = Q + kvh * sq_h + t * sq_t
     CKH = CK + kvh * sck_h
+    ar_d = tl.arange(0, DP)
+    ar_g = tl.arange(0, GP)
+    if MMA:
+        qs = _split_query(QROW, sq_g, G, GP, D, DP, NQ)
+    for i in tl.range(0, TILES, num_stages=NUM_STAGES):
+        slot = (p * TILES + i) * BR + tl.arange(0, BR)
+        pos = tl.load(CAND + r * C + slot, mask=slot < C, other=-1).to(tl.int64)
+        ok = pos >= 0
+        dst = LOGIT + (r * N + pos) * GP
+        if MMA:  # bf16 keys: [BR, DP] x [DP, NQ] on tensor cores (exact products, fp32 accumulation)
+            k = tl.load(CKH + pos[:, None] * sck_n + ar_d[None, :], mask=ok[:, None] & (ar_d < D)[None, :],
+                        other=0.0)
+            if INTERPRETED:  # the interpreter's dot multiplies bf16 operands as raw uint16 bits (Triton 3.6),
+                # and a BLAS matmul's order would depend on the row's place in the tile
+                prod = tl.sum(k.to(tl.float32)[:, :, None] * qs.to(tl.float32)[None, :, :], 1)
+            else:
+                prod = tl.dot(k, qs)  # [BR, NQ] fp32
+            s = tl.sum(tl.reshape(prod, (BR, NQ // GP, GP)), 1) * scale  # hi + mid + lo per head
+            s = tl.where((ar_g < G)[None, :], s, float("-inf"))
+            tl.store(dst[:, None] + ar_g[None, :], s, mask=ok[:, None])
+        else:  # fp32 products and sums on CUDA cores, one head at a time
+            k = _key_rows(CKH, sck_n, pos, ok, D, DP)
+            for g in tl.static_range(GP):
+                if g < G:
+                    qg = tl.load(QROW + g * sq_g + ar_d, mask=ar_d < D, other=0.0).to(tl.float32)
+                    tl.store(dst + g, tl.sum(k * qg[None, :], 1) * scale, mask=ok)
+                else:
+                    tl.store(dst + g, tl.full([BR], float("-inf"), tl.float32), mask=ok)
+
+
+@triton.jit(do_not_specialize=["N", "chunk"])
+def _state_kernel(FLAG, LOGIT, K4P, N, chunk, GP: tl.constexpr, BR: tl.constexpr, PRECISE: tl.constexpr):
+    """The softmax state per head (online max / sum) of the candidates' logits in a chunk of
+    positions, in position order (the candidate list's order changes from run to run)."""
+    p = tl.program_id(0).to(tl.int64)
+    r = tl.program_id(1).to(tl.int64)
     ar_g = tl.arange(0, GP)
     m = tl.full([GP], NEG_BIG, tl.float32)
     l = tl.zeros([GP], tl.float32)
     lo = p * chunk
     hi = tl.minimum(lo + chunk, N)
-    for j0 in tl.range(lo, hi, BR, num_stages=NUM_STAGES):
+    for j0 in range(lo, hi, BR):
         j = j0 + tl.arange(0, BR)
         f = tl.load(FLAG + r * N + j, mask=j < hi, other=0) != 0
-        s = _group_logits(_key_rows(CKH, sck_n, j, f, D, DP), QROW, sq_g, scale, BR, G, GP, D, DP)
-        tl.store(LOGIT + (r * N + j)[:, None] * GP + ar_g[None, :], s, mask=f[:, None])
+        s = tl.load(LOGIT + (r * N + j)[:, None] * GP + ar_g[None, :], mask=f[:, None], other=float("-inf"))
         m, l = _online(m, l, s, f, PRECISE)
     dst = K4P + ((r * tl.num_programs(0) + p) * 2) * GP + ar_g
     tl.store(dst, m)
@@ -726,10 +817,13 @@ def search(q, kv, vert, slash, *, mean_k, var_ratio, n_sink: int, window: int, l
                                    vert.stride(0), slash.stride(0), lam, PP=_pow2(p2, 2), BLOCK=br, num_warps=nw)
     cand = topk_positions(buf.view(kvh, t, n), width)  # [KVH, T, C] int32
     _mark_kernel[(_cdiv(width, cfg.block_k), rows)](cand, flag, n, width, BLOCK=cfg.block_k, num_warps=nw)
-    br_score = min(cfg.block_score, br, 4096 // dp)  # 32 rows at D 128: 111 registers, no spills (sm_90)
-    _score_kernel[(pc, rows)](q, ck, flag, logit, k4p, t, n, chunk, q.stride(0), q.stride(1), q.stride(2),
-                              ck.stride(0), ck.stride(1), scale, G=g, GP=gp, D=d, DP=dp, BR=br_score,
-                              PRECISE=precise, NUM_STAGES=1 if interpreted() else cfg.score_stages, num_warps=nw)
+    mma = cfg.score_mma and ck.dtype == torch.bfloat16
+    br_score, tiles = max(cfg.block_score, 16 if mma else 1), cfg.score_tiles
+    _score_kernel[(_cdiv(width, br_score * tiles), rows)](
+        q, ck, cand, logit, t, n, width, q.stride(0), q.stride(1), q.stride(2), ck.stride(0), ck.stride(1), scale,
+        G=g, GP=gp, D=d, DP=dp, BR=br_score, TILES=tiles, MMA=mma, NQ=_pow2(3 * gp, 16),
+        NUM_STAGES=1 if interpreted() else cfg.score_stages, INTERPRETED=interpreted(), num_warps=nw)
+    _state_kernel[(pc, rows)](flag, logit, k4p, n, chunk, GP=gp, BR=br, PRECISE=precise, num_warps=nw)
     _mass_kernel[(pc, rows)](flag, logit, k4p, fst, buf, cnt, rec, q_pos, stats, t, n, ns, window, rows, width,
                              chunk, pc, pc, G=g, GP=gp, BR=br, PP=_pow2(pc, 2), RP=_pow2(rows, 2), CP=_pow2(pc, 2),
                              BYPASS=bypass, PRECISE=precise, num_warps=nw)

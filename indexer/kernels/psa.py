@@ -270,9 +270,6 @@ def _select_kernel(
 
     _, first_w = _window_start(QPOS, t, n_ctx, s_end, window, bs, nb)
     row = SCR + r.to(tl.int64) * scr_row
-    n_valid = r * 0
-    key_min = r * 0 + INT_MAX
-    key_max = r * 0
     for c0 in range(0, nb, BLOCK_C):
         b = c0 + tl.arange(0, BLOCK_C)
         ranked = (b < nb) & (b >= n_sb) & (b < first_w)
@@ -281,10 +278,21 @@ def _select_kernel(
         score = tl.sum(p, 0)
         key = tl.where(ranked, score.to(tl.int32, bitcast=True) + 1, 0)  # score >= 0: bits keep the order
         tl.store(row + b, key, mask=b < nb)
-        n_valid += tl.sum(ranked.to(tl.int32), 0)
-        key_min = tl.minimum(key_min, tl.min(tl.where(ranked, key, INT_MAX), 0))
-        key_max = tl.maximum(key_max, tl.max(key, 0))
     tl.debug_barrier()  # the keys' stores before other threads read them
+    # The count and range of the keys from the stored keys, which every thread reads alike. (Where
+    # a tile is smaller than the CTA, elements are replicated over threads, and the copies of a
+    # float reduction's result (m_all, inv_z) may differ in the last bit between threads: on an H100
+    # with tiny test tiles, threads then disagreed about key_min / key_max, took different branches
+    # of the threshold search and emitted more than K candidates. Read back, they agree.)
+    n_valid = r * 0
+    key_min = r * 0 + INT_MAX
+    key_max = r * 0
+    for c0 in range(0, nb, BLOCK_C):
+        b = c0 + tl.arange(0, BLOCK_C)
+        key = tl.load(row + b, mask=b < nb, other=0)
+        n_valid += tl.sum((key > 0).to(tl.int32), 0)
+        key_min = tl.minimum(key_min, tl.min(tl.where(key > 0, key, INT_MAX), 0))
+        key_max = tl.maximum(key_max, tl.max(key, 0))
     thr, take = _top_threshold(row, nb, K, key_min, n_valid, key_max + 1, BLOCK)
 
     ar = tl.arange(0, BLOCK)
