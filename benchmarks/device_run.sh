@@ -48,7 +48,8 @@ for stage in $stages; do
         2>&1 | tee "$OUT/gpu_decode.log" \
         | grep -v "^  \|^    " ;;
     decode512)
-      python3 benchmarks/gpu_decode.py --lengths 524288 --batches 1 --out "$OUT/512k" 2>&1 | tee "$OUT/gpu_decode_512k.log" \
+      python3 benchmarks/gpu_decode.py --lengths 524288 --batches 1 --backends triton \
+        --methods streaming topk csattn ctkvr lfps psa saap --out "$OUT/512k" 2>&1 | tee "$OUT/gpu_decode_512k.log" \
         | grep -v "^  \|^    " ;;
     before_after)
       python3 benchmarks/decode_before_after.py --impl new --device cuda --model random --n-ctx 8192 2>&1 | tail -4

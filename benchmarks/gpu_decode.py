@@ -116,8 +116,11 @@ def prefill_layer_ms(n: int) -> float:
         v = qkv[:, hid + KVH * D:].view(n, KVH, D).transpose(0, 1)[None]
         o = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
         h = o[0].transpose(0, 1).reshape(n, hid) @ wo
-        up = h @ wup
-        return (F.silu(up[:, :inter]) * up[:, inter:]) @ wdown
+        out = torch.empty_like(h)
+        for a in range(0, n, 1 << 16):  # the MLP in row chunks (512K rows x 28672 would be 28 GiB at once)
+            up = h[a:a + (1 << 16)] @ wup
+            out[a:a + (1 << 16)] = (F.silu(up[:, :inter]) * up[:, inter:]) @ wdown
+        return out
 
     return T.cuda_ms(layer, reps=3, warmup=1)
 

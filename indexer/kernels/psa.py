@@ -659,7 +659,9 @@ def progressive_plan(
         _select_kernel[(r,)](
             x, ps, pc, scr, cand, ckey, ncand,
             tcc, nb, n, s_end, window, n_sb, bs, n_bt, bm, scr_row,
-            G=g, G_PAD=_pow2(g), BLOCK_P=max(16, min(256, _pow2(n_bt))),
+            # BLOCK_P <= 64: Triton 3.6 fails to compile the [G_PAD, BLOCK_P] reductions at 128 and 256
+            # for sm_90 (TritonGPUOptimizeThreadLocality; hit at 512K, n_bt = 256, on the H100, 2026-11-22)
+            G=g, G_PAD=_pow2(g), BLOCK_P=max(16, min(64, _pow2(n_bt))),
             BLOCK_C=max(16, min(cfg.score_block, _pow2(nb))),
             BLOCK=min(cfg.select_block, max(16, _pow2(nb))), PRECISE=precise, num_warps=cfg.select_warps,
         )
