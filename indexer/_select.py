@@ -92,7 +92,8 @@ def frame_logsumexp(q: torch.Tensor, kv, sink: int, window: int) -> torch.Tensor
     s_ctx = torch.einsum("hgtd,htrd->hgtr", qf, k_rows.float()).masked_fill(~ok[:, None], float("-inf"))
     m = kv.loc_k.shape[1]
     loc_ok = (n + torch.arange(m, device=q.device))[None, :] <= kv.q_pos[:, None]  # [T, M]
-    s_loc = torch.einsum("hgtd,hmd->hgtm", qf, kv.loc_k.float()).masked_fill(~loc_ok[None, None], float("-inf"))
+    loc_k = kv.loc_k.to(q.device).float()  # offload mode: the request's rows live on the GPU, the planner on the host
+    s_loc = torch.einsum("hgtd,hmd->hgtm", qf, loc_k).masked_fill(~loc_ok[None, None], float("-inf"))
     return torch.logsumexp(torch.cat([s_ctx, s_loc], dim=-1) * d ** -0.5, dim=-1)
 
 

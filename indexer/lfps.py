@@ -134,7 +134,8 @@ another order), the same bypass decisions, and tables equal up to rounding (tabl
 there, so a value within ~1e-7 of a threshold may change sides; the kernel module's docstring).
 `planner.fused`: None = fused for CUDA tensors (the default), True = also on the CPU through
 Triton's interpreter (tests), False = always torch; `CTXCACHE_FUSED_LFPS=0` keeps every planner on
-torch.
+torch. Measured on an H100 (one Llama-3.1-8B layer, 128K): plan + attention 0.134-0.147 ms against
+1.46 ms with the torch plan and 0.218 ms for dense SDPA (benchmarks/RESULTS.md).
 
 Reporting: `stats()` gives the candidate fraction (exact q·k per visible token: candidates + the
 frame; a fully bypassed KV head counts the frame only), the bypassed fraction of query heads, the

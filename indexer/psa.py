@@ -237,7 +237,7 @@ def progressive_plan(
 
     # -- exact sums: dense part and the candidates ---------------------------------------------
     loc_vis = (n + torch.arange(loc_k.shape[1], device=dev))[None, :] <= q_pos[:, None]  # [T, M]
-    s_loc = torch.einsum("hgtd,hmd->hgtm", q, loc_k.to(q.dtype)).float() * scale
+    s_loc = torch.einsum("hgtd,hmd->hgtm", q, loc_k.to(dev, q.dtype)).float() * scale  # (offload: rows on the GPU)
     s_loc = s_loc.masked_fill(~loc_vis[None, None], NEG_INF)
     ar = torch.arange(bs, device=dev)
     f_ids = torch.cat([torch.arange(n_sb, device=dev), torch.arange(first_w, nb, device=dev)])  # [F]

@@ -30,7 +30,8 @@ def group_attention_mass(q: torch.Tensor, kv) -> torch.Tensor:
     counts for query t iff N + j <= q_pos[t]). Scores in float32 arithmetic."""
     kvh, g, t, d = q.shape
     qf = q.reshape(kvh, g * t, d)
-    s = torch.cat([bmm_f32(qf, kv.ctx_k.transpose(1, 2)), bmm_f32(qf, kv.loc_k.transpose(1, 2))], dim=-1)
+    loc_k = kv.loc_k.to(q.device)  # offload mode: the request's rows live on the GPU, the planner on the host
+    s = torch.cat([bmm_f32(qf, kv.ctx_k.transpose(1, 2)), bmm_f32(qf, loc_k.transpose(1, 2))], dim=-1)
     s = s.view(kvh, g, t, -1) * d ** -0.5
     pos = torch.arange(s.shape[-1], device=q.device)
     s = s.masked_fill(pos[None, :] > kv.q_pos[:, None], float("-inf"))

@@ -114,3 +114,33 @@ def test_backends_run_without_sync_on_gpu(name):
         finally:
             torch.cuda.set_sync_debug_mode("default")
         torch.testing.assert_close(out, ref.run(q, kv, plan, 4, 32, 0.125), atol=2e-3, rtol=2e-3)
+
+
+@pytest.mark.parametrize("name", method_names())
+def test_offload_mode_plans_on_the_host(name, tmp_path):
+    """The decode runner's offload split (decoder/runner.py `_attend`): the context K/V and the index
+    arrays in host memory, the request's own rows and the query on the GPU; the planner plans on the
+    host (query and positions copied there) and the offload backend attends on the GPU. Over a few
+    steps every method plans without a device mismatch and the output equals torch_ref over the same
+    plan on the host (found on the H100, 2026-11-22: ctkvr's frame mass, topk's and psa's scores read
+    the GPU-resident request rows from host code)."""
+    spec = SPEC
+    method, params, cap, reader = _setup(name, tmp_path, device="cpu")
+    sink, window = params.frame(N_CTX)
+    planner = method.open(reader, params, DecodeContext(N_CTX, spec, 16))
+    offload, ref = get_backend("offload"), get_backend("torch_ref")
+    scale = spec.head_dim ** -0.5
+    cap_gpu = PrefillCapture(cap.q.cuda(), cap.k.cuda(), cap.v.cuda(), cap.positions.cuda(), cap.spec)
+    for s in range(STEPS - 1):
+        for layer, q_gpu, kv_gpu in _views(cap_gpu, spec, s):
+            ctx_k, ctx_v = cap.k[layer, :, :N_CTX], cap.v[layer, :, :N_CTX]  # host
+            q_pos = kv_gpu.q_pos
+            host_view = KVView(ctx_k, ctx_v, kv_gpu.loc_k, kv_gpu.loc_v, q_pos.cpu())  # the planner's view
+            plan = planner.plan(layer, q_gpu.cpu(), host_view)
+            out = offload.run(q_gpu, KVView(ctx_k, ctx_v, kv_gpu.loc_k, kv_gpu.loc_v, q_pos), plan, sink, window, scale)
+            want = ref.run(q_gpu.cpu(), KVView(ctx_k, ctx_v, kv_gpu.loc_k.cpu(), kv_gpu.loc_v.cpu(), q_pos.cpu()),
+                           plan, sink, window, scale)
+            planner.update(layer, kv_gpu.loc_k[:, s:s + 1].cpu(), kv_gpu.loc_v[:, s:s + 1].cpu(), q_pos.cpu())
+            assert out.device.type == "cuda"
+            torch.testing.assert_close(out.cpu(), want, atol=1e-4, rtol=1e-4)
+
