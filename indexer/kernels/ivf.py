@@ -619,9 +619,6 @@ def _select_kernel(
     ar = tl.arange(0, BLOCK)
     row = SCR + r * scr_row
     pos_row = WS_POS + r * U
-    key_max = U * 0
-    key_min = U * 0 + INT_MAX
-    n_valid = U * 0
     for c0 in range(0, U, BLOCK):
         u = c0 + ar
         inn = u < U
@@ -634,10 +631,18 @@ def _select_kernel(
         valid = (pos >= 0) & (mass == mass)
         key = tl.where(valid, tl.minimum(mass.to(tl.int32, bitcast=True) + 1, KEY_INF), 0)
         tl.store(row + u, key, mask=inn)
-        key_max = tl.maximum(key_max, tl.max(key, 0))
-        key_min = tl.minimum(key_min, tl.min(tl.where(valid, key, INT_MAX), 0))
-        n_valid += tl.sum(valid.to(tl.int32), 0)
     tl.debug_barrier()
+    # the keys' count and range from the stored keys, which every thread reads alike (a thread's own
+    # copy of a replicated float result may differ in the last bit: indexer/kernels/psa.py, _select_kernel)
+    key_max = U * 0
+    key_min = U * 0 + INT_MAX
+    n_valid = U * 0
+    for c0 in range(0, U, BLOCK):
+        u = c0 + ar
+        key = tl.load(row + u, mask=u < U, other=0)
+        key_max = tl.maximum(key_max, tl.max(key, 0))
+        key_min = tl.minimum(key_min, tl.min(tl.where(key > 0, key, INT_MAX), 0))
+        n_valid += tl.sum((key > 0).to(tl.int32), 0)
     key_hi = key_max + 1
     push_row = False
     if HAS_PUSH:
