@@ -2,11 +2,25 @@
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
 
 Status = Literal["queued", "prefilling", "indexing", "ready", "failed"]
+SEED_MAX = 2**63 - 1  # seeds travel as int64 (the runner's per-request seed tensor, torch generators)
+
+
+def _encodable(s: str) -> str:
+    """JSON may carry a lone UTF-16 surrogate ("\\ud800"), which Python keeps in a str but no tokenizer
+    or store can encode: reject it as invalid input (422) instead of failing later (500)."""
+    try:
+        s.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValueError(f"contains a lone surrogate at character {e.start}: text must be valid Unicode") from None
+    return s
+
+
+Text = Annotated[str, AfterValidator(_encodable)]
 
 
 class ContextCreate(BaseModel):
@@ -25,7 +39,7 @@ class ContextCreate(BaseModel):
         },
     )
 
-    text: str | None = Field(None, description="the context; wrapped as the start of a user turn (format=chat)")
+    text: Text | None = Field(None, description="the context; wrapped as the start of a user turn (format=chat)")
     token_ids: list[int] | None = Field(None, description="alternative to text: token ids used as they are")
     model: str | None = Field(None, description="must name the served model (default: it)")
     format: Literal["chat", "raw"] = Field(
@@ -36,7 +50,7 @@ class ContextCreate(BaseModel):
         default_factory=dict, description="per-method parameters, e.g. {'topk': {'ratio': 0.05}}"
     )
     ttl_seconds: int | None = Field(None, gt=0, description="remove the context this long after registration")
-    display_name: str | None = Field(None, max_length=200)
+    display_name: Text | None = Field(None, max_length=200)
 
     @model_validator(mode="after")
     def _one_source(self):
@@ -49,7 +63,7 @@ class ContextPatch(BaseModel):
     model_config = ConfigDict(extra="forbid", json_schema_extra={"examples": [{"ttl_seconds": 3600, "display_name": "v2"}]})
 
     ttl_seconds: int | None = Field(None, ge=0, description="new ttl from now; 0 = never expire")
-    display_name: str | None = Field(None, max_length=200)
+    display_name: Text | None = Field(None, max_length=200)
 
 
 class MethodInfo(BaseModel):
@@ -112,10 +126,10 @@ class CompletionRequest(BaseModel):
                                          "params": {"k": 128}}]},
     )
 
-    question: str = Field(min_length=1, description="appended after the context")
+    question: Text = Field(min_length=1, description="appended after the context")
     max_tokens: int = Field(64, ge=1, description="tokens to generate at most")
     temperature: float = Field(0.0, ge=0.0, le=5.0, description="0 = greedy")
-    seed: int | None = Field(None, ge=0, description="sampling seed (temperature > 0)")
+    seed: int | None = Field(None, ge=0, le=SEED_MAX, description="sampling seed (temperature > 0), below 2^63")
     method: str = Field("full", description="sparse method; see GET /v1/methods")
     params: dict[str, Any] = Field(default_factory=dict, description="method parameters for this request")
     backend: Literal["torch_ref", "triton", "offload"] | None = Field(

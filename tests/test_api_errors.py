@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import shutil
 import socket
 import subprocess
@@ -47,16 +48,24 @@ BAD_REGISTRATIONS = [
     ({"text": "hello", "methods": ["topk"], "params": {"topk": {"bogus": 1}}}, 422, "invalid_parameter"),
     ({"text": "hello", "params": {"topk": {"k": 5}}}, 422, "invalid_parameter"),
     ({"text": "hello", "model": "gpt-5"}, 422, "unknown_model"),
+    ({"text": "ab\ud800cd"}, 422, "validation_error"),  # a lone surrogate: was a 500 (issue 14)
+    ({"text": "hello", "display_name": "x\udfff"}, 422, "validation_error"),
     ({"text": "hello", "ttl_seconds": 0}, 422, "validation_error"),
     ({"text": "hello", "token_ids": [1]}, 422, "validation_error"),
     ({"nothing": 1}, 422, "validation_error"),
 ]
 
 
+def _post_json(client, url, body):
+    """POST body as JSON with non-ASCII escaped (a lone surrogate travels as "\\ud800", as any client
+    may send it; httpx's own encoder refuses to)."""
+    return client.post(url, content=json.dumps(body), headers={"content-type": "application/json"})
+
+
 @pytest.mark.parametrize("body,status,code", BAD_REGISTRATIONS)
 def test_bad_registration_changes_nothing(idle, body, status, code):
     before = _state(idle)
-    _err(idle.post("/v1/contexts", json=body), status, code)
+    _err(_post_json(idle, "/v1/contexts", body), status, code)
     assert _state(idle) == before
 
 
@@ -118,6 +127,9 @@ def test_completion_parameter_validation(tmp_path, redis_prefix, lm):
         _err(c.post(url, json={"question": "q", "max_tokens": 0}), 422, "validation_error")
         _err(c.post(url, json={"question": "q", "max_tokens": 5000}), 422, "invalid_parameter")
         _err(c.post(url, json={"question": "q", "temperature": -1}), 422, "validation_error")
+        _err(_post_json(c, url, {"question": "q\ud800"}), 422, "validation_error")  # lone surrogate: was a 500
+        _err(c.post(url, json={"question": "q", "temperature": 1, "seed": 2**64}), 422, "validation_error")  # was a 500
+        _err(c.post(url, json={"question": "q", "temperature": 1, "seed": 2**63}), 422, "validation_error")
         assert rt.redis.llen(rt.catalog.k_decode) == before
 
 
