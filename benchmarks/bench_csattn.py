@@ -12,7 +12,7 @@ full's, and attention recall of the exact top-K (64 replayed queries, layers 0, 
     PYTHONUNBUFFERED=1 python benchmarks/bench_csattn.py [--lengths 2048 8064] [--tokens 32] [--threads 1]
 
 Writes benchmarks/out/bench_csattn.json (or --out). 8064 (not 8192) leaves room for question +
-answer within the model's 8192 positions. `--cache DIR` keeps the prefill captures there (torch.save)
+answer within the model's 8192 positions. `--cache DIR` keeps the prefill captures there (safetensors)
 so that a second run skips the prefill.
 """
 
@@ -29,6 +29,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 import torch
+from safetensors.torch import load_file, save_file
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -64,16 +65,17 @@ def capture(lm, n: int, cache: Path | None) -> tuple[PrefillCapture, float]:
     if len(ids) < n:
         raise SystemExit(f"document too short: {len(ids)} < {n} tokens")
     ids = ids[:n]
-    path = cache / f"smollm2-prose-{n}.pt" if cache else None
+    path = cache / f"smollm2-prose-{n}.safetensors" if cache else None
     if path is not None and path.exists():
-        d = torch.load(path)
+        d = load_file(path)
         return PrefillCapture(d["q"], d["k"], d["v"], d["positions"], lm.spec), float("nan")
     t0 = time.perf_counter()
     cap = prefill(lm, ids)
     took = time.perf_counter() - t0
     if path is not None:
         path.parent.mkdir(parents=True, exist_ok=True)
-        torch.save({"q": cap.q, "k": cap.k, "v": cap.v, "positions": cap.positions}, path)
+        save_file({"q": cap.q.contiguous(), "k": cap.k.contiguous(), "v": cap.v.contiguous(),
+                   "positions": cap.positions.contiguous()}, path)
     return cap, took
 
 
