@@ -18,7 +18,7 @@ import torch
 
 from decoder.model import ModelSpec
 from decoder.rope import apply_rope, undo_rope
-from indexer.base import PrefillCapture
+from indexer.base import KVView, PrefillCapture
 
 
 def model_spec(layers: int, heads: int, kv_heads: int, head_dim: int, theta: float, name: str) -> ModelSpec:
@@ -108,3 +108,23 @@ def write_saap_model(model_dir: Path, spec: ModelSpec, mixture: Mixture, layers:
     }
     (model_dir / MANIFEST).write_text(json.dumps(manifest, indent=1))
     return model_dir
+
+
+def decode_steps(seed: int, kvh: int, g: int, d: int, n: int, ts, ctx, device, *, m_cap: int = 16,
+                 dtype=torch.float32, past: int = 0):
+    """Random decode steps of one request over a context ctx = (keys, values) [KVH, N, D]: t query
+    tokens per step (the last t of the request's m tokens so far), request-local rows in m_cap slots
+    (slots past the request's tokens hold NaN: garbage a planner must not read). `past` > 0: the
+    request is that much longer than its slots (every slot visible). Yields (q [KVH, G, t, D], KVView)."""
+    gen = torch.Generator().manual_seed(10_000 + seed)
+    m = past
+    for t in ts:
+        m += t
+        loc_k = torch.randn(kvh, m_cap, d, generator=gen).to(dtype)
+        loc_v = torch.randn(kvh, m_cap, d, generator=gen).to(dtype)
+        loc_k[:, m:] = float("nan")
+        q = (torch.randn(kvh, g, t, d, generator=gen) * 1.5).to(dtype)
+        ck, cv = ctx
+        kv = KVView(ck.to(device), cv.to(device), loc_k.to(device), loc_v.to(device),
+                    torch.arange(n + m - t, n + m, device=device))
+        yield q.to(device), kv

@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from indexer.base import DecodeContext, IndexReader, KVView, PrefillCapture, get_method
+from synthetic import decode_steps
 
 ivf = pytest.importorskip("indexer.kernels.ivf", reason="triton is not installed")
 
@@ -54,18 +55,7 @@ def _reader(arrays):
 
 def _steps(seed, kvh, g, d, n, ts, m_cap=16, dtype=torch.float32, ctx=None):
     """Decode steps of a request: t query tokens per step (the last t of the request's m tokens)."""
-    gen = torch.Generator().manual_seed(10_000 + seed)
-    m = 0
-    for t in ts:
-        m += t
-        loc_k = torch.randn(kvh, m_cap, d, generator=gen).to(dtype)
-        loc_v = torch.randn(kvh, m_cap, d, generator=gen).to(dtype)
-        loc_k[:, m:] = float("nan")  # slots past the request's tokens may hold garbage
-        q = (torch.randn(kvh, g, t, d, generator=gen) * 1.5).to(dtype)
-        ck, cv = ctx
-        kv = KVView(ck.to(DEVICE), cv.to(DEVICE), loc_k.to(DEVICE), loc_v.to(DEVICE),
-                    torch.arange(n + m - t, n + m, device=DEVICE))
-        yield q.to(DEVICE), kv
+    return decode_steps(seed, kvh, g, d, n, ts, ctx, DEVICE, m_cap=m_cap, dtype=dtype)
 
 
 def _sorted_rows(pos):

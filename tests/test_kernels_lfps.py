@@ -24,6 +24,7 @@ import pytest
 import torch
 
 from indexer.base import DecodeContext, IndexReader, KVView, PrefillCapture, get_method
+from synthetic import decode_steps
 
 lk = pytest.importorskip("indexer.kernels.lfps", reason="triton is not installed")
 
@@ -50,21 +51,9 @@ def _index(seed, kvh, g, d, n, params, dtype=torch.float32):
 
 
 def _steps(seed, kvh, g, d, n, ts, ctx, dtype=torch.float32, past=0):
-    """Decode steps of a request: t query tokens per step (the last t of the request's m tokens);
-    `past` > 0: the request is that much longer than its M_CAP local slots (slash offsets past the
-    tables' capacity, every slot visible)."""
-    gen = torch.Generator().manual_seed(10_000 + seed)
-    m = past
-    for t in ts:
-        m += t
-        loc_k = torch.randn(kvh, M_CAP, d, generator=gen).to(dtype)
-        loc_v = torch.randn(kvh, M_CAP, d, generator=gen).to(dtype)
-        loc_k[:, m:] = float("nan")  # slots past the request's tokens may hold garbage
-        q = (torch.randn(kvh, g, t, d, generator=gen) * 1.5).to(dtype)
-        ck, cv = ctx
-        kv = KVView(ck.to(DEVICE), cv.to(DEVICE), loc_k.to(DEVICE), loc_v.to(DEVICE),
-                    torch.arange(n + m - t, n + m, device=DEVICE))
-        yield q.to(DEVICE), kv
+    """Decode steps of a request (`synthetic.decode_steps`); `past` > 0: the request is that much
+    longer than its M_CAP local slots (slash offsets past the tables' capacity, every slot visible)."""
+    return decode_steps(seed, kvh, g, d, n, ts, ctx, DEVICE, m_cap=M_CAP, dtype=dtype, past=past)
 
 
 def _rows(x):

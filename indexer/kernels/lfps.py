@@ -137,9 +137,9 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra import libdevice
 
 from indexer.kernels import Workspaces, interpreted  # also makes Triton 3.6's interpreter work with NumPy 2.4
+from indexer.kernels.ivf import _exp, _log  # shared device helpers (libdevice exp / log on a GPU)
 from indexer.kernels.select import topk_positions
 
 NEG_BIG: tl.constexpr = tl.constexpr(-1.0e30)  # initial running max: finite, so exp(m_old - m_new) is never nan
@@ -186,22 +186,6 @@ class FusedUpdate:
 
 # ---------------------------------------------------------------------------------------------
 # Device helpers
-
-
-@triton.jit
-def _exp(x, PRECISE: tl.constexpr):
-    if PRECISE:  # libdevice expf (~1 ulp, like torch's); tl.exp is ex2.approx on NVIDIA
-        return libdevice.exp(x)
-    else:  # the interpreter (numpy) has no libdevice
-        return tl.exp(x)
-
-
-@triton.jit
-def _log(x, PRECISE: tl.constexpr):
-    if PRECISE:
-        return libdevice.log(x)
-    else:
-        return tl.log(x)
 
 
 @triton.jit
