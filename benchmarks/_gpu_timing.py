@@ -3,6 +3,14 @@
 `Timing(device)`: medians of CUDA-event-timed calls on a GPU, of host-clock calls (synchronized)
 elsewhere, so a script's `--device cpu` smoke run exercises the same code; and CUDA-graph replays,
 reported as (None, reason) when a function cannot be captured (dynamic shapes, host syncs).
+
+Cold L2 (`Timing.cold`, the default): before every timed GPU call a 256 MiB buffer is zeroed
+(outside the timed events), so no call finds its inputs in the L2 left by the previous one, as
+Triton's `do_bench` does. A decode step of a real model touches each layer's K/V and index once
+per token with every other layer's in between; a benchmark replaying one layer back to back would
+otherwise serve a sparse method's working set (at 128K, psa's metadata + candidate keys are ~44 MB;
+the H100's L2 is 50 MB) from L2 and flatter it, while SDPA over the whole K/V (512 MB) streams from
+HBM either way.
 """
 
 from __future__ import annotations
@@ -21,9 +29,19 @@ THETA = 500000.0
 BF = torch.bfloat16
 
 
+L2_FLUSH_BYTES = 256 << 20  # > the L2 of every GPU we time on (H100 50 MB, H200 50 MB, B200 126 MB)
+
+
 class Timing:
-    def __init__(self, device: str = "cuda"):
+    def __init__(self, device: str = "cuda", cold: bool = True):
         self.device = device  # scripts set it from --device before timing
+        self.cold = cold  # flush L2 before every timed GPU call (module docstring)
+        self._flush_buf: torch.Tensor | None = None
+
+    def flush_l2(self) -> None:
+        if self._flush_buf is None:
+            self._flush_buf = torch.empty(L2_FLUSH_BYTES, dtype=torch.int8, device="cuda")
+        self._flush_buf.zero_()
 
     def sync(self) -> None:
         if self.device == "cuda":
@@ -49,6 +67,8 @@ class Timing:
         times = []
         for _ in range(reps):
             a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            if self.cold:
+                self.flush_l2()  # before the start event: its time is not counted
             a.record()
             fn()
             b.record()

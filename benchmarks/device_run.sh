@@ -5,7 +5,8 @@
 #
 #   device tool: run(command="bash benchmarks/device_run.sh tests decode before_after",
 #                    carry=[".whl", ".old"])
-#   stages: tests | kerneltests | decode | decode512 | before_after | kernels | e2e32 | e2e128 | e2e128rest
+#   stages: tests | kerneltests | decode | decodecold | decode512 | before_after | kernels | e2e32 | e2e128 |
+#           e2e128rest | e2eprof
 #   (default: tests decode before_after)
 #   .old = the tree before the plan/run redesign (`git archive <commit> decoder indexer storage`), for
 #   the before/after decode comparison.
@@ -47,6 +48,14 @@ for stage in $stages; do
       python3 benchmarks/gpu_decode.py --lengths 32768 131072 --batches 1 8 --profile --torch-plans --backends triton \
         2>&1 | tee "$OUT/gpu_decode.log" \
         | grep -v "^  \|^    " ;;
+    decodecold)  # cold and warm L2 side by side (benchmarks/_gpu_timing.py), B = 1, with kernel profiles
+      python3 benchmarks/gpu_decode.py --lengths 131072 32768 --batches 1 --l2 both --profile --backends triton \
+        --methods streaming csattn ctkvr lfps psa saap --out "$OUT/cold" 2>&1 | tee "$OUT/gpu_decode_cold.log" \
+        | grep -v "^  \|^    " ;;
+    e2eprof)  # where a token's time goes: the kernels of one replayed B = 1 step per method
+      python3 benchmarks/gpu_e2e.py --lengths 131072 --batches 1 8 --methods full psa saap csattn --profile \
+        --eager-tokens 0 --hf-tokens 0 --tokens 8 --budget-s 500 --out "$OUT/e2e_prof" 2>&1 \
+        | tee "$OUT/gpu_e2e_prof.log" | tail -30 ;;
     decode512)
       python3 benchmarks/gpu_decode.py --lengths 524288 --batches 1 --backends triton \
         --methods streaming topk csattn ctkvr lfps psa saap --out "$OUT/512k" 2>&1 | tee "$OUT/gpu_decode_512k.log" \

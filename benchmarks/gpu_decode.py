@@ -33,8 +33,14 @@ is opened a second time with the planner's fused kernels switched off (`planner.
 planner "auto": fused where the method has kernels); `plan_agreement` = the mean over plan rows of
 |fused row ∩ torch row| / |torch row| (positions as sets, -1 ignored): 1.0 = the same plan.
 
-Rows (JSON, $OUT/gpu_decode.json): n, batch, method, backend, planner, mode (eager|graph), ms, sdpa_ms
-(full SDPA, same batch and mode), sdpa_slice_ms, ratio = sdpa_ms / ms (> 1: faster than dense).
+L2: every timed GPU call starts with a cold L2 (`benchmarks/_gpu_timing.py`: a 256 MiB buffer is
+zeroed before it, untimed), as each layer's step finds it in a real model's decode. `--l2 both` also
+times every graph with the L2 left warm by the previous replay (mode `graph_warm_l2`), the protocol
+of the runs before 2026-11-23, to show how much of a sparse step a warm L2 served.
+
+Rows (JSON, $OUT/gpu_decode.json): n, batch, method, backend, planner, mode (eager|graph|graph_warm_l2),
+ms, sdpa_ms (full SDPA, same batch and mode), sdpa_slice_ms, ratio = sdpa_ms / ms (> 1: faster than
+dense), l2 (cold|warm).
 """
 
 from __future__ import annotations
@@ -67,6 +73,24 @@ from synthetic import Mixture, llama8b_spec, write_saap_model  # noqa: E402
 
 DEV = "cuda"
 T = Timing(DEV)
+MODES = ["eager", "graph"]  # + "graph_warm_l2" with --l2 both
+
+
+def l2_of(mode: str) -> str:
+    return "warm" if mode == "graph_warm_l2" else "cold"
+
+
+def graph_modes(fn, reps: int, reasons: dict | None = None) -> dict[str, float | None]:
+    """Graph-replay ms of fn per graph mode: "graph" (cold L2), and "graph_warm_l2" when asked for;
+    `reasons` gets each mode's capture outcome ("ok" or why not)."""
+    out = {}
+    for mode in MODES[1:]:
+        T.cold = mode == "graph"
+        out[mode], why = T.graph_ms(fn, reps=reps)
+        if reasons is not None:
+            reasons[mode] = why
+    T.cold = True
+    return out
 METHODS = ["streaming", "topk", "csattn", "ctkvr", "kivf", "lfps", "psa", "saap"]
 
 
@@ -198,18 +222,22 @@ def run_length(n: int, batches: list[int], methods: list[str], backends: list[st
         kbs, vbs = kb[:, :, :ks].contiguous(), vb[:, :, :ks].contiguous()
         full = lambda: F.scaled_dot_product_attention(qb, kb, vb, enable_gqa=True)  # noqa: E731
         part = lambda: F.scaled_dot_product_attention(qb, kbs, vbs, enable_gqa=True)  # noqa: E731
-        return {"eager": (T.host_ms(full, reps=reps), T.host_ms(part, reps=reps)),
-                "graph": (T.graph_ms(full, reps=reps)[0], T.graph_ms(part, reps=reps)[0])}
+        out = {"eager": (T.host_ms(full, reps=reps), T.host_ms(part, reps=reps))}
+        g_full, g_part = graph_modes(full, reps), graph_modes(part, reps)
+        for mode in g_full:
+            out[mode] = (g_full[mode], g_part[mode])
+        return out
 
     for b in batches:
         for mode, (t_full, t_part) in baselines(b).items():
             sdpa[b, mode], sdpa_slice[b, mode] = t_full, t_part
-        for mode in ("eager", "graph"):
+        for mode in MODES:
             rows.append({"n": n, "batch": b, "method": "sdpa_full", "backend": "sdpa", "mode": mode, "ms": sdpa[b, mode],
-                         "sdpa_ms": sdpa[b, mode], "sdpa_slice_ms": sdpa_slice[b, mode], "ratio": 1.0})
+                         "sdpa_ms": sdpa[b, mode], "sdpa_slice_ms": sdpa_slice[b, mode], "ratio": 1.0,
+                         "l2": l2_of(mode)})
             rows.append({"n": n, "batch": b, "method": "sdpa_slice_5pct", "backend": "sdpa", "mode": mode,
                          "ms": sdpa_slice[b, mode], "sdpa_ms": sdpa[b, mode], "sdpa_slice_ms": sdpa_slice[b, mode],
-                         "ratio": ratio(sdpa[b, mode], sdpa_slice[b, mode])})
+                         "ratio": ratio(sdpa[b, mode], sdpa_slice[b, mode]), "l2": l2_of(mode)})
         torch.cuda.empty_cache() if DEV == "cuda" else None
         print(f"  sdpa B={b}: full {sdpa[b, 'eager']:.3f} / {sdpa[b, 'graph']} ms (eager/graph), "
               f"5% slice {sdpa_slice[b, 'eager']:.3f} / {sdpa_slice[b, 'graph']}", flush=True)
@@ -259,7 +287,8 @@ def run_length(n: int, batches: list[int], methods: list[str], backends: list[st
                     k_plan = None if reqs[0].plan.positions is None else int(reqs[0].plan.positions.shape[-1])
                     valid = None if k_plan is None else float((reqs[0].plan.positions >= 0).float().mean())
                     eager = T.host_ms(step, reps=reps)
-                    graph, why = T.graph_ms(step, reps=reps)
+                    graphs = graph_modes(step, reps, reasons := {})
+                    graph, why = graphs["graph"], reasons["graph"]
                     prof = None
                     if profile and b == 1 and DEV == "cuda":
                         try:
@@ -267,20 +296,22 @@ def run_length(n: int, batches: list[int], methods: list[str], backends: list[st
                         except Exception as e:  # noqa: BLE001 - the profile is extra information only
                             prof = {"error": f"{type(e).__name__}: {e}"[:200], "kernels_per_call": 0,
                                     "device_us_per_call": 0.0, "top": []}
-                    for mode, ms in (("eager", eager), ("graph", graph)):
+                    for mode, ms in (("eager", eager), *graphs.items()):
                         rows.append({"n": n, "batch": b, "method": name, "backend": be_name, "planner": "auto",
                                      "streams": "parallel" if streams else "one", "mode": mode, "ms": ms,
                                      "sdpa_ms": sdpa[b, mode], "sdpa_slice_ms": sdpa_slice[b, mode],
                                      "ratio": ratio(sdpa[b, mode], ms), "plan_k": k_plan,
-                                     "plan_filled": valid, "err_vs_torch_ref": err,
-                                     "graph": why if mode == "graph" else None,
+                                     "plan_filled": valid, "err_vs_torch_ref": err, "l2": l2_of(mode),
+                                     "graph": reasons.get(mode),
                                      "profile": prof if mode == "graph" else None})
                     g_txt = "not captured" if graph is None else f"{graph:.3f} ms ({ratio(sdpa[b, 'graph'], graph)}x sdpa)"
                     if prof:
                         print(f"    {prof['kernels_per_call']:.0f} kernels, {prof['device_us_per_call']:.1f} us of device "
                               f"time per step; top: {prof['top'][:3]}", flush=True)
+                    warm = graphs.get("graph_warm_l2")
+                    w_txt = "" if warm is None else f" (warm L2 {warm:.3f} ms, {ratio(sdpa[b, 'graph_warm_l2'], warm)}x)"
                     print(f"  {name:9s} {be_name:9s} B={b}: eager {eager:.3f} ms ({sdpa[b, 'eager'] / eager:.2f}x sdpa), "
-                          f"graph {g_txt}, K={k_plan} filled={valid if valid is None else round(valid, 3)} err={err:.1e}"
+                          f"graph {g_txt}{w_txt}, K={k_plan} filled={valid if valid is None else round(valid, 3)} err={err:.1e}"
                           f"{'' if why == 'ok' else ' graph: ' + why}", flush=True)
                     if torch_plans and b == 1 and be_name == "triton" and has_fused_path(reqs[0].planner):
                         rows += torch_plan_rows(reqs[0], method, params, arrays, layer, sp, be, n, sdpa, reps, name)
@@ -302,12 +333,12 @@ def torch_plan_rows(fused_req, method, params, arrays, layer, sp, be, n, sdpa, r
     fp, tp = fused_req.plan.positions, req.plan.positions
     agree = None if fp is None or tp is None else plan_agreement(fp, tp)
     eager = T.host_ms(req.step, reps=reps)
-    graph, why = T.graph_ms(req.step, reps=reps)
+    graph, why = T.graph_ms(req.step, reps=reps)  # cold L2, as the fused rows' "graph" mode
     print(f"  {name:9s} torch plan: eager {eager:.3f} ms, graph {graph if graph is None else round(graph, 3)} ms, "
           f"plan agreement with the fused plan {agree}", flush=True)
     return [{"n": n, "batch": 1, "method": name, "backend": be.name, "planner": "torch", "mode": mode, "ms": ms,
              "sdpa_ms": sdpa[1, mode], "ratio": ratio(sdpa[1, mode], ms), "plan_agreement": agree,
-             "graph": why if mode == "graph" else None} for mode, ms in (("eager", eager), ("graph", graph))]
+             "l2": l2_of(mode), "graph": why if mode == "graph" else None} for mode, ms in (("eager", eager), ("graph", graph))]
 
 
 def main() -> None:
@@ -326,10 +357,14 @@ def main() -> None:
                          "side stream, as decoder.runner does)")
     ap.add_argument("--torch-plans", action="store_true",
                     help="also time each fused planner's torch path and compare the plans (B = 1, triton backend)")
+    ap.add_argument("--l2", choices=["cold", "both"], default="cold",
+                    help="both: also time every graph with a warm L2 (mode graph_warm_l2)")
     ap.add_argument("--out", default=os.environ.get("OUT", "benchmarks/out"))
     a = ap.parse_args()
     DEV = a.device
     T.device = a.device
+    if a.l2 == "both":
+        MODES.append("graph_warm_l2")
     backends = a.backends or [b for b in ("torch_ref", "triton") if b in backend_names()]
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)

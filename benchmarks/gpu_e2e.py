@@ -64,6 +64,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
 
+from benchmarks._gpu_timing import kernel_profile  # noqa: E402
 from decoder.backends import get_backend  # noqa: E402
 from decoder.generate import ContextKV, generate  # noqa: E402
 from decoder.rope import undo_rope  # noqa: E402
@@ -272,7 +273,8 @@ class Bench:
                graphs: bool, tokens: int, extra: dict) -> None:
         be = get_backend(backend_name)
         qs = self.questions(b, n + b)
-        max_new = tokens + 3
+        prof_steps = 2 if self.a.profile and graphs and b == 1 else 0
+        max_new = tokens + 3 + prof_steps
         local = self.a.question + max_new
         run = Runner(self.lm, be, self.dev, graphs=graphs, track_fraction=True)
         for q in qs:
@@ -299,6 +301,15 @@ class Bench:
             run.step()
             times.append((time.perf_counter() - t0) * 1e3)
         status = run.graph_status
+        prof = None
+        if prof_steps:  # the kernels of a replayed step (CUPTI reports a graph's kernels one by one)
+            try:
+                prof = kernel_profile(run.step, reps=prof_steps - 1, sync=self.sync)
+                prof["top"] = prof["top"][:40]
+            except Exception as e:  # noqa: BLE001 - extra information only
+                prof = {"error": f"{type(e).__name__}: {e}"[:200]}
+            log(f"    profile {name} B=1: {prof.get('kernels_per_call', 0):.0f} kernels, "
+                f"{prof.get('device_us_per_call', 0) / 1e3:.2f} ms of device time per token; top {prof.get('top', [])[:6]}")
         for s in list(run.requests):
             run.remove(s)
         ms = statistics.median(times)
@@ -308,6 +319,8 @@ class Bench:
                "ms_mean": statistics.fmean(times), "ms_max": max(times), "steps_timed": len(times),
                "kv_fraction": frac, "graph": status, "first_step": first_status, "prompt_ms": t_prompt * 1e3,
                "warmup_ms": t_warm * 1e3, "capture_or_first_ms": t_first * 1e3, **extra}
+        if prof is not None:
+            row["profile"] = prof
         if backend_name == "offload":
             row["pcie_floor_ms"] = kv_bytes / self.info["h2d_bytes_per_s"] * 1e3
         self.add(row)
@@ -358,6 +371,7 @@ def main() -> None:
     ap.add_argument("--check-prefill", type=int, default=256,
                     help="compare the prefill with the HF one at this n (0: off)")
     ap.add_argument("--budget-s", type=float, default=540.0, help="start no new measurement after this many seconds")
+    ap.add_argument("--profile", action="store_true", help="kernels of one replayed B = 1 step per method")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--out", default=os.environ.get("OUT", "benchmarks/out"))
     a = ap.parse_args()

@@ -127,7 +127,11 @@ def generate(
     should_stop: Callable[[], bool] | None = None,
 ) -> GenerationResult:
     """Greedy (temperature 0) or temperature sampling over context + question. `backend`: an
-    attention backend or its name; default `triton` on a GPU when available, else `torch_ref`."""
+    attention backend or its name; default `triton` on a GPU when available, else `torch_ref`.
+
+    `should_stop` is asked before every forward pass (the question's and each new token's): when it
+    says yes the generation ends there with `finish_reason` "cancelled", so a cancelled request
+    costs at most the step in flight."""
     from transformers import DynamicCache
 
     model = lm.model
@@ -147,6 +151,9 @@ def generate(
     t_first = None
     try:
         for _ in range(max_tokens):
+            if should_stop is not None and should_stop():
+                res.finish_reason = "cancelled"
+                break
             t = inp.shape[1]
             step.q_pos = torch.arange(pos, pos + t, device=device)
             out = model(
@@ -170,9 +177,6 @@ def generate(
             res.token_ids.append(tok)
             if on_token is not None:
                 on_token(tok)
-            if should_stop is not None and should_stop():
-                res.finish_reason = "cancelled"
-                break
             inp = torch.tensor([[tok]], dtype=torch.long, device=device)
     finally:
         planner.close()  # the request ends here, also on an error

@@ -122,6 +122,20 @@ class MethodParams(BaseModel):
     window: int = Field(32, ge=0, le=65536, description="most recent tokens always attended")
 
     build_fields: ClassVar[frozenset[str]] = frozenset()
+    # Fields that count context tokens or groups of them (a frame, centroids, clusters, lists,
+    # blocks, probes): plans, frames and builds are sized from them and not all are clamped to the
+    # context, so a value above its length only adds cost. Whichever of these a method's params have
+    # is bounded by `context_limits`; a method may list others. Not `k`: `budget()` clamps it to the
+    # context, and k above n is the documented way to select every token.
+    context_bounded: ClassVar[frozenset[str]] = frozenset({
+        "sink", "window", "recent", "n_centroids", "n_clusters", "list_size", "list_len", "init_steps",
+        "table_sink", "block_size", "probe", "nprobe"})
+
+    def context_limits(self, n_ctx: int) -> dict[str, int]:
+        """The largest sane value of each context-bounded field for a context of n_ctx tokens. The
+        service refuses a request that gives more (422 `invalid_parameter`) before any work starts."""
+        return {f: n_ctx for f in self.context_bounded
+                if f in type(self).model_fields and isinstance(getattr(self, f), int | None)}  # saap's `probe` is a name
 
     def build_params(self) -> dict:
         return {k: v for k, v in self.model_dump().items() if k in self.build_fields}
@@ -230,12 +244,17 @@ class Plan:
     rest_logit / rest_value: optional pseudo-token standing for the context tokens a head does not
         attend (LFPS's bypass output: the mean value, weighted by a log-normal estimate of their
         mass): logit [KVH, G, T] fp32 (-inf = none), value [KVH, D].
+    lengths: optional [KVH, T] int32, a bound on each row's filled part: positions[h, t,
+        lengths[h, t]:] are all -1 (slots below it may be -1 too). Planners whose rows are
+        valid-first with a -1 tail (psa, saap) give it, so a backend can skip the tail (the triton
+        backend divides only the live rows over its programs); it never changes what is attended.
     """
 
     positions: torch.Tensor | None
     bypass: torch.Tensor | None = None
     rest_logit: torch.Tensor | None = None
     rest_value: torch.Tensor | None = None
+    lengths: torch.Tensor | None = None
 
     @classmethod
     def dense(cls) -> "Plan":
@@ -301,6 +320,17 @@ class SparseMethod(ABC):
 
     @abstractmethod
     def open(self, index: IndexReader | None, params: MethodParams, ctx: DecodeContext) -> Planner: ...
+
+    def plan_width(self, params: MethodParams, n_ctx: int) -> int | None:
+        """K, the context positions a plan holds per (KV head, token) besides the frame, for the
+        service's cost estimate before a request runs (`service/limits.py`); None = dense plans
+        (every visible token, read in place). Default: the params' `budget(n_ctx)` where they define
+        one (the top-K methods), None for the bare frame's params (`full`), else n_ctx, the upper
+        bound (a plan holds distinct context positions)."""
+        size = getattr(params, "budget", None)
+        if callable(size):
+            return size(n_ctx)
+        return None if type(params) is MethodParams else n_ctx
 
     def index_id(self, params: MethodParams, spec=None, env: MethodEnv | None = None) -> str:
         """The identity of the index `build` makes from these params: `<name>-<sha256 of version and

@@ -185,6 +185,7 @@ class ProgressivePlan:
     used: torch.Tensor  # [KVH, T] int64: how many of them were processed
     mass_est: torch.Tensor  # [KVH, G, T] fp32: P_acc at the stop
     capped: torch.Tensor  # [KVH, T] bool: stopped by B_max before the rule was met
+    lengths: torch.Tensor  # [KVH, T] int32: (dense-part blocks + used)·bs, positions past it are -1
 
 
 @torch.no_grad()
@@ -217,7 +218,7 @@ def progressive_plan(
     if bm == 0:  # an empty context: nothing to plan
         z = torch.zeros(kvh, t, dtype=torch.int64, device=dev)
         return ProgressivePlan(torch.full((kvh, t, 0), -1, dtype=torch.int32, device=dev), z,
-                               z[..., :0], z, torch.ones(kvh, g, t, device=dev), z.bool())
+                               z[..., :0], z, torch.ones(kvh, g, t, device=dev), z.bool(), z.int())
     scale = d ** -0.5
     s_end, w_lo = frame_bounds(q_pos, n, sink, window)  # sink [0, s_end), window [w_lo[t], n)
     n_sb, first_w = dense_part_blocks(n, bs, sink, window)
@@ -294,7 +295,8 @@ def progressive_plan(
     pos_f = torch.where(f_sel, f_tok[None], -1).view(1, t, -1).expand(kvh, t, -1)
     positions = torch.cat([pos_f, pos_r], dim=-1).to(torch.int32)
     blocks = used + (nb - n_ranked)[None, :]
-    return ProgressivePlan(positions, blocks, top, used, mass_est, ~stopped & (used > 0))
+    lengths = ((used + pos_f.shape[-1] // bs) * bs).to(torch.int32)
+    return ProgressivePlan(positions, blocks, top, used, mass_est, ~stopped & (used > 0), lengths)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -338,11 +340,14 @@ class _PSAPlanner(Planner):
         res = fn(q, kv.ctx_k, kv.loc_k, kv.q_pos, meta, p.block_size, eps=p.eps, microbatch=p.microbatch,
                  sink=self.sink, window=self.window, max_blocks=self.max_blocks, criticality=p.criticality)
         self._last[layer] = res
-        return Plan(res.positions)
+        return Plan(res.positions, lengths=res.lengths)
 
     def update(self, layer, k, v, positions):
         res = self._last.pop(layer, None)
-        if res is None:
+        if res is None or (res.positions.is_cuda and torch.cuda.is_current_stream_capturing()):
+            # stats() is diagnostics: a graph-captured step would replay these ~8 small kernels per
+            # layer on every token (~0.5 ms per token of an 8B model, 256 launches), so the counts
+            # cover the steps run eagerly (the question, a batch's first step); `Planner` says so
             return
         add = torch.stack([res.blocks.double().sum(), res.mass_est.double().sum(), res.capped.double().sum()])
         if layer in self._acc:

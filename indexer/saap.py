@@ -385,10 +385,11 @@ class _SaapPlanner(Planner):
         w = self.model.kernel_layer(layer, dev, self.kernel_weight_dtype)  # cached; loaded in open on a GPU
         if self._rope is None or self._rope[0].device != dev:
             self._rope = kern.rope_table(self.n_ctx, self._steps, q.shape[-1], self.model.rope_theta, dev)
+        lengths = torch.empty(q.shape[0], q.shape[2], dtype=torch.int32, device=dev)
         positions = kern.saap_plan(q, kv.q_pos, self.n_ctx, *self._rope, w, order, offsets, self.nprobe,
                                    self.width[layer], self.sink, self.window, self.params.probe,
-                                   self._rec_table(dev), self._col[layer])
-        return Plan(positions)
+                                   self._rec_table(dev), self._col[layer], lengths=lengths)
+        return Plan(positions, lengths=lengths)
 
     def _rec_table(self, dev) -> torch.Tensor:
         if self._rec is None or self._rec.device != dev:

@@ -9,12 +9,15 @@ import time
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI
+from starlette.middleware.trustedhost import TrustedHostMiddleware
 
-from service.api.routes import contexts, health, training
+from service.api.decode_client import DecodeClient
+from service.api.routes import admin, contexts, health, openai, training
+from service.auth import ApiKeyGuard, document_bearer_auth
 from service.errors import error_body, install_error_handlers
+from service.maintenance import rebuild_catalog
 from service.runtime import Runtime
 from service.settings import Settings, get_settings
-from storage.keys import PromptHash
 
 log = logging.getLogger("ctxcache")
 
@@ -85,15 +88,24 @@ def create_app(settings: Settings | None = None, *, lm=None) -> FastAPI:
             workers = [PrefillWorker(rt), decode, TrainWorker(rt), Janitor(rt, on_delete=decode.forget)]
         else:
             workers = [Janitor(rt)]
-        _rebuild_catalog(rt)
+        rebuild_catalog(rt)  # storage is the truth: re-add what the catalog lost (FLUSHDB, a fresh Redis)
         for w in workers:
             w.start()
         app.state.workers = workers
+        app.state.decode = DecodeClient(rt)
         try:
             yield
         finally:
+            # The server has given in-flight requests `shutdown_grace_seconds` (uvicorn's graceful
+            # shutdown) before this runs: the workers now stop at once, joined within a bound (a
+            # prefill chunk in flight cannot be interrupted; its job is leased and built again on the
+            # next start), then the catalog's connections close and the embedded Redis shuts down.
+            end = time.monotonic() + min(5.0, settings.shutdown_grace_seconds)
             for w in workers:
-                w.stop()
+                w.request_stop(0.0)
+            for w in workers:
+                w.join(end - time.monotonic())
+            await app.state.decode.aclose()
             rt.close()
 
     app = FastAPI(
@@ -106,38 +118,13 @@ def create_app(settings: Settings | None = None, *, lm=None) -> FastAPI:
     app.include_router(health.router)
     app.include_router(contexts.router)
     app.include_router(training.router)
+    app.include_router(admin.router)
+    app.include_router(openai.router)
     app.add_middleware(RequestGuard, max_bytes=settings.max_request_bytes)
+    if settings.api_keys:  # outside RequestGuard: a request without a key is refused before its body is read
+        open_paths = {"/healthz", app.docs_url, app.redoc_url, app.openapi_url, app.swagger_ui_oauth2_redirect_url} - {None}
+        app.add_middleware(ApiKeyGuard, keys=[k.get_secret_value() for k in settings.api_keys], open_paths=open_paths)
+        document_bearer_auth(app, open_paths)
+    if settings.allowed_hosts:  # outermost: a request for another Host gets 400 before anything reads it
+        app.add_middleware(TrustedHostMiddleware, allowed_hosts=settings.allowed_hosts)
     return app
-
-
-def _rebuild_catalog(rt: Runtime) -> int:
-    """Re-add published contexts the catalog does not know (Redis data lost, or a fresh catalog)."""
-    from indexer.base import get_method
-
-    n = 0
-    for slug, manifest in rt.store.iter_manifests():
-        cid = manifest["prompt_hash"]
-        if rt.catalog.get(cid) is not None:
-            continue
-        methods = {}
-        for index_id, entry in manifest.get("indexes", {}).items():
-            try:
-                m = get_method(entry["method"])
-                methods[entry["method"]] = {"params": m.Params.model_validate(entry["params"]).model_dump(), "index_id": index_id}
-            except Exception:  # noqa: BLE001 - a method this build does not know: skip that index
-                continue
-        expires_at = manifest.get("expires_at")
-        if expires_at and expires_at <= time.time():
-            rt.store.delete(slug, PromptHash(cid))  # expired while the catalog was away
-            continue
-        record = {"model": manifest["model"]["name"], "slug": slug, "n_tokens": manifest["n_tokens"],
-                  "prompt_format": manifest.get("prompt_format", "chat"), "display_name": manifest.get("display_name", ""),
-                  "expires_at": expires_at or "",
-                  "bytes": manifest["bytes"], "timings": json.dumps(manifest.get("timings", {}))}
-        rt.catalog.add_ready(cid, record, methods, manifest)
-        if expires_at:
-            rt.catalog.r.zadd(rt.catalog.k_expiry, {cid: expires_at})
-        n += 1
-    if n:
-        log.info("catalog: re-added %d contexts found on disk", n)
-    return n

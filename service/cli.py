@@ -55,7 +55,11 @@ def serve(
     typer.echo(f"ctxcache: model {s.model}, data in {s.data_dir.resolve()}, "
                f"catalog {'embedded' if s.embedded else s.redis_url} (a GGUF model is converted once on first start)")
     lm = load_model(s.model, s.data_dir, with_weights=False)
-    uvicorn.run(create_app(s, lm=lm), host=s.host, port=s.port, log_level="info")
+    # SIGTERM/SIGINT: uvicorn stops accepting, lets in-flight requests finish for the grace, cancels
+    # the rest (their decode requests are cancelled), then the app's shutdown stops the workers and
+    # the embedded Redis
+    uvicorn.run(create_app(s, lm=lm), host=s.host, port=s.port, log_level="info",
+                timeout_graceful_shutdown=s.shutdown_grace_seconds)
 
 
 def _run_worker(kind: str, redis_url: Optional[str], data_dir: Optional[Path], model: Optional[str]) -> None:
@@ -78,8 +82,13 @@ def _run_worker(kind: str, redis_url: Optional[str], data_dir: Optional[Path], m
         lp.start()
     typer.echo(f"ctxcache {kind} worker {loops[0].wid} running (model {rt.lm.spec.name})")
     stop.wait()
+    # drain: no new jobs; a decode worker's held requests may finish for the grace, then are given up
+    # (their API retries them on another worker); every loop is joined within the same bound
+    end = time.monotonic() + s.shutdown_grace_seconds
     for lp in loops:
-        lp.stop()
+        lp.request_stop(s.shutdown_grace_seconds)
+    for lp in loops:
+        lp.join(end - time.monotonic() + 1.0)
     rt.close()
 
 
@@ -117,7 +126,10 @@ def worker_train(
 
 
 def _client(url: str) -> httpx.Client:
-    return httpx.Client(base_url=url, timeout=httpx.Timeout(30.0, read=900.0))
+    """An HTTP client for the service; sends `CTXCACHE_API_KEY` as the bearer key when it is set."""
+    key = os.environ.get("CTXCACHE_API_KEY", "").strip()
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    return httpx.Client(base_url=url, headers=headers, timeout=httpx.Timeout(30.0, read=900.0))
 
 
 def _check(resp: httpx.Response) -> dict:
@@ -233,6 +245,41 @@ def delete(cid: str = typer.Argument(..., metavar="ID"), url: str = UrlOpt):
     with _client(url) as c:
         _check(c.delete(f"/v1/contexts/{cid}"))
     typer.echo(f"deleted {cid}")
+
+
+@app.command()
+def fsck(
+    url: str = UrlOpt,
+    data_dir: Optional[Path] = typer.Option(None, help="verify this data dir directly, without a running service "
+                                                       "(reports only; the catalog is not marked)"),
+    mark: bool = typer.Option(True, "--mark/--no-mark", help="set damaged contexts to failed in the catalog"),
+):
+    """Verify every stored context chunk by chunk (crc32c against its manifest); exit 1 if any is damaged.
+    By default through the running service (POST /v1/admin/fsck), which also marks damaged contexts failed
+    so that registering them again rebuilds them."""
+    if data_dir is not None:
+        from service.maintenance import verify_store
+        from storage.artifacts import ContextStore
+
+        report = verify_store(ContextStore(_settings(data_dir=data_dir).contexts_dir)).to_dict()
+    else:
+        with _client(url) as c:
+            report = _check(c.post("/v1/admin/fsck", params={"mark": str(mark).lower()}))
+    for bad in report["damaged"]:
+        typer.echo(f"DAMAGED {bad['id']} ({bad['code']}{', marked failed' if bad['marked'] else ''}): "
+                   + "; ".join(bad["problems"][:3]))
+    typer.echo(f"{report['checked']} contexts checked, {report['ok']} intact, {len(report['damaged'])} damaged")
+    if report["damaged"]:
+        raise typer.Exit(1)
+
+
+@app.command("rebuild-catalog")
+def rebuild_catalog(url: str = UrlOpt):
+    """Re-add every stored context the catalog lost (after Redis lost its data), with its current name and
+    expiry, without restarting the service (POST /v1/admin/rebuild-catalog). Deletes nothing."""
+    with _client(url) as c:
+        out = _check(c.post("/v1/admin/rebuild-catalog"))
+    typer.echo(f"re-added {out['added']} contexts ({out['known']} already in the catalog)")
 
 
 

@@ -35,12 +35,22 @@ class ContextCreate(BaseModel):
                     "ttl_seconds": 86400,
                     "display_name": "passkey demo",
                 }
-            ]
+            ],
+            # exactly one source (`_one_source`), stated in the schema so that generated clients and
+            # schema fuzzers know it
+            "oneOf": [
+                {"required": ["text"], "properties": {"text": {"type": "string"}, "token_ids": {"type": "null"}}},
+                {"required": ["token_ids"], "properties": {"token_ids": {"type": "array"}, "text": {"type": "null"}}},
+            ],
         },
     )
 
-    text: Text | None = Field(None, description="the context; wrapped as the start of a user turn (format=chat)")
-    token_ids: list[int] | None = Field(None, description="alternative to text: token ids used as they are")
+    text: Text | None = Field(None, description="the context; wrapped as the start of a user turn (format=chat); "
+                                                "not only whitespace (422 empty_text)",
+                              json_schema_extra={"pattern": r"\S"})
+    token_ids: list[int] | None = Field(None, description="alternative to text: token ids used as they are, each in "
+                                                          "the tokenizer's vocabulary",
+                                        json_schema_extra={"minItems": 1, "items": {"type": "integer", "minimum": 0}})
     model: str | None = Field(None, description="must name the served model (default: it)")
     format: Literal["chat", "raw"] = Field(
         "chat", description="chat: the model's chat template around context + question; raw: plain concatenation"
@@ -216,3 +226,24 @@ class TrainJob(BaseModel):
 
 class TrainJobCreated(TrainJob):
     created: bool = Field(description="true if this call queued the job; false if it was already queued, running or done")
+
+
+class ErrorDetail(BaseModel):
+    code: str = Field(description="stable error code (README, 'Errors')")
+    message: str = Field(description="what went wrong, for people; server paths relative to the data dir")
+    details: Any = Field(None, description="structured extras where there are any (failing fields, limits, ...)")
+
+
+class ErrorResponse(BaseModel):
+    """The body of every error: `{"error": {"code", "message", "details"?}}`."""
+
+    model_config = ConfigDict(json_schema_extra={"examples": [
+        {"error": {"code": "over_budget", "message": "psa over 552 context tokens ...: estimated ~143 s of compute "
+                                                     "> budget 120 s", "details": {"estimated_seconds": 143.3}}}]})
+
+    error: ErrorDetail
+
+
+class Readiness(BaseModel):
+    status: Literal["ready", "not_ready"]
+    checks: dict[str, dict[str, Any]] = Field(description="per dependency: ok plus what was checked (redis, storage, model, workers)")

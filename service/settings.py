@@ -8,9 +8,10 @@ from __future__ import annotations
 
 from functools import lru_cache
 from pathlib import Path
+from typing import Annotated
 
-from pydantic import Field
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic import Field, SecretStr, field_validator
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 
 class Settings(BaseSettings):
@@ -52,8 +53,45 @@ class Settings(BaseSettings):
     prefill_chunk_tokens: int = Field(512, ge=16, le=65536, description="prefill chunk size (memory bound + progress)")
     job_lease_seconds: int = Field(60, ge=5, description="a prefill job whose worker is silent this long is requeued")
     decode_timeout_seconds: float = Field(600.0, gt=0, description="a completion waiting longer for its worker gets 504")
+    decode_lease_seconds: int = Field(
+        10, ge=2, le=600,
+        description="a decode worker renews its lease on the requests it holds (and its liveness) every third of "
+                    "this, from a thread of its own, also while decoding; a request whose lease expired (the "
+                    "worker died) is retried once on another worker, else answered 503 decode_worker_lost")
+    shutdown_grace_seconds: float = Field(
+        20.0, ge=0, le=3600,
+        description="on SIGTERM, how long in-flight requests and workers may finish before they are cancelled; "
+                    "then the workers stop and the embedded Redis shuts down")
     janitor_interval_seconds: float = Field(5.0, gt=0, description="how often expired contexts and stale jobs are swept")
     torch_threads: int | None = Field(None, ge=1, description="torch intra-op threads in workers (default: torch's)")
+
+    budget_seconds: float = Field(
+        300.0, gt=0, description="compute one request may start, estimated before it runs (service/limits.py: a "
+                                 "completion's attention work, an index build) in nominal seconds of a 2-core CPU; "
+                                 "more -> 422 over_budget")
+    budget_bytes: int = Field(
+        2 * 1024**3, ge=1024 * 1024, description="peak memory one request may need, estimated before it runs (a "
+                                                 "completion's question step, an index build); more -> 422 over_budget")
+    train_budget_seconds: float = Field(
+        3600.0, gt=0, description="estimated CPU time a training job over REST may take when training runs on a CPU; "
+                                  "more -> 422 over_budget (a GPU train worker is not limited)")
+    allowed_hosts: list[str] | None = Field(
+        None, description="Host header values accepted (Starlette's TrustedHostMiddleware, '*.example.com' "
+                          "patterns); unset = any host")
+    api_keys: Annotated[list[SecretStr] | None, NoDecode] = Field(
+        None, description="API keys (env CTXCACHE_API_KEYS, comma-separated): every route but /healthz and the docs "
+                          "then needs `Authorization: Bearer <key>` (401 unauthorized otherwise); unset = open")
+
+    @field_validator("api_keys", mode="before")
+    @classmethod
+    def _split_keys(cls, value):
+        """A comma-separated string (the environment) or a list; blanks dropped, none left = open."""
+        if isinstance(value, str):
+            value = value.split(",")
+        if value is None:
+            return None
+        keys = [k.strip() if isinstance(k, str) else k for k in value]
+        return [k for k in keys if k] or None
 
     @property
     def embedded(self) -> bool:

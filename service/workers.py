@@ -22,6 +22,8 @@ from decoder.backends import get_backend
 from decoder.generate import generate
 from decoder.pipeline import ContextTiers, build_context, open_context
 from indexer.base import MethodUnavailable, get_method
+from service.errors import INTERNAL_ERROR_MESSAGE, redact_paths
+from service.maintenance import restore_record
 from service.runtime import Runtime, resolve_backend, resolve_device, resolve_gpu_cache_bytes, resolve_runner
 from storage.artifacts import ArtifactCorrupt, ArtifactError, ArtifactMissing
 from storage.keys import PromptHash
@@ -44,9 +46,21 @@ class _Loop:
         return self
 
     def stop(self, timeout: float = 30.0) -> None:
+        self.request_stop(timeout)
+        self.join(timeout)
+
+    def request_stop(self, grace_s: float = 0.0) -> None:
+        """Stop taking work; what is in flight may finish for `grace_s` (where the loop can tell)."""
         self._stop.set()
+
+    def join(self, timeout: float) -> None:
         if self._thread is not None:
-            self._thread.join(timeout)
+            self._thread.join(max(0.0, timeout))
+
+    @property
+    def liveness_ttl_s(self) -> int:
+        """How long this worker's heartbeat key lives: a worker silent this long counts as dead."""
+        return 15
 
     def info(self) -> dict:
         """What this worker publishes with its heartbeat (the API's /metrics reads it)."""
@@ -58,7 +72,7 @@ class _Loop:
         backoff = 0.5
         while not self._stop.is_set():
             try:
-                self.rt.catalog.worker_alive(self.kind, self.wid, ttl_s=15, info=self.info())
+                self.rt.catalog.worker_alive(self.kind, self.wid, ttl_s=self.liveness_ttl_s, info=self.info())
                 self.tick()
                 backoff = 0.5
             except Exception as e:  # noqa: BLE001 - a worker must survive Redis outages and bad jobs
@@ -77,7 +91,8 @@ def _is_redis_down(e: Exception) -> bool:
 
 
 class _LeasedLoop(_Loop):
-    """Claims one leased job at a time and keeps its lease alive while `process` runs. A crash leaves
+    """Claims one leased job at a time and keeps its lease alive while `process` runs (and the
+    worker's own heartbeat, so a worker busy with a long job still counts as live). A crash leaves
     the job in the active list; once its lease expires the janitor requeues it."""
 
     def claim(self) -> dict | None:
@@ -102,9 +117,10 @@ class _LeasedLoop(_Loop):
 
     def _heartbeat(self, job: dict, stop: threading.Event) -> None:
         lease = self.rt.settings.job_lease_seconds
-        while not stop.wait(max(1.0, lease / 3)):
+        while not stop.wait(max(1.0, min(lease, self.liveness_ttl_s) / 3)):
             try:
                 self.rt.catalog.heartbeat(job, lease)
+                self.rt.catalog.keep_alive(self.kind, self.wid, self.liveness_ttl_s)
             except Exception:  # noqa: BLE001
                 log.warning("heartbeat failed for job %s", job["id"])
 
@@ -128,7 +144,8 @@ class PrefillWorker(_LeasedLoop):
         except Exception as e:  # noqa: BLE001 - any failure becomes the context's status, never a lost job
             log.exception("prefill of %s failed", cid)
             code = "artifact_corrupt" if isinstance(e, ArtifactCorrupt) else "build_failed"
-            cat.update(cid, status="failed", error_code=code, error_message=f"{type(e).__name__}: {e}"[:2000])
+            cat.update(cid, status="failed", error_code=code,
+                       error_message=redact_paths(f"{type(e).__name__}: {e}"[:2000], self.rt.settings.data_dir))
 
     def _build(self, cid: str, rec: dict) -> None:
         rt, cat = self.rt, self.rt.catalog
@@ -138,12 +155,12 @@ class PrefillWorker(_LeasedLoop):
             raise RuntimeError(f"context was registered for model {rec.get('model')} ({rec.get('slug')}); this worker serves {spec.slug}")
         key = PromptHash(cid)
         methods = {m: v for m, v in (rec.get("methods") or {}).items() if v.get("index_id")}  # index-free: nothing to build
-        published = rt.store.exists(spec.slug, key)
+        published = rt.store.exists(spec.slug, key) and self._intact(cid, spec.slug, key)
         if published:
             manifest = rt.store.read_manifest(spec.slug, key)
             todo = {m: v for m, v in methods.items() if v["index_id"] not in manifest["indexes"]}
             if not todo:
-                self._ready(cid, manifest)
+                self._ready(cid, spec.slug, manifest)
                 return
             tokens = rt.store.open(spec.slug, key).read("tokens").tolist()
         else:
@@ -174,15 +191,49 @@ class PrefillWorker(_LeasedLoop):
                                             "display_name": rec.get("display_name") or "",
                                             "expires_at": rec.get("expires_at")})
         manifest = res.manifest
-        if not self._ready(cid, manifest):
-            rt.store.delete(spec.slug, key)  # deleted while we were building: leave nothing behind
+        if not self._ready(cid, spec.slug, manifest):
+            if cat.was_deleted(cid):
+                rt.store.delete(spec.slug, key)  # deleted while we were building: leave nothing behind
+            else:  # the record vanished without a delete (Redis lost its data): storage is the truth
+                log.warning("context %s: its record vanished during the build; re-added from the manifest", cid)
+                restore_record(rt, spec.slug, manifest)
         cat.drop_tokens(cid)
 
-    def _ready(self, cid: str, manifest: dict) -> bool:
-        return self.rt.catalog.update(
-            cid, status="ready", progress=1.0, n_tokens=manifest["n_tokens"], bytes=manifest["bytes"],
-            timings=manifest.get("timings", {}), error_code="", error_message="",
-        )
+    def _intact(self, cid: str, slug: str, key: PromptHash) -> bool:
+        """Whether a published context verifies chunk by chunk (`ContextStore.verify`). A context is
+        never marked ready from a manifest whose chunks fail: a damaged one is removed here and built
+        again (its token ids kept in the catalog first, when the catalog lost them and the stored
+        ones verify)."""
+        rt, cat = self.rt, self.rt.catalog
+        try:
+            problems = rt.store.verify(slug, key)
+        except ArtifactCorrupt as e:  # the manifest itself is unreadable
+            problems = [str(e)]
+        if not problems:
+            return True
+        log.error("context %s: stored artifacts are damaged, rebuilding (%d problems, first: %s)",
+                  cid, len(problems), problems[0])
+        if cat.tokens(cid) is None and not any(p.startswith("tokens") for p in problems):
+            with contextlib.suppress(ArtifactError, ValueError):
+                cat.set_tokens(cid, rt.store.open(slug, key).read("tokens").tolist())
+        rt.store.delete(slug, key)
+        return False
+
+    def _ready(self, cid: str, slug: str, manifest: dict) -> bool:
+        """Mark the context ready; then write its current name and expiry into the manifest (a PATCH
+        or a re-registration may have changed them since the build started). False: no record."""
+        cat = self.rt.catalog
+        if not cat.update(cid, status="ready", progress=1.0, n_tokens=manifest["n_tokens"], bytes=manifest["bytes"],
+                          timings=manifest.get("timings", {}), error_code="", error_message=""):
+            return False
+        rec = cat.get(cid)
+        if rec is not None:
+            try:
+                self.rt.store.update_metadata(slug, PromptHash(cid), display_name=rec.get("display_name") or "",
+                                              expires_at=rec.get("expires_at"))
+            except (ArtifactError, OSError) as e:  # served from the catalog meanwhile; a rebuild would use the older values
+                log.warning("context %s: could not write name/expiry into its manifest: %s", cid, e)
+        return True
 
 
 class DecodeWorker(_Loop):
@@ -195,7 +246,15 @@ class DecodeWorker(_Loop):
     batched runner (`decoder.runner.Runner`, the GPU default): up to `decode_batch_size` requests,
     on the same or different contexts and methods, stepped together one token at a time; a request
     joins at the next step and leaves when it is done (continuous batching). One runner per
-    attention backend; each request keeps its own planner."""
+    attention backend; each request keeps its own planner.
+
+    Requests are leased (`Catalog.claim_decode`): a heartbeat thread renews the lease of every request
+    the worker holds and the worker's liveness every third of `decode_lease_seconds`, also while a
+    step or a whole serial generation runs, so a busy worker never looks dead and a dead one is
+    noticed within the lease. A request whose client went away (`Catalog.cancel`) stops at its next
+    decode step, or is dropped unstarted. On stop the worker takes no new requests, lets the held
+    ones finish for the grace it was given and then gives them up (no answer, lease dropped), so the
+    API retries them on another worker."""
 
     kind = "decode"
 
@@ -209,6 +268,10 @@ class DecodeWorker(_Loop):
         self._runners: dict[str, object] = {}  # backend name -> decoder.runner.Runner
         self._live: dict[tuple[str, int], _Live] = {}  # (backend, slot) -> a request in a runner
         self._runner_reasons: list[str] | None = None  # why the runner cannot run this model (None: not checked)
+        self._held: dict[str, dict] = {}  # rid -> claimed request: leased until released (heartbeat thread reads it)
+        self._held_lock = threading.Lock()
+        self._abandon_at = float("inf")  # monotonic time after a stop when held requests are given up
+        self._beat_stop = threading.Event()
 
     @property
     def tier(self):
@@ -218,11 +281,75 @@ class DecodeWorker(_Loop):
     def info(self) -> dict:
         return {"device": self.device, "tiers": self.tiers.snapshot()}
 
+    @property
+    def liveness_ttl_s(self) -> int:
+        return self.rt.settings.decode_lease_seconds
+
+    def request_stop(self, grace_s: float = 0.0) -> None:
+        self._abandon_at = time.monotonic() + grace_s
+        super().request_stop(grace_s)
+
+    def run_forever(self) -> None:
+        beat = threading.Thread(target=self._beat, name="ctxcache-decode-heartbeat", daemon=True)
+        beat.start()
+        try:
+            super().run_forever()  # until a stop is requested
+            while self._live and not self._abandoning():  # drain the batch within the grace
+                self._step()
+        finally:
+            with self._held_lock:
+                left = list(self._held.values())
+            for req in left:  # given up: the API notices the lease gone and retries or answers 503
+                log.warning("decode worker %s stopping: gives up request %s", self.wid, req["rid"])
+                self._release(req)
+            self._beat_stop.set()
+            beat.join()
+
+    def _abandoning(self) -> bool:
+        return time.monotonic() >= self._abandon_at
+
+    def _beat(self) -> None:
+        """The heartbeat thread: the worker's liveness and the leases of the requests it holds."""
+        cat, lease = self.rt.catalog, self.rt.settings.decode_lease_seconds
+        while not self._beat_stop.wait(lease / 3):
+            with self._held_lock:
+                rids = list(self._held)
+            try:
+                cat.keep_alive(self.kind, self.wid, self.liveness_ttl_s)
+                cat.heartbeat_decode(rids, lease, self.wid)
+            except Exception as e:  # noqa: BLE001 - Redis down: the next beat tries again
+                log.warning("decode heartbeat of %s failed: %s", self.wid, e)
+
+    def _claim(self, timeout_s: float) -> dict | None:
+        if self._stop.is_set():
+            return None
+        req = self.rt.catalog.claim_decode(timeout_s, self.rt.settings.decode_lease_seconds, self.wid)
+        if req is not None:
+            with self._held_lock:
+                self._held[req["rid"]] = req
+        return req
+
+    def _release(self, req: dict) -> None:
+        """Done with a request (answered, failed, cancelled or given up): it leaves the active list."""
+        with self._held_lock:
+            self._held.pop(req["rid"], None)
+        try:
+            self.rt.catalog.finish_decode(req)
+        except Exception as e:  # noqa: BLE001 - its lease expires on its own
+            log.warning("could not release decode request %s: %s", req["rid"], e)
+
+    def _should_stop(self, rid: str) -> bool:
+        """Checked once per decode step: the client went away, or a stop's grace ran out."""
+        return self._abandoning() or self.rt.catalog.cancelled(rid)
+
     def tick(self) -> None:
         if not self.batched:
-            req = self.rt.catalog.claim_decode(timeout_s=1.0)
+            req = self._claim(timeout_s=1.0)
             if req is not None:
-                self.process(req)
+                try:
+                    self.process(req)
+                finally:
+                    self._release(req)
             return
         self._admit()
         if self._live:
@@ -234,21 +361,27 @@ class DecodeWorker(_Loop):
         """Take queued requests into the batch: wait up to 1 s for one when idle, never when busy."""
         cat = self.rt.catalog
         while len(self._live) < self.rt.settings.decode_batch_size:
-            req = cat.claim_decode(timeout_s=0.0 if self._live else 1.0)
+            req = self._claim(timeout_s=0.0 if self._live else 1.0)
             if req is None:
                 return
-            with self._errors_reported(req):
-                job = self._prepare(req)
-                if job is None:
-                    continue
-                if not self._runner_supported():
-                    self._serve_serially(job)
-                    continue
-                runner = self._runner(job.opened.backend)
-                slot = runner.add(job.opened.kv, job.opened.planner, job.params, job.q_ids, job.req["max_tokens"],
-                                  temperature=job.req["temperature"], seed=job.req.get("seed"))
-                self._live[job.opened.backend.name, slot] = _Live(
-                    job, _TokenStream(cat, job.rid, self.rt.lm.tokenizer), time.perf_counter())
+            admitted = False
+            try:
+                with self._errors_reported(req):
+                    job = self._prepare(req)
+                    if job is None:
+                        continue
+                    if not self._runner_supported():
+                        self._serve_serially(job)
+                        continue
+                    runner = self._runner(job.opened.backend)
+                    slot = runner.add(job.opened.kv, job.opened.planner, job.params, job.q_ids, job.req["max_tokens"],
+                                      temperature=job.req["temperature"], seed=job.req.get("seed"))
+                    self._live[job.opened.backend.name, slot] = _Live(
+                        job, _TokenStream(cat, job.rid, self.rt.lm.tokenizer), time.perf_counter())
+                    admitted = True
+            finally:
+                if not admitted:  # answered, failed or dropped: done with it; a live one is released by _step
+                    self._release(req)
 
     def _runner_supported(self) -> bool:
         """The batched runner runs Llama-family models only; for others the worker serves serially."""
@@ -281,8 +414,9 @@ class DecodeWorker(_Loop):
                 log.exception("decode step of the %s runner failed", name)
                 for key in [k for k in self._live if k[0] == name]:
                     live = self._live.pop(key)
-                    cat.emit(live.job.rid, "error", {"code": "internal_error", "message": f"{type(e).__name__}: {e}"[:500]})
+                    cat.emit(live.job.rid, "error", {"code": "internal_error", "message": INTERNAL_ERROR_MESSAGE})
                     runner.remove(key[1])
+                    self._release(live.job.req)
                 continue
             now = time.perf_counter()
             for slot, tok in got:
@@ -294,9 +428,14 @@ class DecodeWorker(_Loop):
                 if tok not in self.rt.lm.eos_token_ids:
                     live.stream.push(tok)
                 reason = req.finish_reason
-                if reason is None and cat.cancelled(live.job.rid):
+                if reason is None and self._should_stop(live.job.rid):
                     reason = "cancelled"
                 if reason is None:
+                    continue
+                if reason == "cancelled" and self._abandoning():  # given up, not answered: the API retries it
+                    runner.remove(slot)
+                    del self._live[name, slot]
+                    self._release(live.job.req)
                     continue
                 ids = [t for t in req.tokens if t not in self.rt.lm.eos_token_ids]
                 self._done(live.job, ids, reason, ttft_s=live.t_first - live.job.t_start,
@@ -305,9 +444,16 @@ class DecodeWorker(_Loop):
                                "runner": "batched", "graph": runner.graph_status, "batch_max": live.batch_max})
                 runner.remove(slot)
                 del self._live[name, slot]
+                self._release(live.job.req)
 
     def _artifacts(self, cid: str, slug: str):
+        """The cached read handle of a context, opened again when its manifest changed on disk (the
+        context was rebuilt, got an index, or was deleted): a handle checks chunks against the
+        manifest it read, and the tiers may hold arrays of the older build."""
         h = self._handles.get(cid)
+        if h is not None and not h.is_current():
+            self.forget(cid)
+            h = None
         if h is None:
             h = self.rt.store.open(slug, PromptHash(cid))
             self._handles[cid] = h
@@ -333,7 +479,9 @@ class DecodeWorker(_Loop):
         t_gen = time.perf_counter()
         res = generate(lm, job.opened.kv, job.opened.planner, job.params, job.q_ids, backend=job.opened.backend,
                        max_tokens=job.req["max_tokens"], temperature=job.req["temperature"],
-                       seed=job.req.get("seed"), on_token=stream.push, should_stop=lambda: cat.cancelled(job.rid))
+                       seed=job.req.get("seed"), on_token=stream.push, should_stop=lambda: self._should_stop(job.rid))
+        if res.finish_reason == "cancelled" and self._abandoning():
+            return  # given up by a stopping worker, not answered: released by the caller, retried by the API
         self._done(job, res.token_ids, res.finish_reason, ttft_s=t_gen - job.t_start + res.ttft_s,
                    decode_s=res.decode_s, stats={
                        "kv_fraction": round(res.stats.kv_fraction, 5),
@@ -357,12 +505,14 @@ class DecodeWorker(_Loop):
             cat.emit(rid, "error", {"code": "method_unavailable", "message": str(e)[:2000]})
         except Exception as e:  # noqa: BLE001
             log.exception("completion %s on %s failed", rid, cid)
-            cat.emit(rid, "error", {"code": "internal_error", "message": f"{type(e).__name__}: {e}"[:500]})
+            cat.emit(rid, "error", {"code": "internal_error", "message": INTERNAL_ERROR_MESSAGE})
 
     def _prepare(self, req: dict) -> "_Job | None":
         """Everything before the first token: checks (an error event and None when one fails), the
         backend, the index the API resolved, and `open_context` (tiers, planner)."""
         rt, cat, rid, cid = self.rt, self.rt.catalog, req["rid"], req["id"]
+        if cat.cancelled(rid):
+            return None  # the client went away while the request was queued: nobody to answer
         rec = cat.get(cid)
         if rec is None:
             cat.emit(rid, "error", {"code": "not_found", "message": f"no context {cid}"})
@@ -427,7 +577,7 @@ class DecodeWorker(_Loop):
                 "method_stats": job.opened.planner.stats(),
             },
         })
-        self.rt.catalog.worker_alive(self.kind, self.wid, ttl_s=15, info=self.info())  # fresh tier numbers for /metrics
+        self.rt.catalog.worker_alive(self.kind, self.wid, ttl_s=self.liveness_ttl_s, info=self.info())  # fresh tier numbers for /metrics
 
 
 @dataclass
@@ -456,19 +606,25 @@ class _Job:
 
 
 class _TokenStream:
-    """Emits a request's tokens as text deltas (a multi-byte character waits for its last token)."""
+    """Emits a request's tokens as text deltas (a multi-byte character waits for its last token).
+
+    Incremental: `tokenizers`' `DecodeStream` decodes only the tokens since the last emitted text
+    (plus the few it needs as a prefix), so a token costs O(1) amortized however long the answer;
+    the deltas joined are the whole answer's `decode`."""
 
     def __init__(self, cat, rid: str, tokenizer):
-        self.cat, self.rid, self.tok = cat, rid, tokenizer
-        self.ids: list[int] = []
-        self.text = ""
+        from tokenizers.decoders import DecodeStream
+
+        self.cat, self.rid = cat, rid
+        self.backend = tokenizer.backend_tokenizer  # the fast tokenizer's `tokenizers.Tokenizer`
+        self.decoder = DecodeStream(skip_special_tokens=True)
+
+    def delta(self, t: int) -> str | None:
+        """The text token `t` completes (None while a multi-byte character is incomplete)."""
+        return self.decoder.step(self.backend, t)
 
     def push(self, t: int) -> None:
-        self.ids.append(t)
-        text = self.tok.decode(self.ids, skip_special_tokens=True)
-        if text.endswith("\ufffd"):
-            return
-        delta, self.text = text[len(self.text):], text
+        delta = self.delta(t)
         if delta:
             self.cat.emit(self.rid, "token", {"text": delta, "token_id": t})
 
@@ -529,7 +685,7 @@ class TrainWorker(_LeasedLoop):
         except Exception as e:  # noqa: BLE001 - a failed job becomes the job's status, never a lost job
             log.exception("training job %s failed", jid)
             cat.end_train(jid, fp, status="failed", phase="failed", error_code="train_failed",
-                          error_message=f"{type(e).__name__}: {e}"[:2000])
+                          error_message=redact_paths(f"{type(e).__name__}: {e}"[:2000], self.rt.settings.data_dir))
             return
         cat.end_train(jid, fp, status="done", phase="done", progress=1.0, model_dir=str(out),
                       digest=manifest["digest"], layers_done=len(manifest["layers"]),

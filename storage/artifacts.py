@@ -7,18 +7,41 @@ Layout (`<root>/<model-slug>/<prompt-hash>/`):
     kv/k, kv/v                         [layers, kv_heads, N, head_dim], chunk [1, 1, 4096, d]
     indexes/<method>-<params_hash>/*   each method's arrays, leading dim = layer, chunk per layer
 
-Every chunk carries a crc32c (zarr's `crc32c` codec), so a corrupt chunk fails to decode. A
-*missing* chunk would silently read back as the fill value, so every array is checked for
-complete chunks before its first read. bfloat16 has no zarr dtype: it is stored as a uint16 view
-and the logical dtype is kept in the array attributes and the manifest.
+Verified reads: every chunk file ends with the crc32c of its data (zarr's `crc32c` codec, checked
+when the chunk is decoded), and the manifest records each chunk's crc32c too
+(`arrays.<name>.chunk_crc32c`, read from the files at publish, after the read-back). Every read goes
+through `_VerifiedStore`, which compares the crc a chunk file carries with the manifest's as the
+file comes off the disk; the codec then checks the data against that crc. So a chunk swapped for
+another valid chunk (whose own crc is valid), a flipped bit, or a *missing* chunk (which zarr would
+silently read back as the fill value) raises `ArtifactCorrupt` on that read, every time the chunk is
+read (a DRAM tier that evicts reads it again), not once per opened handle.
+
+Why crc32c and not a sha256 per chunk: the crc is already computed by the decode, so the check
+costs a 4-byte compare, where hashing every chunk again doubled the cost of a read from the page
+cache. The threat is damage and mix-ups (bit rot, a bad copy, a chunk of another layer or context),
+which a 32-bit check catches but for a 2^-32 chance per damaged chunk; deliberate forgery is not in
+scope for any per-chunk digest, since whoever can rewrite chunk files can rewrite the manifest next
+to them. Each array's sha256 over its data (`arrays.<name>.sha256`) stays in the manifest: the
+publish read-back checks it, and `verify` uses it for contexts published before chunk checksums
+existed (their reads still fail on a missing chunk).
+
+bfloat16 has no zarr dtype: it is stored as a uint16 view and the logical dtype is kept in the
+array attributes and the manifest.
 
 Publishing: everything is written under `<slug>/.tmp-<hash>-<uuid>/`, read back and checked
-against the sha256 recorded at write time, then renamed into place (atomic on POSIX). A crash
-leaves only a temp folder, which `gc_temp()` removes; no reader ever sees half a context.
+against the sha256 recorded at write time, then renamed into place (atomic on POSIX). A failed
+write removes its temp folder at once; a crash leaves only a temp folder, which `gc_temp()`
+removes; no reader ever sees half a context.
+
+The manifest is also where a context's mutable metadata lives (`display_name`, `expires_at`):
+`update_metadata` rewrites it atomically under a per-context file lock, so a catalog rebuilt from
+storage gets the current values (storage is the source of truth; Redis is an index of it).
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import json
 import os
@@ -29,16 +52,20 @@ import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
+import google_crc32c
 import numpy as np
 import torch
 import zarr
 from zarr.codecs import Crc32cCodec
+from zarr.storage import LocalStore, WrapperStore
 
 from storage.keys import PromptHash
 
 FORMAT = "ctxcache-context/1"
 KV_CHUNK_TOKENS = 4096
 MANIFEST = "manifest.json"
+MANIFEST_LOCK = ".manifest.lock"
+METADATA_FIELDS = ("display_name", "expires_at")  # what `update_metadata` may change
 
 
 class ArtifactError(Exception):
@@ -145,12 +172,18 @@ class ContextStore:
         }
 
     def _verify(self, path: Path, arrays_meta: dict) -> None:
+        """Read back what was just written under `path`: every chunk present, the data equal to what
+        was written; then record each chunk file's crc32c (what every later read is checked against)."""
         group = zarr.open_group(path, mode="r")
         for name, meta in arrays_meta.items():
             arr = group[name]
             _check_complete(arr, name)
             if _sha256(arr[...]) != meta["sha256"]:
                 raise ArtifactCorrupt(f"{name}: read-back checksum differs from what was written")
+            crcs = _chunk_crcs(path / name)
+            if len(crcs) != arr.nchunks:
+                raise ArtifactCorrupt(f"{name}: {len(crcs)} chunk files for {arr.nchunks} chunks")
+            meta["chunk_crc32c"] = crcs
 
     def publish(
         self,
@@ -204,6 +237,10 @@ class ContextStore:
         """Add method indexes to a published context (each under a temp name, then renamed;
         the manifest is replaced atomically last)."""
         ctx = self.context_dir(slug, key)
+        with self._manifest_lock(ctx):
+            return self._add_indexes_locked(slug, key, ctx, indexes)
+
+    def _add_indexes_locked(self, slug: str, key: PromptHash, ctx: Path, indexes: list[IndexArrays]) -> dict:
         manifest = self.read_manifest(slug, key)
         for idx in indexes:
             if idx.index_id in manifest["indexes"]:
@@ -225,6 +262,62 @@ class ContextStore:
         manifest["bytes"] = sum(a["nbytes"] for a in manifest["arrays"].values())
         _write_json_atomic(ctx / MANIFEST, manifest)
         return manifest
+
+    @contextlib.contextmanager
+    def _manifest_lock(self, ctx: Path):
+        """Serialise read-modify-write of one context's manifest across threads and processes (an
+        index added while a PATCH rewrites the name must not lose either). flock: POSIX advisory
+        lock, released when the file is closed, also by a process that dies holding it."""
+        with open(ctx / MANIFEST_LOCK, "a") as f:
+            fcntl.flock(f.fileno(), fcntl.LOCK_EX)
+            try:
+                yield
+            finally:
+                fcntl.flock(f.fileno(), fcntl.LOCK_UN)
+
+    def update_metadata(self, slug: str, key: PromptHash, **fields) -> dict:
+        """Set mutable metadata (`display_name`, `expires_at`: None = never) in the stored manifest,
+        atomically; return the new manifest. `ArtifactMissing` when the context is not published."""
+        unknown = set(fields) - set(METADATA_FIELDS)
+        if unknown:
+            raise ValueError(f"not manifest metadata: {sorted(unknown)}")
+        ctx = self.context_dir(slug, key)
+        if not (ctx / MANIFEST).exists():
+            raise ArtifactMissing(f"context {key.hex} is not published")
+        with self._manifest_lock(ctx):
+            manifest = self.read_manifest(slug, key)
+            if all(manifest.get(k) == v for k, v in fields.items()):
+                return manifest
+            manifest.update(fields)
+            _write_json_atomic(ctx / MANIFEST, manifest)
+            return manifest
+
+    def verify(self, slug: str, key: PromptHash) -> list[str]:
+        """Check every chunk of a published context against its manifest; return the problems found
+        (empty: intact). Reads every chunk file once; decodes only arrays of a manifest written before
+        chunk checksums existed (checked against the whole-array sha256 instead). `ArtifactMissing`
+        when there is no manifest, `ArtifactCorrupt` when the manifest itself is unreadable."""
+        ctx = self.context_dir(slug, key)
+        manifest = self.read_manifest(slug, key)
+        problems: list[str] = []
+        group = None
+        for name, meta in sorted(manifest["arrays"].items()):
+            try:
+                if group is None:
+                    group = zarr.open_group(ctx, mode="r", zarr_format=3)
+                arr = group[name]
+                _check_metadata(arr, name, meta)
+                if "chunk_crc32c" in meta:
+                    problems += _verify_chunk_files(ctx / name, name, meta["chunk_crc32c"])
+                    continue
+                _check_complete(arr, name)
+                if _sha256(arr[...]) != meta["sha256"]:
+                    problems.append(f"{name}: data differs from the sha256 in the manifest")
+            except (KeyError, FileNotFoundError):
+                problems.append(f"{name}: listed in the manifest but missing on disk")
+            except (ArtifactCorrupt, ValueError) as e:
+                problems.append(f"{name}: {e}" if not str(e).startswith(name) else str(e))
+        return problems
 
     # -- reading --------------------------------------------------------------------------------
 
@@ -277,23 +370,118 @@ class ContextStore:
         return removed
 
 
+def _trailer_crc(chunk: bytes | np.ndarray) -> str:
+    """The crc32c a chunk file carries (its last 4 bytes, as zarr's `crc32c` codec wrote them), hex."""
+    return bytes(chunk[-4:]).hex()
+
+
+def _data_crc(chunk: bytes) -> str:
+    """The crc32c of a chunk file's data, in the byte order the codec writes it, hex."""
+    return np.uint32(google_crc32c.value(chunk[:-4])).tobytes().hex()
+
+
+def _chunk_crcs(array_dir: Path) -> dict[str, str]:
+    """The crc32c of every chunk file of one array, keyed by its path relative to the array
+    ("c/0/1/0/0"); each file's data must match the crc it carries."""
+    out = {}
+    for f in sorted((array_dir / "c").rglob("*")):
+        if f.is_file():
+            chunk, rel = f.read_bytes(), f.relative_to(array_dir).as_posix()
+            if _data_crc(chunk) != _trailer_crc(chunk):
+                raise ArtifactCorrupt(f"{array_dir.name}/{rel}: chunk data does not match its crc32c")
+            out[rel] = _trailer_crc(chunk)
+    return out
+
+
+def _verify_chunk_files(array_dir: Path, name: str, crcs: dict[str, str]) -> list[str]:
+    """Problems with one array's chunk files: missing, carrying another crc than the manifest's (a
+    chunk from elsewhere), or data that does not match its crc (damaged)."""
+    problems = []
+    for rel, want in sorted(crcs.items()):
+        try:
+            chunk = (array_dir / rel).read_bytes()
+        except FileNotFoundError:
+            problems.append(f"{name}/{rel}: chunk missing on disk")
+            continue
+        if _trailer_crc(chunk) != want:
+            problems.append(f"{name}/{rel}: chunk checksum differs from the manifest")
+        elif _data_crc(chunk) != want:
+            problems.append(f"{name}/{rel}: chunk data does not match its crc32c")
+    return problems
+
+
+def _check_metadata(arr: zarr.Array, name: str, meta: dict) -> None:
+    """The array's zarr metadata must describe what the manifest recorded (a swapped zarr.json
+    could otherwise reshape or retype valid chunks)."""
+    if list(arr.shape) != meta["shape"] or list(arr.chunks) != meta["chunks"] or str(arr.dtype) != meta["stored_dtype"]:
+        raise ArtifactCorrupt(f"{name}: zarr metadata (shape {list(arr.shape)}, chunks {list(arr.chunks)}, "
+                              f"dtype {arr.dtype}) differs from the manifest")
+
+
 def _check_complete(arr: zarr.Array, name: str) -> None:
     have, want = arr.nchunks_initialized, arr.nchunks
     if have != want:
         raise ArtifactCorrupt(f"{name}: {want - have} of {want} chunks missing on disk")
 
 
+def _manifest_stamp(ctx: Path) -> tuple[int, int] | None:
+    """(inode, mtime ns) of a context's manifest: every rewrite is a rename, so a new inode."""
+    try:
+        st = (ctx / MANIFEST).stat()
+    except FileNotFoundError:
+        return None
+    return st.st_ino, st.st_mtime_ns
+
+
 def _write_json_atomic(path: Path, obj: dict) -> None:
     tmp = path.with_name(path.name + f".tmp-{uuid.uuid4().hex[:8]}")
-    with open(tmp, "w") as f:
-        json.dump(obj, f, indent=1, sort_keys=True)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "w") as f:
+            json.dump(obj, f, indent=1, sort_keys=True)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)  # a full disk must not leave half a manifest next to the real one
+        raise
+
+
+class _VerifiedStore(WrapperStore):
+    """A read-only zarr store over one context's folder that checks each chunk as it is read: the
+    file must exist (zarr would return the fill value for a missing one) and, where the manifest
+    has its crc32c, carry that crc (the codec checks the data against it when decoding). Metadata
+    documents (`zarr.json`) pass through; `_check_metadata` compares them with the manifest."""
+
+    def __init__(self, store: LocalStore, arrays: dict[str, dict]):
+        super().__init__(store)
+        self._arrays = arrays
+        self._crcs = {f"{name}/{rel}": crc for name, meta in arrays.items()
+                      for rel, crc in (meta.get("chunk_crc32c") or {}).items()}
+        self._prefixes = tuple(f"{name}/c/" for name in arrays)
+
+    def _with_store(self, store: LocalStore) -> "_VerifiedStore":
+        return type(self)(store, self._arrays)
+
+    async def get(self, key, prototype, byte_range=None):
+        if not key.startswith(self._prefixes):
+            return await self._store.get(key, prototype, byte_range)
+        buf = await self._store.get(key, prototype, None)
+        if buf is None:
+            raise ArtifactCorrupt(f"{key}: chunk missing on disk")
+        want = self._crcs.get(key)
+        if want is not None and _trailer_crc(buf.as_numpy_array()) != want:
+            raise ArtifactCorrupt(f"{key}: chunk checksum differs from the manifest")
+        if byte_range is not None:  # not used by these arrays (no sharding); served after the check
+            return await self._store.get(key, prototype, byte_range)
+        return buf
+
+    async def get_partial_values(self, prototype, key_ranges):
+        return [await self.get(key, prototype, byte_range) for key, byte_range in key_ranges]
 
 
 class ContextArtifacts:
-    """Read side of one published context. Arrays are read lazily, one layer at a time."""
+    """Read side of one published context. Arrays are read lazily, one layer at a time; every chunk
+    read from disk is checked against the manifest (`_VerifiedStore`)."""
 
     def __init__(self, path: Path, manifest: dict):
         self.path = path
@@ -301,6 +489,25 @@ class ContextArtifacts:
         self._group: zarr.Group | None = None
         self._checked: set[str] = set()
         self._lock = threading.Lock()
+        self._stamp = _manifest_stamp(path)
+
+    def is_current(self) -> bool:
+        """Whether this handle still describes what is on disk: False once the context was deleted,
+        rebuilt into different chunks or got an index (a cached handle must then be opened again).
+        A manifest rewritten only for its name or expiry keeps the handle (and its cached arrays)."""
+        stamp = _manifest_stamp(self.path)
+        if stamp is None or self._stamp is None:
+            return False
+        if stamp == self._stamp:
+            return True
+        try:
+            manifest = json.loads((self.path / MANIFEST).read_text())
+        except (OSError, ValueError):
+            return False
+        if manifest.get("arrays") != self.manifest["arrays"] or manifest.get("indexes") != self.manifest["indexes"]:
+            return False
+        self.manifest, self._stamp = manifest, stamp
+        return True
 
     @property
     def n_tokens(self) -> int:
@@ -310,14 +517,15 @@ class ContextArtifacts:
         if name not in self.manifest["arrays"]:
             raise ArtifactMissing(f"{self.path.name}: no array {name!r} in the manifest")
         with self._lock:
-            if self._group is None:
-                self._group = zarr.open_group(self.path, mode="r")
             try:
+                if self._group is None:
+                    store = _VerifiedStore(LocalStore(self.path, read_only=True), self.manifest["arrays"])
+                    self._group = zarr.open_group(store=store, mode="r", zarr_format=3)
                 arr = self._group[name]
-            except KeyError as e:
+            except (KeyError, FileNotFoundError) as e:
                 raise ArtifactCorrupt(f"{name}: listed in the manifest but missing on disk") from e
             if name not in self._checked:
-                _check_complete(arr, name)
+                _check_metadata(arr, name, self.manifest["arrays"][name])
                 self._checked.add(name)
         return arr
 

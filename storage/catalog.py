@@ -10,9 +10,14 @@ Keys (all under one configurable prefix, so tests and deployments can share a se
     {p}contexts            zset id -> created_at (listing, pagination)
     {p}expiry              zset id -> expires_at (the janitor removes what is due)
     {p}tokens:{id}         json token ids of a queued context (deleted when it is ready)
+    {p}deleted:{id}        tombstone of a deleted (or expired) context, for a day: a build that finishes
+                           after it deletes what it wrote; a build whose record vanished without one
+                           (Redis lost its data) re-adds the record instead
     {p}q:prefill           list of prefill jobs (json); {p}q:prefill:active the ones being worked on
     {p}lease:{id}          a worker's heartbeat on a job (expires: the job is requeued)
-    {p}q:decode            list of decode requests (json)
+    {p}q:decode            list of decode requests (json); {p}q:decode:active the ones a worker holds
+    {p}dlease:{rid}        a decode worker's lease on request rid (expires: the worker died; the waiting
+                           API retries the request once or answers 503 decode_worker_lost)
     {p}out:{rid}           stream of a decode request's events (token / done / error)
     {p}cancel:{rid}        set when the client went away
     {p}worker:{kind}:{wid} heartbeat of a live worker (expires)
@@ -72,6 +77,22 @@ def _decode(h: dict) -> dict:
     return out
 
 
+def decode_job(request: dict, rid: str) -> str:
+    """A decode request as queued: its JSON with the request id (`rid`) added."""
+    return json.dumps({**request, "rid": rid})
+
+
+def stream_events(got) -> list[tuple[str, str, dict]]:
+    """A request's output stream entries, as XREAD returns them (sync or asyncio client), ->
+    [(entry id, event, data)]."""
+    out = []
+    for _, entries in got or []:
+        for eid, fields in entries:
+            f = {k.decode(): v.decode() for k, v in fields.items()}
+            out.append((eid.decode(), f["event"], json.loads(f["data"])))
+    return out
+
+
 class Catalog:
     def __init__(self, client: redis.Redis, prefix: str = "ctxcache:"):
         self.r = client
@@ -92,6 +113,9 @@ class Catalog:
     def k_tokens(self, cid: str) -> str:
         return f"{self.p}tokens:{cid}"
 
+    def k_deleted(self, cid: str) -> str:
+        return f"{self.p}deleted:{cid}"
+
     @property
     def k_prefill(self) -> str:
         return f"{self.p}q:prefill"
@@ -106,6 +130,13 @@ class Catalog:
     @property
     def k_decode(self) -> str:
         return f"{self.p}q:decode"
+
+    @property
+    def k_decode_active(self) -> str:
+        return f"{self.p}q:decode:active"
+
+    def k_decode_lease(self, rid: str) -> str:
+        return f"{self.p}dlease:{rid}"
 
     def k_out(self, rid: str) -> str:
         return f"{self.p}out:{rid}"
@@ -217,7 +248,7 @@ class Catalog:
                         "attempts": int(cur.get("attempts", 0)) + 1 if cur else 1,
                     }
                     pipe.multi()
-                    pipe.delete(key)
+                    pipe.delete(key, self.k_deleted(cid))
                     pipe.hset(key, mapping={k: ("" if v is None else v) for k, v in rec.items()})
                     pipe.zadd(self.k_contexts, {cid: now})
                     if ttl_seconds:
@@ -231,25 +262,37 @@ class Catalog:
                 except redis.WatchError:
                     continue
 
-    def add_ready(self, cid: str, record: dict, methods: dict, manifest_summary: dict) -> None:
-        """Insert a context found on disk (catalog rebuild). No-op if the id is known."""
+    def add_ready(self, cid: str, record: dict, methods: dict, manifest_summary: dict) -> bool:
+        """Insert a context found on disk (catalog rebuild), with its expiry if it has one. No-op
+        (False) if the id is known."""
         key = self.k_ctx(cid)
         now = time.time()
         rec = {"expires_at": "", **record, "id": cid, "status": "ready", "progress": 1.0, "methods": json.dumps(methods),
                "created_at": manifest_summary.get("created_at", now), "updated_at": now,
                "error_code": "", "error_message": "", "attempts": 1}
-        if self.r.hsetnx(key, "id", cid):
-            self.r.hset(key, mapping={k: ("" if v is None else v) for k, v in rec.items()})
-            self.r.zadd(self.k_contexts, {cid: rec["created_at"]})
+        if not self.r.hsetnx(key, "id", cid):
+            return False
+        self.r.hset(key, mapping={k: ("" if v is None else v) for k, v in rec.items()})
+        self.r.zadd(self.k_contexts, {cid: rec["created_at"]})
+        if rec.get("expires_at"):
+            self.r.zadd(self.k_expiry, {cid: float(rec["expires_at"])})
+        return True
 
     def set_ttl(self, cid: str, ttl_seconds: int | None) -> None:
-        if ttl_seconds:
-            exp = time.time() + ttl_seconds
-            self.update(cid, expires_at=exp)
-            self.r.zadd(self.k_expiry, {cid: exp})
+        self.set_expiry(cid, time.time() + ttl_seconds if ttl_seconds else None)
+
+    def set_expiry(self, cid: str, expires_at: float | None) -> None:
+        """Set (or clear, None) when a context expires: the record and the janitor's schedule."""
+        if expires_at:
+            self.update(cid, expires_at=expires_at)
+            self.r.zadd(self.k_expiry, {cid: expires_at})
         else:
             self.update(cid, expires_at=None)
             self.r.zrem(self.k_expiry, cid)
+
+    def was_deleted(self, cid: str) -> bool:
+        """Whether the context was deleted (or expired) in the last day and not registered since."""
+        return bool(self.r.exists(self.k_deleted(cid)))
 
     def delete(self, cid: str) -> dict | None:
         rec = self.get(cid) or (_decode(self.r.hgetall(self.k_ctx(cid))) or None)
@@ -257,6 +300,7 @@ class Catalog:
             pipe.delete(self.k_ctx(cid), self.k_tokens(cid))
             pipe.zrem(self.k_contexts, cid)
             pipe.zrem(self.k_expiry, cid)
+            pipe.set(self.k_deleted(cid), "1", ex=24 * 3600)
             pipe.execute()
         return rec
 
@@ -284,6 +328,10 @@ class Catalog:
 
     def drop_tokens(self, cid: str) -> None:
         self.r.delete(self.k_tokens(cid))
+
+    def set_tokens(self, cid: str, token_ids: list[int]) -> None:
+        """Keep a context's token ids for a rebuild (its stored artifacts are being replaced)."""
+        self.r.set(self.k_tokens(cid), json.dumps(token_ids))
 
     # -- leased jobs (prefill, training) ---------------------------------------------------------
     # A worker moves a job from the queue to the active list (BLMOVE) and keeps a lease on it alive;
@@ -328,7 +376,8 @@ class Catalog:
 
     def queue_depth(self) -> dict:
         return {"prefill": self.r.llen(self.k_prefill), "prefill_active": self.r.llen(self.k_prefill_active),
-                "decode": self.r.llen(self.k_decode), "train": self.r.llen(self.k_train_queue),
+                "decode": self.r.llen(self.k_decode), "decode_active": self.r.llen(self.k_decode_active),
+                "train": self.r.llen(self.k_train_queue),
                 "train_active": self.r.llen(self.k_train_active)}
 
     # -- training jobs --------------------------------------------------------------------------
@@ -437,19 +486,50 @@ class Catalog:
         return [rec for jid in ids if (rec := self.get_train(jid)) is not None]
 
     # -- decode requests ------------------------------------------------------------------------
+    # A decode request is leased like a prefill job: the worker moves it from the queue to the active
+    # list (BLMOVE, atomic) and holds {p}dlease:{rid}, renewed from a heartbeat thread while it decodes.
+    # A request in the active list without a lease lost its worker; the API waiting on it notices
+    # (service/api/decode_client.py) and resubmits it once under a new rid, or answers 503.
     def submit_decode(self, request: dict) -> str:
         rid = uuid.uuid4().hex
-        self.r.rpush(self.k_decode, json.dumps({**request, "rid": rid}))
+        self.r.rpush(self.k_decode, decode_job(request, rid))
         return rid
 
-    def claim_decode(self, timeout_s: float) -> dict | None:
-        """The next decode request; waits up to timeout_s for one (0: return at once — BLPOP's own
-        0 would wait forever)."""
+    def claim_decode(self, timeout_s: float, lease_s: int = 60, worker: str = "") -> dict | None:
+        """The next decode request, leased to `worker` for `lease_s`; waits up to timeout_s for one
+        (0: return at once — BLMOVE's own 0 would wait forever). The returned dict carries `_raw`
+        (the queued JSON), which `finish_decode` needs."""
         if timeout_s <= 0:
-            raw = self.r.lpop(self.k_decode)
-            return json.loads(raw) if raw else None
-        item = self.r.blpop([self.k_decode], timeout=timeout_s)
-        return json.loads(item[1]) if item else None
+            raw = self.r.lmove(self.k_decode, self.k_decode_active, "LEFT", "RIGHT")
+        else:
+            raw = self.r.blmove(self.k_decode, self.k_decode_active, timeout_s, "LEFT", "RIGHT")
+        if raw is None:
+            return None
+        job = json.loads(raw)
+        job["_raw"] = raw.decode() if isinstance(raw, bytes) else raw
+        self.r.set(self.k_decode_lease(job["rid"]), worker or "1", ex=lease_s)
+        return job
+
+    def heartbeat_decode(self, rids: list[str], lease_s: int, worker: str = "") -> None:
+        """Renew the leases of the requests a worker holds (one round trip for all of them)."""
+        if not rids:
+            return
+        with self.r.pipeline(transaction=False) as pipe:
+            for rid in rids:
+                pipe.set(self.k_decode_lease(rid), worker or "1", ex=lease_s)
+            pipe.execute()
+
+    def finish_decode(self, job: dict) -> None:
+        """The worker is done with a request (answered, failed or cancelled): drop it and its lease."""
+        with self.r.pipeline() as pipe:
+            pipe.lrem(self.k_decode_active, 1, job["_raw"])
+            pipe.delete(self.k_decode_lease(job["rid"]))
+            pipe.execute()
+
+    def abandon_decode(self, job: dict) -> None:
+        """Give a held request up without answering it (a worker shutting down): its lease goes, so
+        the waiting API sees the worker gone at once and retries the request or answers 503."""
+        self.r.delete(self.k_decode_lease(job["rid"]))
 
     def emit(self, rid: str, event: str, data: dict, ttl_s: int = 600) -> None:
         key = self.k_out(rid)
@@ -459,13 +539,7 @@ class Catalog:
             pipe.execute()
 
     def events(self, rid: str, last_id: str, block_ms: int) -> list[tuple[str, str, dict]]:
-        got = self.r.xread({self.k_out(rid): last_id}, block=block_ms)
-        out = []
-        for _, entries in got or []:
-            for eid, fields in entries:
-                f = {k.decode(): v.decode() for k, v in fields.items()}
-                out.append((eid.decode(), f["event"], json.loads(f["data"])))
-        return out
+        return stream_events(self.r.xread({self.k_out(rid): last_id}, block=block_ms))
 
     def cancel(self, rid: str) -> None:
         self.r.set(self.k_cancel(rid), "1", ex=600)
@@ -475,6 +549,13 @@ class Catalog:
 
     def cleanup_request(self, rid: str) -> None:
         self.r.delete(self.k_out(rid), self.k_cancel(rid))
+
+    def keep_alive(self, kind: str, wid: str, ttl_s: int) -> None:
+        """Renew a worker's heartbeat without replacing what it published (from a heartbeat thread,
+        while the worker's loop is busy)."""
+        key = self.k_worker(kind, wid)
+        if not self.r.expire(key, ttl_s):
+            self.r.set(key, json.dumps({"at": time.time()}), ex=ttl_s)
 
     # -- workers --------------------------------------------------------------------------------
     def worker_alive(self, kind: str, wid: str, ttl_s: int, info: dict | None = None) -> None:

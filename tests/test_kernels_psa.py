@@ -66,6 +66,11 @@ def _assert_same(got, want, what, mass_rtol=1e-5):
     assert torch.equal(got.positions.sort(-1).values, want.positions.sort(-1).values), f"{what}: positions differ"
     assert torch.equal(got.used, want.used) and torch.equal(got.blocks, want.blocks), f"{what}: block counts differ"
     assert torch.equal(got.capped, want.capped), f"{what}: capped differs"
+    assert torch.equal(got.lengths, want.lengths), f"{what}: lengths differ"
+    for plan in (got, want):  # Plan.lengths' contract: every slot past a row's length is -1
+        past = torch.arange(plan.positions.shape[-1], device=plan.positions.device) >= plan.lengths[..., None]
+        assert (plan.positions[past] == -1).all(), f"{what}: a position past the row's length"
+        assert (plan.lengths <= plan.positions.shape[-1]).all(), what
     for h in range(want.used.shape[0]):
         for t in range(want.used.shape[1]):
             u = int(want.used[h, t])

@@ -239,12 +239,19 @@ def test_expand_matches_expand_clusters(case):
     q_pos = n + torch.arange(t) * 7
     tab = _probed(probe, offsets)
     rec = torch.full((8, 3, 2), float("nan"), dtype=torch.float64, device=DEV)
-    got = K.expand_probed(tab, order.to(DEV), q_pos.to(DEV), n, sink, window, width, rec, rec_col=1).cpu()
-    rec = rec.cpu()
+    lengths = torch.full((kvh, t), -7, dtype=torch.int32, device=DEV)
+    got = K.expand_probed(tab, order.to(DEV), q_pos.to(DEV), n, sink, window, width, rec, rec_col=1,
+                          lengths=lengths).cpu()
+    rec, lengths = rec.cpu(), lengths.cpu()
     keys = expand_clusters(probe, order, offsets, width)
     ok = selectable(keys, q_pos, n, sink, window)
     want = torch.where(ok, keys, -1).to(torch.int32)
     assert got.shape == (kvh, t, width) and torch.equal(got, want)
+    # lengths: the probed buckets' total, capped at the width; every slot past it is -1
+    total = torch.stack([torch.stack([(offsets[h, probe[h, i] + 1] - offsets[h, probe[h, i]]).sum()
+                                      for i in range(t)]) for h in range(kvh)])
+    assert torch.equal(lengths, total.clamp(max=width).to(torch.int32))
+    assert (got[torch.arange(width) >= lengths[..., None]] == -1).all()
     if case == "wide_frame":
         assert (want == -1).float().mean() > 0.5 and (want >= 0).any()
     if case == "width_zero_rows":

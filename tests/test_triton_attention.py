@@ -59,7 +59,8 @@ def _inputs(seed, kvh=2, g=3, t=1, d=16, n=96, m_cap=8, m=4, k=12, dtype=torch.f
 def _to(dev, q, kv: KVView, plan: Plan):
     kv = KVView(*(x.to(dev) for x in (kv.ctx_k, kv.ctx_v, kv.loc_k, kv.loc_v, kv.q_pos)))
     f = lambda x: None if x is None else x.to(dev)  # noqa: E731
-    return q.to(dev), kv, Plan(f(plan.positions), f(plan.bypass), f(plan.rest_logit), f(plan.rest_value))
+    return q.to(dev), kv, Plan(f(plan.positions), f(plan.bypass), f(plan.rest_logit), f(plan.rest_value),
+                               f(plan.lengths))
 
 
 def _reference(q, kv: KVView, plan: Plan, sink, window, scale, m_used=None):
@@ -131,6 +132,32 @@ def test_small_chunks_and_forced_splits(shape, dtype):
     kvh, g, t, d, n, m_cap, m, k, sink, window = shape
     q, kv, pos = _inputs(_seed("small", shape, dtype), kvh, g, t, d, n, m_cap, m, k, dtype)
     _check(q, kv, Plan(pos), sink, window, 0.3, cfg=SMALL)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("cfg", [kernels.KernelConfig(), SMALL, kernels.KernelConfig(block_n=16, splits=7)],
+                         ids=["default", "small", "7splits"])
+@pytest.mark.parametrize("kvh,g,t", [(4, 3, 1), (1, 16, 2)], ids=["decode-step", "one-token-blocks"])
+def test_plan_lengths_divide_only_the_filled_slots(kvh, g, t, dtype, cfg):
+    """Rows valid-first with a -1 tail (`Plan.lengths`: empty, short, full rows): the splits share
+    the filled slots only, and the output is the references' (frame ∪ plan, lengths change nothing).
+    A length that cuts into a row's positions drops them: the kernel reads lengths (one token per
+    query block: a decode step, or a group of 16 heads)."""
+    d, n, k, sink, window = 16, 300, 96, 4, 8
+    q, kv, pos = _inputs(_seed("lengths", kvh, g, t, dtype, cfg), kvh, g, t, d, n, 8, 4, k, dtype)
+    lengths = torch.tensor([0, 17, k, 40, 1, 63, 96, 5][: kvh * t], dtype=torch.int32).view(kvh, t)
+    slot = torch.arange(k)
+    pos = torch.where(slot < lengths[..., None].long(), pos, -1)
+    out = _check(q, kv, Plan(pos, lengths=lengths), sink, window, 0.2, cfg=cfg)
+    qd, kvd, pland = _to(DEVICE, q, kv, Plan(pos))
+    without = TritonAttention(cfg).run(qd, kvd, pland, sink, window, 0.2)
+    assert _rel(out.cpu(), without.cpu().double()) < TOL[dtype]
+    cut = lengths // 2
+    qd, kvd, pland = _to(DEVICE, q, kv, Plan(pos, lengths=cut))
+    got = TritonAttention(cfg).run(qd, kvd, pland, sink, window, 0.2)
+    want = _reference(q, kv, Plan(torch.where(slot < cut[..., None].long(), pos, -1)), sink, window, 0.2)
+    assert _rel(got.cpu(), want) < TOL[dtype]
+    assert _rel(got.cpu(), _reference(q, kv, Plan(pos), sink, window, 0.2)) > 10 * TOL[dtype]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)

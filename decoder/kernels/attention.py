@@ -19,9 +19,15 @@ in a CUDA graph.
 Kernel 1 (`_split_kernel`), grid (splits, query blocks, KVH): a query block is BLOCK_M query rows
 (TB tokens x G heads, row i = token i // G, head i % G, zero-padded to a power of two >= 16: the M
 dimension of `tl.dot`, so each gathered K/V row is loaded once for the whole GQA group and every
-token of the block). The block's row list is cut into chunks of BLOCK_N rows; split s takes
-chunks [s·cps, (s+1)·cps) (every program runs cps iterations; rows past the list's end are
-masked). Per chunk: gather BLOCK_N K and V rows (each row D contiguous elements: 16-byte vector
+token of the block). The block's row list is cut into chunks of BLOCK_N rows, in two segments:
+[sink | window | plan] and [local]; split s takes chunks [s·cps, (s+1)·cps) of them, cps =
+ceil(live chunks / splits) computed in the kernel. Live: with a plan's `lengths` (the slots of a
+row past lengths[h, t] are all -1; planners whose rows are valid-first with a -1 tail give it:
+psa, saap) and one token per query block (decode steps), the plan segment ends at the row's
+length, so the splits share the rows that hold positions instead of the plan's fixed width (psa's
+rows are ~16% filled at 128K, saap's ~25%: without lengths most programs would mask whole chunks
+of -1). The split count stays a function of shapes (graph-safe); only the chunks per program
+follow the device value. Per chunk: gather BLOCK_N K and V rows (each row D contiguous elements: 16-byte vector
 loads, aligned when the row stride is a multiple of 16 elements, which Triton specialises on);
 rows valid for no query of the block are not loaded (masked: -1 slots, duplicates of the frame,
 invisible local slots, which may hold garbage); scores = Q·Kᵀ (fp32 accumulate), masked per
@@ -64,23 +70,23 @@ MERGE_BLOCK_S = 32  # splits merged per iteration (fixed: a changing split count
 
 # Runtime ints that vary between requests or steps are not specialised (no recompilation when the
 # context length, the plan width or the request's length changes); strides are (16-alignment).
-@triton.jit(do_not_specialize=["T", "n_ctx", "s_end", "window", "sink_rows", "win_rows", "n_pos", "n_loc",
-                               "chunks_per_split"])
+@triton.jit(do_not_specialize=["T", "n_ctx", "s_end", "window", "sink_rows", "win_rows", "n_pos", "n_loc"])
 def _split_kernel(
-    Q, CK, CV, LK, LV, QPOS, POS, BYP, PACC, PML, RL, RV, OUT,
+    Q, CK, CV, LK, LV, QPOS, POS, PLEN, BYP, PACC, PML, RL, RV, OUT,
     sq_h, sq_g, sq_t,  # q [KVH, G, T, D]
     sck_h, sck_n, scv_h, scv_n,  # ctx_k / ctx_v [KVH, N, D]
     slk_h, slk_n, slv_h, slv_n,  # loc_k / loc_v [KVH, M, D]
     sp_h, sp_t, sp_k,  # positions [KVH, T, K]
+    sl_h, sl_t,  # lengths [KVH, T] (HAS_LEN)
     sb_h, sb_g, sb_t,  # bypass [KVH, G, T]
     srl_h, srl_g, srl_t, srv_h,  # rest_logit [KVH, G, T], rest_value [KVH, D] (DIRECT only)
     so_h, so_g, so_t,  # out [KVH, G, T, D] (DIRECT only)
     T, n_ctx, s_end, window,  # frame: sink [0, s_end); window [w_lo[t], N), w_lo from q_pos
     sink_rows, win_rows, n_pos, n_loc,  # segment lengths (dense: sink_rows = N, win_rows = n_pos = 0)
-    chunks_per_split, qk_scale,  # qk_scale = softmax scale * log2(e)
+    qk_scale,  # softmax scale * log2(e)
     G: tl.constexpr, TB: tl.constexpr, D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    HAS_PLAN: tl.constexpr, HAS_BYPASS: tl.constexpr, HAS_REST: tl.constexpr, DIRECT: tl.constexpr,
+    HAS_PLAN: tl.constexpr, HAS_LEN: tl.constexpr, HAS_BYPASS: tl.constexpr, HAS_REST: tl.constexpr, DIRECT: tl.constexpr,
     DOT_PRECISION: tl.constexpr, DOT_FP32: tl.constexpr, NUM_STAGES: tl.constexpr,
 ):
     split = tl.program_id(0)
@@ -120,11 +126,21 @@ def _split_kernel(
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, D], tl.float32)
 
-    # a fixed trip count (the same for every program; rows past `total` are masked, so the last
-    # split's spare iterations load nothing)
-    r0 = split * chunks_per_split * BLOCK_N
-    for c in tl.range(0, chunks_per_split, num_stages=NUM_STAGES):
-        r = r0 + c * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N] row in the block's list
+    # the live chunks: segment A = rows [0, end_a) (sink, window, plan up to the row's length),
+    # segment B = rows [b3, total) (local); this program's share of them
+    end_a = b3
+    if HAS_LEN:  # one token per block (the host passes lengths only then): its plan length
+        plen = tl.load(PLEN + h * sl_h + t0 * sl_t).to(tl.int32)
+        end_a = b2 + tl.minimum(tl.maximum(plen, 0), n_pos)
+    chunks_a = (end_a + BLOCK_N - 1) // BLOCK_N
+    n_live = chunks_a + (total - b3 + BLOCK_N - 1) // BLOCK_N
+    cps = (n_live + n_splits - 1) // n_splits
+    c_lo = split * cps
+    c_hi = tl.minimum(c_lo + cps, n_live)
+    for c in tl.range(c_lo, c_hi, num_stages=NUM_STAGES):
+        in_a = c < chunks_a
+        r = tl.where(in_a, c * BLOCK_N, b3 + (c - chunks_a) * BLOCK_N) + tl.arange(0, BLOCK_N)
+        r = tl.where(r < tl.where(in_a, end_a, total), r, total)  # row `total`: in no segment, masked
         in_sink = r < b1
         in_win = (r >= b1) & (r < b2)
         in_loc = (r >= b3) & (r < total)
@@ -295,7 +311,8 @@ def launch_plan(kvh: int, g: int, t: int, d: int, itemsize: int, n_ctx: int, n_l
     BLOCK_M values (and compiled variants) exist whatever T is; 16 when the plan's rows (one token
     each) outnumber the rows the block's tokens share (sink, window, local). The split count aims at
     programs_per_sm · SMs programs over (KVH x query blocks x splits), with at least
-    min_chunks_per_split chunks each; every program runs the same chunks_per_split iterations."""
+    min_chunks_per_split chunks each (chunks_per_split: the most a program runs when every plan slot
+    is live; with a plan's lengths the kernel divides the live chunks over the same splits)."""
     s_end = min(sink, n_ctx)
     win_rows = min(max(window - 1, 0), n_ctx - s_end)
     shared = n_ctx + n_loc if n_pos is None else s_end + win_rows + n_loc  # rows every token of a block uses
@@ -360,6 +377,7 @@ def frame_attention(
     bypass: torch.Tensor | None = None,  # [KVH, G, T] bool
     rest_logit: torch.Tensor | None = None,  # [KVH, G, T] fp32, -inf = none
     rest_value: torch.Tensor | None = None,  # [KVH, D]
+    lengths: torch.Tensor | None = None,  # [KVH, T] int: positions[h, t, lengths[h, t]:] are all -1
     *,
     out: torch.Tensor | None = None,  # [KVH, G, T, D] in q's dtype (allocated when None)
     cfg: KernelConfig = KernelConfig(),
@@ -387,6 +405,8 @@ def frame_attention(
     else:
         sink_rows, win_rows = s_end, min(max(window - 1, 0), n_ctx - s_end)
     has_plan = n_pos > 0
+    has_len = has_plan and lengths is not None and min(t, lp.tokens_per_block) == 1  # one token per block
+    plen = lengths if has_len else q_pos  # a placeholder pointer when unused
     has_bypass = has_plan and bypass is not None
     has_rest = not dense and rest_logit is not None
     pos = positions if has_plan else q_pos  # a placeholder pointer when unused
@@ -404,19 +424,20 @@ def frame_attention(
         ws = _workspace(dev, part * (d + 2))
         pacc, pml = ws[: part * d], ws[part * d:]
     _split_kernel[(lp.splits, lp.n_qb, kvh)](
-        q, ctx_k, ctx_v, loc_k, loc_v, q_pos, pos, byp, pacc, pml, rl, rv, out,
+        q, ctx_k, ctx_v, loc_k, loc_v, q_pos, pos, plen, byp, pacc, pml, rl, rv, out,
         q.stride(0), q.stride(1), q.stride(2),
         ctx_k.stride(0), ctx_k.stride(1), ctx_v.stride(0), ctx_v.stride(1),
         loc_k.stride(0), loc_k.stride(1), loc_v.stride(0), loc_v.stride(1),
         *(pos.stride() if has_plan else (0, 0, 0)),
+        *(plen.stride() if has_len else (0, 0)),
         *(byp.stride() if has_bypass else (0, 0, 0)),
         *rest_strides,
         out.stride(0), out.stride(1), out.stride(2),
         t, n_ctx, s_end, window,
         sink_rows, win_rows, n_pos, n_loc,
-        lp.chunks_per_split, float(scale) * LOG2E,
+        float(scale) * LOG2E,
         G=g, TB=lp.tokens_per_block, D=d, BLOCK_M=lp.block_m, BLOCK_N=lp.block_n,
-        HAS_PLAN=has_plan, HAS_BYPASS=has_bypass, HAS_REST=has_rest, DIRECT=direct,
+        HAS_PLAN=has_plan, HAS_LEN=has_len, HAS_BYPASS=has_bypass, HAS_REST=has_rest, DIRECT=direct,
         DOT_PRECISION="ieee" if dtype == torch.float32 else "tf32",
         DOT_FP32=interpreted() and dtype == torch.bfloat16, NUM_STAGES=lp.num_stages,
         num_warps=lp.num_warps,

@@ -37,7 +37,7 @@ Kernels (grids from shapes only, no host sync, fixed-shape outputs; rows of one 
    keys (keys greater, or equal with a lower block id: a stable descending sort, O(K) compares per
    candidate from L2) -> SID [rows, K] (block ids best first), SMX / SSM [rows·G, K]. The row's last
    program does the dense part (online max / sum over its sink/window blocks and request-local keys).
-4. `_stop_kernel`, grid (rows,): m per head = max(dense max, candidates' maxima); AS_b = sum_b ·
+4. `_stop_kernel`, grid (parts, rows): m per head = max(dense max, candidates' maxima); AS_b = sum_b ·
    exp(max_b - m); then the rule in chunks of BLOCK candidates with carries (tl.cumsum for AS_acc, an
    associative min scan for AS_min, IEEE division for P_acc), stopping at the first chunk that holds
    the stop point; writes the plan row (the torch path's layout and order), `ranked` (-1 past the
@@ -62,8 +62,9 @@ Bytes per plan at a Llama-3.1-8B layer (KVH 8, G 4, D 128, bf16 K, fp16 metadata
 | total | ~44 MB | | ~15 us + the two one-program-per-row kernels |
 
 Flops are small (crit 8 x 4096 x 16 x 256 x 2 = 268 Mflop on tensor cores, padded to 16 query
-rows; sums 8 x 13120 x 16 x 128 x 2 = 430 Mflop; the ranks 8 x 410² compares). The select and stop
-kernels run one program per row (8 SMs at T = 1): the select's ~25-30 bisection steps over 4096
+rows; sums 8 x 13120 x 16 x 128 x 2 = 430 Mflop; the ranks 8 x 410² compares). The select kernel
+runs one program per row (8 SMs at T = 1), the stop kernel 13 per row (each runs the row's scan and
+stores a share of its plan row): the select's ~25-30 bisection steps over 4096
 keys in registers (one block reduction each), its score pass (16K exp per row) and its compaction
 are the serial part. Expected: ~25-35 us per layer-step at 128K including four graph-replayed
 launch gaps, ~10-15 us at 32K (meta and candidates 4x fewer), against the torch plan's ~250-400 us
@@ -413,16 +414,22 @@ def _sums_kernel(
 @triton.jit(do_not_specialize=["T", "n_ctx", "nb", "K", "s_end", "window", "n_sb", "first_w0", "F", "bs",
                                "microbatch"])
 def _stop_kernel(
-    SID, SMX, SSM, DMX, DSM, NCAND, QPOS, POS, RANKED, BLOCKS, USED, MASS, CAPPED,
-    sp_h, sp_t, sr_h, sr_t, sb_h, sb_t, sm_h, sm_g, sm_t,
+    SID, SMX, SSM, DMX, DSM, NCAND, QPOS, POS, RANKED, BLOCKS, USED, MASS, CAPPED, LEN,
+    sp_h, sp_t, sr_h, sr_t, sb_h, sb_t, sm_h, sm_g, sm_t, sl_h, sl_t,
     T, n_ctx, nb, K, s_end, window, n_sb, first_w0, F, bs, microbatch, eps,
     G: tl.constexpr, G_PAD: tl.constexpr, BLOCK: tl.constexpr, BLOCK_P: tl.constexpr, EXACT: tl.constexpr,
     PRECISE: tl.constexpr,
 ):
-    """One program per row: AS_acc, AS_min, P_acc over the ranked candidates (cumulative, in chunks
+    """Programs (part, row): AS_acc, AS_min, P_acc over the ranked candidates (cumulative, in chunks
     of BLOCK with carries), the first check where every head has P_acc >= eps, and the row's
-    outputs: positions, ranked block ids, blocks / used counts, P_acc at the stop, capped."""
-    r = tl.program_id(0)
+    outputs: positions, ranked block ids, blocks / used counts, P_acc at the stop, capped, and the
+    row's filled length (F + used)·bs (`Plan.lengths`: the slots past it are -1). Every part of a
+    row runs the same scan (same inputs, same order: the same stop); part 0 writes the row's
+    counts, ranked ids and dense part, and the parts share the stores of the ranked blocks' tokens
+    (one chunk each at 128K instead of one program's ~13 dependent load-and-store rounds)."""
+    part = tl.program_id(0)
+    n_parts = tl.num_programs(0)
+    r = tl.program_id(1)
     h = (r // T).to(tl.int64)
     t = r % T
     ar_g = tl.arange(0, G_PAD)
@@ -483,25 +490,26 @@ def _stop_kernel(
         min_c = tl.min(am, 1)
         c0 += BLOCK
     used = tl.where(found != 0, first + 1, n_cand)
-    tl.store(BLOCKS + h * sb_h + t * sb_t, (used + n_forced).to(tl.int64))
-    tl.store(USED + h * sb_h + t * sb_t, used.to(tl.int64))
-    tl.store(CAPPED + h * sb_h + t * sb_t, ((found == 0) & (n_cand > 0)).to(tl.int8))
-    tl.store(MASS + h * sm_h + ar_g * sm_g + t * sm_t, tl.where(used > 0, p_at, 1.0), mask=g_ok)
-
-    for c0 in range(0, K, BLOCK):
-        i = c0 + ar
-        bid = tl.load(SID + row + i, mask=i < n_cand, other=-1)
-        tl.store(RANKED + h * sr_h + t * sr_t + i, bid.to(tl.int64), mask=i < K)
     pos = POS + h * sp_h + t * sp_t
-    for c0 in range(0, F * bs, BLOCK_P):  # the dense-part blocks' tokens outside the frame
-        u = c0 + tl.arange(0, BLOCK_P)
-        f = u // bs
-        bid = tl.where(f < n_sb, f, first_w0 + f - n_sb)
-        tok = bid * bs + u % bs
-        sel = ((bid < n_sb) | (bid >= first_w)) & (tok >= s_end) & (tok < w_lo)
-        tl.store(pos + u, tl.where(sel, tok, -1), mask=u < F * bs)
+    if part == 0:
+        tl.store(BLOCKS + h * sb_h + t * sb_t, (used + n_forced).to(tl.int64))
+        tl.store(USED + h * sb_h + t * sb_t, used.to(tl.int64))
+        tl.store(CAPPED + h * sb_h + t * sb_t, ((found == 0) & (n_cand > 0)).to(tl.int8))
+        tl.store(LEN + h * sl_h + t * sl_t, ((F + used) * bs).to(tl.int32))
+        tl.store(MASS + h * sm_h + ar_g * sm_g + t * sm_t, tl.where(used > 0, p_at, 1.0), mask=g_ok)
+        for c0 in range(0, K, BLOCK):
+            i = c0 + ar
+            bid = tl.load(SID + row + i, mask=i < n_cand, other=-1)
+            tl.store(RANKED + h * sr_h + t * sr_t + i, bid.to(tl.int64), mask=i < K)
+        for c0 in range(0, F * bs, BLOCK_P):  # the dense-part blocks' tokens outside the frame
+            u = c0 + tl.arange(0, BLOCK_P)
+            f = u // bs
+            bid = tl.where(f < n_sb, f, first_w0 + f - n_sb)
+            tok = bid * bs + u % bs
+            sel = ((bid < n_sb) | (bid >= first_w)) & (tok >= s_end) & (tok < w_lo)
+            tl.store(pos + u, tl.where(sel, tok, -1), mask=u < F * bs)
     pos += F * bs
-    for c0 in range(0, K * bs, BLOCK_P):  # the processed ranked blocks, best first
+    for c0 in range(part * BLOCK_P, K * bs, n_parts * BLOCK_P):  # the processed ranked blocks, best first
         u = c0 + tl.arange(0, BLOCK_P)
         i = u // bs
         bid = tl.load(SID + row + i, mask=i < used, other=0)
@@ -530,6 +538,7 @@ class PsaConfig:
     scan_block: int = 512  # stop: candidates per chunk of the cumulative scan
     pos_block: int = 1024  # stop: plan slots per store
     stop_warps: int = 4
+    stop_parts: int = 16  # stop: programs per row sharing the plan row's stores
     x_budget: int = 1 << 22  # most criticality floats in the workspace: T is planned in chunks beyond it
 
 
@@ -612,7 +621,7 @@ def progressive_plan(
     if bm == 0:  # an empty context: nothing to plan (the torch path's answer, no kernel)
         z = torch.zeros(kvh, t, dtype=torch.int64, device=dev)
         return ProgressivePlan(torch.full((kvh, t, 0), -1, dtype=torch.int32, device=dev), z,
-                               z[..., :0], z, torch.ones(kvh, g, t, device=dev), z.bool())
+                               z[..., :0], z, torch.ones(kvh, g, t, device=dev), z.bool(), z.int())
     s_end = min(sink, n)
     n_sb, first_w0 = dense_part_blocks(n, bs, sink, window)
     f = n_sb + nb - first_w0
@@ -621,6 +630,7 @@ def progressive_plan(
     counts = torch.empty(2, kvh, t, dtype=torch.int64, device=dev)  # blocks, used
     mass = torch.empty(kvh, g, t, dtype=torch.float32, device=dev)
     capped = torch.empty(kvh, t, dtype=torch.int8, device=dev)
+    lengths = torch.empty(kvh, t, dtype=torch.int32, device=dev)
 
     q = _rows_contiguous(q)
     ctx_k = _rows_contiguous(ctx_k)
@@ -679,15 +689,16 @@ def progressive_plan(
         )
         pos_c, rk_c = positions[:, t0:t1], ranked[:, t0:t1]
         bl_c, us_c, ms_c, cp_c = counts[0, :, t0:t1], counts[1, :, t0:t1], mass[:, :, t0:t1], capped[:, t0:t1]
-        _stop_kernel[(r,)](
-            sid, smx, ssm, dmx, dsm, ncand, pc, pos_c, rk_c, bl_c, us_c, ms_c, cp_c,
+        ln_c = lengths[:, t0:t1]
+        _stop_kernel[(max(1, min(cfg.stop_parts, _cdiv(bm * bs, cfg.pos_block))), r)](
+            sid, smx, ssm, dmx, dsm, ncand, pc, pos_c, rk_c, bl_c, us_c, ms_c, cp_c, ln_c,
             pos_c.stride(0), pos_c.stride(1), rk_c.stride(0), rk_c.stride(1), bl_c.stride(0), bl_c.stride(1),
-            ms_c.stride(0), ms_c.stride(1), ms_c.stride(2),
+            ms_c.stride(0), ms_c.stride(1), ms_c.stride(2), ln_c.stride(0), ln_c.stride(1),
             tcc, n, nb, bm, s_end, window, n_sb, first_w0, f, bs, microbatch, float(eps),
             G=g, G_PAD=_pow2(g), BLOCK=min(cfg.scan_block, max(16, _pow2(bm))), BLOCK_P=cfg.pos_block,
             EXACT=eps >= 1.0, PRECISE=precise, num_warps=cfg.stop_warps,
         )
-    return ProgressivePlan(positions, counts[0], ranked, counts[1], mass, capped.view(torch.bool))
+    return ProgressivePlan(positions, counts[0], ranked, counts[1], mass, capped.view(torch.bool), lengths)
 
 
 __all__ = ["DEFAULT_CONFIG", "PsaConfig", "clear_workspace", "progressive_plan", "unsupported"]

@@ -40,7 +40,8 @@ Kernels (grids from shapes only; no host sync; the workspaces are grow-only, per
 4. `_expand_kernel`, grid (K / BLOCK, T, KVH): slot j of a plan row belongs to the first probed
    bucket whose end exceeds j (binary search over the ℓ ends); it copies order[shift + j], masks
    keys inside the frame (`indexer.base.frame_bounds`) and fills the tail (j >= the row's total)
-   with -1. Each program stores its count of planned keys; the last one to finish (a ticket taken
+   with -1; the first program of a row writes that total (at most K) as the plan's `lengths`, so
+   the attention divides only the filled slots over its programs (~25% of K at 128K). Each program stores its count of planned keys; the last one to finish (a ticket taken
    with an acq_rel atomic after a CTA barrier; `_rank_kernel` resets it) reads the counts back
    (volatile loads), and writes the step's selectivity record, as the torch path's `_record`.
 
@@ -279,11 +280,12 @@ def _rank_kernel(
 
 @triton.jit(do_not_specialize=["T", "K", "n_ctx", "s_end", "window", "n_kb", "n_prog", "steps", "rec_off"])
 def _expand_kernel(
-    ORDER, QPOS, END, SHIFT, SIZE, POS, PART, TICKET, REC,
+    ORDER, QPOS, END, SHIFT, SIZE, POS, PART, TICKET, REC, LEN,
     so_h,  # order [KVH, N] head stride
     sp_h, sp_t,  # positions [KVH, T, K]
+    sl_h, sl_t,  # lengths [KVH, T] (HAS_LEN)
     T, K, P, n_ctx, s_end, window, KVH, n_kb, n_prog, steps, rec_s0, rec_off,
-    LOG_P: tl.constexpr, BLOCK: tl.constexpr, BS: tl.constexpr, HAS_REC: tl.constexpr,
+    LOG_P: tl.constexpr, BLOCK: tl.constexpr, BS: tl.constexpr, HAS_REC: tl.constexpr, HAS_LEN: tl.constexpr,
 ):
     kb = tl.program_id(0)
     t = tl.program_id(1)
@@ -298,6 +300,9 @@ def _expand_kernel(
         e = tl.load(END + base + cand - 1, mask=cand <= P, other=0)
         which = tl.where((cand <= P) & (e <= j), cand, which)
     total = tl.load(END + base + P - 1)
+    if HAS_LEN:
+        if kb == 0:  # the row's filled length (`Plan.lengths`): slots >= total are -1
+            tl.store(LEN + h * sl_h + t * sl_t, tl.minimum(total, K).to(tl.int32))
     which = tl.minimum(which, P - 1)
     valid = in_row & (j < total)
     src = tl.load(SHIFT + base + which, mask=valid, other=0) + j
@@ -480,10 +485,11 @@ def rank_buckets(q: torch.Tensor, q_pos: torch.Tensor, n_ctx: int, cos: torch.Te
 
 def expand_probed(probed: Probed, order: torch.Tensor, q_pos: torch.Tensor, n_ctx: int, sink: int, window: int,
                   width: int, rec: torch.Tensor | None = None, rec_col: int = 0,
-                  cfg: PlanConfig = PlanConfig()) -> torch.Tensor:
+                  cfg: PlanConfig = PlanConfig(), lengths: torch.Tensor | None = None) -> torch.Tensor:
     """Kernel 4: the plan [KVH, T, width] int32 from the probe table (`expand_clusters` + `selectable`
     of the torch path); when `rec` ([steps, layers, 2] fp64) is given, the step's selectivity record
-    goes to rec[step, rec_col]."""
+    goes to rec[step, rec_col]; when `lengths` ([KVH, T] int32) is given, each row's filled length
+    (the probed buckets' total, at most width: `Plan.lengths`) goes there."""
     kvh, t, p = probed.end.shape
     dev = order.device
     order = order if order.stride(-1) == 1 else order.contiguous()
@@ -496,12 +502,17 @@ def expand_probed(probed: Probed, order: torch.Tensor, q_pos: torch.Tensor, n_ct
     has_rec = rec is not None
     if has_rec and (rec.dtype != torch.float64 or not rec.is_contiguous() or rec.dim() != 3):
         raise ValueError("rec must be a contiguous [steps, layers, 2] float64 tensor")
+    has_len = lengths is not None
+    if has_len and (lengths.shape != (kvh, t) or lengths.dtype != torch.int32):
+        raise ValueError("lengths must be a [KVH, T] int32 tensor")
     _expand_kernel[(n_kb, t, kvh)](
         order, q_pos, probed.end, probed.shift, probed.size, out, part, ticket, rec if has_rec else out,
-        order.stride(0), out.stride(0), out.stride(1),
+        lengths if has_len else out,
+        order.stride(0), out.stride(0), out.stride(1), *(lengths.stride() if has_len else (0, 0)),
         t, width, p, n_ctx, min(sink, n_ctx), window, kvh, n_kb, n_prog,
         rec.shape[0] if has_rec else 1, rec.stride(0) if has_rec else 0, rec_col * rec.stride(1) if has_rec else 0,
-        LOG_P=max(1, p.bit_length()), BLOCK=block, BS=128, HAS_REC=has_rec, num_warps=cfg.num_warps,
+        LOG_P=max(1, p.bit_length()), BLOCK=block, BS=128, HAS_REC=has_rec, HAS_LEN=has_len,
+        num_warps=cfg.num_warps,
     )
     return out
 
@@ -509,10 +520,11 @@ def expand_probed(probed: Probed, order: torch.Tensor, q_pos: torch.Tensor, n_ct
 def saap_plan(q: torch.Tensor, q_pos: torch.Tensor, n_ctx: int, cos: torch.Tensor, sin: torch.Tensor,
               w: dict[str, torch.Tensor], order: torch.Tensor, offsets: torch.Tensor, nprobe: int, width: int,
               sink: int, window: int, probe: str = "classifier", rec: torch.Tensor | None = None, rec_col: int = 0,
-              cfg: PlanConfig = PlanConfig()) -> torch.Tensor:
-    """One SAAP plan in four launches: positions [KVH, T, width] int32 (see the module docstring)."""
+              cfg: PlanConfig = PlanConfig(), lengths: torch.Tensor | None = None) -> torch.Tensor:
+    """One SAAP plan in four launches: positions [KVH, T, width] int32 (see the module docstring);
+    each row's filled length into `lengths` when given (`expand_probed`)."""
     probed = rank_buckets(q, q_pos, n_ctx, cos, sin, w, offsets, nprobe, probe, cfg)
-    return expand_probed(probed, order, q_pos, n_ctx, sink, window, width, rec, rec_col, cfg)
+    return expand_probed(probed, order, q_pos, n_ctx, sink, window, width, rec, rec_col, cfg, lengths)
 
 
 __all__ = ["PlanConfig", "Probed", "clear_workspace", "expand_probed", "kernel_weights", "rank_buckets",

@@ -4,16 +4,21 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Callable
+from contextlib import aclosing
 
 from fastapi import APIRouter, Query, Request, Response
+from fastapi.concurrency import run_in_threadpool
 from prometheus_client import Counter, Histogram
 from pydantic import ValidationError
 from sse_starlette.sse import EventSourceResponse
 
 from decoder.backends import backend_names
 from indexer.base import get_method, method_names
+from service.api.decode_client import ERROR_STATUS, DecodeClient, DecodeClientDep, Submission
 from service.api.deps import RuntimeDep
-from service.errors import ApiError
+from service import limits
+from service.errors import BODY_ERRORS, ApiError, error_responses
 from service.schemas import (
     CompletionRequest,
     CompletionResponse,
@@ -24,6 +29,7 @@ from service.schemas import (
     ContextPublic,
 )
 from service.workers import delete_context
+from storage.artifacts import ArtifactCorrupt, ArtifactMissing
 from storage.keys import PromptHash
 
 router = APIRouter(prefix="/v1/contexts", tags=["contexts"])
@@ -31,9 +37,6 @@ router = APIRouter(prefix="/v1/contexts", tags=["contexts"])
 REGISTRATIONS = Counter("ctxcache_registrations_total", "context registrations", ["created"])
 COMPLETIONS = Counter("ctxcache_completions_total", "completions", ["method", "outcome"])
 TTFT = Histogram("ctxcache_ttft_seconds", "time to first token", ["cache"])
-
-_ERROR_STATUS = {"not_found": 404, "context_not_ready": 409, "method_unavailable": 409, "method_not_built": 409,
-                 "unsupported_configuration": 422, "artifact_corrupt": 500, "artifact_missing": 500, "internal_error": 500}
 
 
 def _public(rec: dict, cls=ContextPublic, **extra) -> ContextPublic:
@@ -64,6 +67,18 @@ def _validate_params(method, params: dict, where: str):
         raise ApiError(422, "invalid_parameter", f"invalid parameters for method {method.name!r}", details) from None
 
 
+def _within_limits(rt, method, params, given: dict, n_ctx: int, where: str, question: tuple[int, int] | None = None):
+    """The cost limits (service/limits.py), before any work starts: parameters the request gave
+    (`given`) bounded by the context's n_ctx tokens (422 `invalid_parameter`), then the estimated
+    cost of the index build, or of the completion when `question` = (question tokens, max_tokens)
+    is given, within the settings' budget (422 `over_budget`)."""
+    limits.context_bounds(params, given, n_ctx, where)
+    spec, budget = rt.lm.spec, rt.settings
+    cost = (limits.decode_cost(spec, method, params, n_ctx, *question) if question is not None
+            else limits.build_cost(spec, method, params, n_ctx))
+    limits.check(cost, budget.budget_seconds, budget.budget_bytes)
+
+
 def _method(name: str):
     try:
         return get_method(name)
@@ -71,7 +86,9 @@ def _method(name: str):
         raise ApiError(422, "unknown_method", f"unknown method {name!r}; known: {', '.join(method_names())}") from None
 
 
-@router.post("", status_code=202, response_model=ContextCreated, summary="register a context (idempotent)")
+@router.post("", status_code=202, response_model=ContextCreated, summary="register a context (idempotent)",
+             responses={200: {"model": ContextCreated, "description": "the content is known (ready): nothing queued"},
+                        **error_responses(*BODY_ERRORS)})
 def create_context(body: ContextCreate, rt: RuntimeDep, response: Response):
     lm, spec = rt.lm, rt.lm.spec
     if body.model not in (None, spec.name, spec.fingerprint):
@@ -79,6 +96,13 @@ def create_context(body: ContextCreate, rt: RuntimeDep, response: Response):
     if body.text is not None:
         if not body.text.strip():
             raise ApiError(422, "empty_text", "`text` is empty or whitespace only")
+        max_bytes = limits.max_text_bytes(lm, rt.max_context_tokens)
+        n_bytes = len(body.text.encode("utf-8"))
+        if n_bytes > max_bytes:  # tokenizing megabytes takes seconds: refuse what cannot fit first
+            raise ApiError(422, "context_too_long",
+                           f"text is {n_bytes} bytes; no text over {max_bytes} bytes fits in {rt.max_context_tokens} "
+                           f"tokens (the longest token is {max_bytes // rt.max_context_tokens} bytes)",
+                           {"bytes": n_bytes, "max_bytes": max_bytes, "limit": rt.max_context_tokens})
         ids = lm.context_ids(body.text, body.format)
     else:
         if not body.token_ids:
@@ -105,6 +129,7 @@ def create_context(body: ContextCreate, rt: RuntimeDep, response: Response):
     for name in dict.fromkeys(body.methods):
         method = _method(name)
         params = _validate_params(method, body.params.get(name, {}), f"params.{name}")
+        _within_limits(rt, method, params, body.params.get(name, {}), len(ids), f"params.{name}")
         reasons = method.validate_configuration(spec, params, rt.method_env)
         if reasons:
             raise ApiError(422, "unsupported_configuration", f"{name}: " + "; ".join(reasons))
@@ -121,7 +146,7 @@ def create_context(body: ContextCreate, rt: RuntimeDep, response: Response):
     return _public(rec, ContextCreated, created=reg.created)
 
 
-@router.get("", response_model=ContextList, summary="list contexts, newest first")
+@router.get("", response_model=ContextList, summary="list contexts, newest first", responses=error_responses(422))
 def list_contexts(
     rt: RuntimeDep,
     offset: int = Query(0, ge=0),
@@ -141,24 +166,54 @@ def _get(rt, cid: str) -> dict:
     return rec
 
 
-@router.get("/{cid}", response_model=ContextPublic, summary="status, progress, size and timings of a context")
+@router.get("/{cid}", response_model=ContextPublic, summary="status, progress, size and timings of a context",
+            responses=error_responses(404))
 def get_context(cid: str, rt: RuntimeDep):
     return _public(_get(rt, cid))
 
 
-@router.patch("/{cid}", response_model=ContextPublic, summary="change ttl or display name")
+@router.patch("/{cid}", response_model=ContextPublic, summary="change ttl or display name",
+              responses=error_responses(404, *BODY_ERRORS))
 def patch_context(cid: str, body: ContextPatch, rt: RuntimeDep):
+    """The change goes into the stored manifest first (storage is the source of truth: a catalog rebuilt
+    from it keeps the change), then into the catalog. Storage that cannot be written: 503
+    `storage_unavailable`, nothing changed."""
     rec = _get(rt, cid)
+    fields: dict = {}
     if body.ttl_seconds is not None:
         if body.ttl_seconds > rt.settings.max_ttl_seconds:
             raise ApiError(422, "invalid_parameter", f"ttl_seconds must be <= {rt.settings.max_ttl_seconds}")
-        rt.catalog.set_ttl(rec["id"], body.ttl_seconds or None)
+        fields["expires_at"] = time.time() + body.ttl_seconds if body.ttl_seconds else None
     if body.display_name is not None:
-        rt.catalog.update(rec["id"], display_name=body.display_name)
+        fields["display_name"] = body.display_name
+    if not fields:
+        return _public(rec)
+    was_published = _write_manifest_metadata(rt, rec, fields)
+    if "expires_at" in fields:
+        rt.catalog.set_expiry(rec["id"], fields["expires_at"])
+    if "display_name" in fields:
+        rt.catalog.update(rec["id"], display_name=fields["display_name"])
+    if not was_published:  # published meanwhile, possibly from the record as it was before this PATCH
+        _write_manifest_metadata(rt, rec, fields)
     return _public(_get(rt, cid))
 
 
-@router.delete("/{cid}", status_code=204, summary="remove a context and its artifacts")
+def _write_manifest_metadata(rt, rec: dict, fields: dict) -> bool:
+    """Write `fields` into the context's manifest; False when it is not published yet (the prefill
+    worker copies the record's values into the manifest when it publishes)."""
+    try:
+        rt.store.update_metadata(rec.get("slug") or rt.lm.spec.slug, PromptHash(rec["id"]), **fields)
+    except ArtifactMissing:
+        return False
+    except ArtifactCorrupt:
+        return True  # an unreadable manifest: the catalog still takes the change; fsck reports the context
+    except OSError as e:
+        raise ApiError(503, "storage_unavailable",
+                       f"the context's manifest could not be written ({e.strerror or type(e).__name__}); nothing changed") from None
+    return True
+
+
+@router.delete("/{cid}", status_code=204, summary="remove a context and its artifacts", responses=error_responses(404))
 def delete(cid: str, rt: RuntimeDep, request: Request):
     rec = _get(rt, cid)
     delete_context(rt, rec["id"])
@@ -171,9 +226,37 @@ def delete(cid: str, rt: RuntimeDep, request: Request):
     "/{cid}/completions",
     response_model=CompletionResponse,
     summary="answer a question over the context",
-    responses={200: {"content": {"text/event-stream": {}}, "description": "JSON, or SSE when stream=true"}},
+    responses={200: {"content": {"text/event-stream": {}}, "description": "JSON, or SSE when stream=true"},
+               **error_responses(404, 409, 504, *BODY_ERRORS)},
 )
-def complete(cid: str, body: CompletionRequest, rt: RuntimeDep):
+async def complete(cid: str, body: CompletionRequest, rt: RuntimeDep, request: Request, dc: DecodeClientDep):
+    """The checks and the question's tokenizing run in a worker thread (briefly); the wait for the
+    answer holds no thread (service/api/decode_client.py). A client that disconnects, JSON or SSE,
+    cancels its generation."""
+    rec, job = await run_in_threadpool(_completion_job, rt, cid, body)
+    sub = await dc.submit(job)
+    deadline = time.monotonic() + rt.settings.decode_timeout_seconds
+    method = job["method"]
+    if body.stream:
+        return EventSourceResponse(_sse(dc, sub, request, rec["id"], method, deadline))
+    async with aclosing(dc.events(sub, request, deadline, tokens=False)) as events:
+        async for event, data in events:
+            if event == "done":
+                COMPLETIONS.labels(method, "ok").inc()
+                TTFT.labels(data["stats"]["cache"]).observe(data["stats"]["ttft_ms"] / 1000)
+                return CompletionResponse(id=sub.rid, context_id=rec["id"], **data)
+            COMPLETIONS.labels(method, data["code"]).inc()
+            raise ApiError(ERROR_STATUS.get(data["code"], 500), data["code"], data["message"])
+    COMPLETIONS.labels(method, "disconnected").inc()
+    return Response(status_code=499)  # the client is gone (nginx's "client closed request"): nobody reads this
+
+
+def _completion_job(rt, cid: str, body: CompletionRequest,
+                    question_ids: Callable[[dict], list[int]] | None = None) -> tuple[dict, dict]:
+    """Check a completion request against its context; returns the context's record and the decode
+    job to queue (blocking: catalog reads and the question's tokenizing). `question_ids(record)`:
+    the tokens to append after the context (default: `body.question` in the context's prompt
+    format; the OpenAI-compatible routes render their messages or prompt instead)."""
     rec = _get(rt, cid)
     if rec["status"] != "ready":
         msg = f"context is {rec['status']} ({round(100 * (rec.get('progress') or 0))}%)"
@@ -194,67 +277,32 @@ def complete(cid: str, body: CompletionRequest, rt: RuntimeDep):
                        f"register the context again with methods=[{method.name!r}] to build it")
     if body.max_tokens > rt.settings.max_new_tokens:
         raise ApiError(422, "invalid_parameter", f"max_tokens must be <= {rt.settings.max_new_tokens}")
-    q_ids = rt.lm.question_ids(body.question, rec.get("prompt_format", "chat"))
+    q_ids = (question_ids(rec) if question_ids is not None
+             else rt.lm.question_ids(body.question, rec.get("prompt_format", "chat")))
     total = rec["n_tokens"] + len(q_ids) + body.max_tokens
     if total > rt.lm.spec.max_positions:
         raise ApiError(422, "too_long", f"context + question + max_tokens = {total} > {rt.lm.spec.max_positions} positions")
     if body.backend is not None and body.backend not in backend_names():
         raise ApiError(422, "unsupported_configuration", f"attention backend {body.backend!r} is not installed here; "
                                                          f"available: {', '.join(backend_names())}")
-    if rt.catalog.live_workers("decode") == 0:
-        raise ApiError(503, "no_decode_worker", "no decode worker is running; start `ctxcache worker decode`")
-    rid = rt.catalog.submit_decode({
+    _within_limits(rt, method, params, body.params, rec["n_tokens"], "params", (len(q_ids), body.max_tokens))
+    return rec, {
         "id": rec["id"], "question_ids": q_ids, "max_tokens": body.max_tokens, "temperature": body.temperature,
         "seed": body.seed, "method": method.name, "params": params.model_dump(), "index_id": index_id,
         "backend": body.backend,
-    })
-    deadline = time.monotonic() + rt.settings.decode_timeout_seconds
-    if body.stream:
-        return EventSourceResponse(_sse(rt, rid, rec["id"], method.name, deadline))
-    for event, data in _events(rt, rid, deadline):
-        if event == "done":
-            COMPLETIONS.labels(method.name, "ok").inc()
-            TTFT.labels(data["stats"]["cache"]).observe(data["stats"]["ttft_ms"] / 1000)
-            return CompletionResponse(id=rid, context_id=rec["id"], **data)
-        if event == "error":
-            COMPLETIONS.labels(method.name, data["code"]).inc()
-            raise ApiError(_ERROR_STATUS.get(data["code"], 500), data["code"], data["message"])
-    COMPLETIONS.labels(method.name, "timeout").inc()
-    raise ApiError(504, "decode_timeout", "the decode worker did not finish in time")
+    }
 
 
-def _events(rt, rid: str, deadline: float):
-    """Yield (event, data) from the request's stream until done/error or the deadline."""
-    last = "0-0"
-    try:
-        while time.monotonic() < deadline:
-            for eid, event, data in rt.catalog.events(rid, last, block_ms=1000):
-                last = eid
-                yield event, data
-                if event in ("done", "error"):
-                    return
-    finally:
-        rt.catalog.cleanup_request(rid)
-
-
-def _sse(rt, rid: str, cid: str, method: str, deadline: float):
-    finished = False
-    try:
-        for event, data in _events(rt, rid, deadline):
-            if event == "done":
-                finished = True
+async def _sse(dc: DecodeClient, sub: Submission, request: Request, cid: str, method: str, deadline: float):
+    """The request's events as SSE events; a disconnect cancels it (`DecodeClient.events`)."""
+    async with aclosing(dc.events(sub, request, deadline)) as events:
+        async for event, data in events:
+            if event == "token":
+                yield {"event": "token", "data": json.dumps(data)}
+            elif event == "done":
                 COMPLETIONS.labels(method, "ok").inc()
                 TTFT.labels(data["stats"]["cache"]).observe(data["stats"]["ttft_ms"] / 1000)
-                yield {"event": "done", "data": json.dumps({"id": rid, "context_id": cid, **data})}
-                return
-            if event == "error":
-                finished = True
+                yield {"event": "done", "data": json.dumps({"id": sub.rid, "context_id": cid, **data})}
+            else:
                 COMPLETIONS.labels(method, data["code"]).inc()
                 yield {"event": "error", "data": json.dumps({"error": data})}
-                return
-            yield {"event": "token", "data": json.dumps(data)}
-        finished = True
-        yield {"event": "error", "data": json.dumps({"error": {"code": "decode_timeout", "message": "timed out"}})}
-    finally:
-        if not finished:  # the client went away: stop the worker
-            rt.catalog.cancel(rid)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import tempfile
 
 from fastapi import APIRouter
 from fastapi.responses import JSONResponse, Response
@@ -11,7 +12,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from indexer.base import get_method, method_names
 from service.api.deps import RuntimeDep
-from service.schemas import MethodDescription
+from service.schemas import MethodDescription, Readiness
 
 router = APIRouter(tags=["health"])
 
@@ -21,7 +22,8 @@ def healthz():
     return {"status": "ok"}
 
 
-@router.get("/readyz", summary="readiness: catalog (Redis), storage and model are usable")
+@router.get("/readyz", summary="readiness: catalog (Redis), storage and model are usable",
+            responses={200: {"model": Readiness}, 503: {"model": Readiness, "description": "a check failed"}})
 def readyz(rt: RuntimeDep):
     checks: dict[str, dict] = {}
     try:
@@ -29,8 +31,7 @@ def readyz(rt: RuntimeDep):
         checks["redis"] = {"ok": True, "embedded": rt.settings.embedded}
     except Exception as e:  # noqa: BLE001
         checks["redis"] = {"ok": False, "error": f"{type(e).__name__}: {e}"}
-    root = rt.store.root
-    checks["storage"] = {"ok": root.is_dir() and os.access(root, os.W_OK), "path": str(root)}
+    checks["storage"] = _storage_check(rt.store.root)
     checks["model"] = {"ok": rt.lm is not None, "name": rt.lm.spec.name, "fingerprint": rt.lm.spec.fingerprint[:16]}
     if checks["redis"]["ok"]:
         workers = {k: rt.catalog.live_workers(k) for k in ("prefill", "decode")}
@@ -38,6 +39,21 @@ def readyz(rt: RuntimeDep):
         checks["workers"] = {"ok": all(workers.values()), **workers, "train": rt.catalog.live_workers("train")}
     ok = all(c["ok"] for c in checks.values())
     return JSONResponse({"status": "ready" if ok else "not_ready", "checks": checks}, status_code=200 if ok else 503)
+
+
+def _storage_check(root) -> dict:
+    """Write, sync and remove a small file in the storage root: permission bits alone miss a full
+    disk, a read-only mount or a file-size limit, all of which fail a build. The path is reported
+    relative to the data dir (no absolute server paths)."""
+    out = {"ok": True, "path": f"<data_dir>/{root.name}"}
+    try:
+        with tempfile.NamedTemporaryFile(dir=root, prefix=".readyz-") as f:
+            f.write(b"ok")
+            f.flush()
+            os.fsync(f.fileno())
+    except OSError as e:
+        out.update(ok=False, error=f"storage cannot be written: {e.strerror or type(e).__name__}")
+    return out
 
 
 class _WorkerTiers:
@@ -68,7 +84,8 @@ class _WorkerTiers:
         yield from fams.values()
 
 
-@router.get("/metrics", summary="Prometheus metrics", response_class=Response)
+@router.get("/metrics", summary="Prometheus metrics", response_class=Response,
+            responses={200: {"content": {"text/plain": {}}, "description": "Prometheus text format"}})
 def metrics(rt: RuntimeDep):
     per_request = CollectorRegistry()
     per_request.register(_WorkerTiers(rt))

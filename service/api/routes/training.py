@@ -24,8 +24,10 @@ import json
 from fastapi import APIRouter, Response
 from pydantic import ValidationError
 
+from service import limits
 from service.api.deps import RuntimeDep
-from service.errors import ApiError
+from service.errors import BODY_ERRORS, ApiError, error_responses
+from service.runtime import resolve_device
 from service.schemas import TrainJob, TrainJobCreated, TrainRequest
 from storage.catalog import TrainConflict
 
@@ -64,8 +66,8 @@ def _corpus_digest(rt, name: str | None) -> str:
     path = (root / name).resolve()
     files = sorted(path.glob("*.txt")) if path.is_dir() and path.parent == root else []
     if not files:
-        raise ApiError(422, "unknown_corpus", f"no corpus {name!r}: put .txt files in {root / name} (or omit `corpus` "
-                                              f"for the built-in one)")
+        raise ApiError(422, "unknown_corpus", f"no corpus {name!r}: put .txt files in <data_dir>/corpora/{name} (or omit "
+                                              f"`corpus` for the built-in one)")
     h = hashlib.sha256()
     for f in files:
         h.update(f.name.encode() + b"\0")
@@ -74,6 +76,8 @@ def _corpus_digest(rt, name: str | None) -> str:
 
 
 @router.post("/{name}/train", status_code=202, response_model=TrainJobCreated,
+             responses={200: {"model": TrainJobCreated, "description": "the same job exists (queued, running or done)"},
+                        **error_responses(404, 409, *BODY_ERRORS)},
              summary="train a method's per-model component (SAAP), as a job")
 def train(name: str, body: TrainRequest, rt: RuntimeDep, response: Response):
     from indexer._saap_train import settings_from
@@ -92,6 +96,8 @@ def train(name: str, body: TrainRequest, rt: RuntimeDep, response: Response):
     if bad:
         raise ApiError(422, "invalid_parameter",
                        f"layers must be in [1, {spec.num_layers - 1}] (layer 0 always runs full attention); got {bad}")
+    if resolve_device(rt.settings.device) == "cpu":  # on a GPU the full preset takes about an hour
+        limits.check(limits.train_cost(spec, settings), rt.settings.train_budget_seconds)
     corpus = _corpus_digest(rt, body.corpus)
     settings_json = settings.model_dump(mode="json")
     jid = hashlib.sha256(json.dumps({"method": name, "fingerprint": spec.fingerprint, "settings": settings_json,
@@ -123,7 +129,8 @@ def train(name: str, body: TrainRequest, rt: RuntimeDep, response: Response):
     return _public(rec, TrainJobCreated, created=created)
 
 
-@router.get("/{name}/train", response_model=list[TrainJob], summary="training jobs, newest first")
+@router.get("/{name}/train", response_model=list[TrainJob], summary="training jobs, newest first",
+            responses=error_responses(404, 422))
 def list_jobs(name: str, rt: RuntimeDep):
     _trainable(name)
     return [_public(r) for r in rt.catalog.list_train() if r.get("method") == name]
@@ -136,13 +143,16 @@ def _job(rt, name: str, job_id: str) -> dict:
     return rec
 
 
-@router.get("/{name}/train/{job_id}", response_model=TrainJob, summary="a training job's status and progress")
+@router.get("/{name}/train/{job_id}", response_model=TrainJob, summary="a training job's status and progress",
+            responses=error_responses(404, 422))
 def get_job(name: str, job_id: str, rt: RuntimeDep):
     _trainable(name)
     return _public(_job(rt, name, job_id))
 
 
-@router.delete("/{name}/train/{job_id}", response_model=TrainJob, summary="cancel a queued or running training job")
+@router.delete("/{name}/train/{job_id}", response_model=TrainJob, summary="cancel a queued or running training job",
+               responses={202: {"model": TrainJob, "description": "a running job was asked to stop"},
+                          **error_responses(404, 409, 422)})
 def cancel_job(name: str, job_id: str, rt: RuntimeDep, response: Response):
     """A queued job is `cancelled` at once (200). A running one is asked to stop (202,
     `cancel_requested`): its worker stops at the next check (between corpus windows and layers, and

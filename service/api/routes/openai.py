@@ -1,0 +1,553 @@
+"""OpenAI-compatible routes over registered contexts: `POST /v1/chat/completions`,
+`POST /v1/completions`, `GET /v1/models`.
+
+A request names its context by the extension field `context_id` (what the OpenAI SDK sends through
+`extra_body`) or by `model = "<served model>@<context id>"`; both given must agree. The cached
+context comes first, then:
+
+* chat: the messages rendered with the model's chat template *after* the context. A context
+  registered in the `chat` format is the start of a user turn (the template's default system
+  prompt is already cached before it): the first user message continues that turn after a blank
+  line (exactly the native route's question), and the rest of the conversation follows as the
+  template renders it. Leading system (or developer) messages cannot precede the cached tokens: they
+  are rendered as a system turn right after the document's user turn. A `raw` context is followed
+  by the whole conversation as the template renders it.
+* completions: the prompt's tokens, appended as they are (no template).
+
+Everything else (the context's state, the sparse method and its params, limits, the decode wait,
+cancellation on disconnect) is the native completion route's (`contexts._completion_job`,
+`service/api/decode_client.py`). Sampling is greedy or temperature (`top_p` only 1); `stop`
+strings are matched on the streamed text, which is cut before the first match and the generation
+stopped. Errors have OpenAI's shape `{"error": {"message", "type", "param", "code"}}` with our
+stable codes in `code`; the native route's 422s answer 400 here (what OpenAI clients expect).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import AsyncIterator, Callable
+from contextlib import aclosing
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import redis
+from fastapi import APIRouter, Request
+from fastapi.concurrency import run_in_threadpool
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from fastapi.routing import APIRoute
+from pydantic import BaseModel, ConfigDict, Field
+from sse_starlette.sse import EventSourceResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from decoder.model import QUESTION_SEPARATOR, _SENTINEL
+from service.api.decode_client import ERROR_STATUS, DecodeClient, DecodeClientDep, Submission
+from service.api.deps import RuntimeDep
+from service.api.routes.contexts import COMPLETIONS, TTFT, _completion_job
+from service.errors import ApiError, redact_paths
+from service.schemas import SEED_MAX, CompletionRequest, Text
+
+log = logging.getLogger("ctxcache")
+
+OPENAI_PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/models")
+STARTED = int(time.time())  # `created` of the model card
+DEFAULT_MAX_TOKENS = 64  # the native route's default (OpenAI's "until the context is full" could hit over_budget)
+
+
+def is_openai_path(path: str) -> bool:
+    """Whether `path` is one of these routes (their errors take OpenAI's shape)."""
+    return any(path == p or path.startswith(p + "/") for p in OPENAI_PATHS)
+
+
+def openai_error_body(status: int, code: str, message: str, param: str | None = None) -> dict:
+    kind = ("authentication_error" if status == 401 else "permission_error" if status == 403
+            else "server_error" if status >= 500 else "invalid_request_error")
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+
+
+class OpenAIError(ApiError):
+    """An ApiError that names the request field at fault (OpenAI's `param`)."""
+
+    def __init__(self, status: int, code: str, message: str, param: str | None = None):
+        super().__init__(status, code, message)
+        self.param = param
+
+
+def _error_response(request: Request, status: int, code: str, message: str, param: str | None = None) -> JSONResponse:
+    if code == "internal_error":  # a worker's exception text: kept in the server log only
+        log.error("internal error on %s %s: %s", request.method, request.url.path, message)
+        message = "internal error; see the server log"
+    runtime = getattr(request.app.state, "runtime", None)
+    if runtime is not None:
+        message = redact_paths(message, runtime.settings.data_dir)
+    status = 400 if status == 422 else status  # OpenAI answers invalid parameters with 400
+    return JSONResponse(openai_error_body(status, code, message, param), status_code=status)
+
+
+class OpenAIRoute(APIRoute):
+    """A route whose errors take OpenAI's shape (the app's handlers answer in ours)."""
+
+    def get_route_handler(self) -> Callable:
+        handler = super().get_route_handler()
+
+        async def route(request: Request):
+            try:
+                return await handler(request)
+            except OpenAIError as e:
+                return _error_response(request, e.status, e.code, e.message, e.param)
+            except ApiError as e:
+                return _error_response(request, e.status, e.code, e.message)
+            except RequestValidationError as e:
+                errors = e.errors()
+                if any(err.get("type") == "json_invalid" for err in errors):
+                    return _error_response(request, 400, "malformed_json", "request body is not valid JSON")
+                first = errors[0] if errors else {}
+                loc = [str(x) for x in first.get("loc", ()) if x != "body"]
+                return _error_response(request, 400, "validation_error",
+                                       f"{'.'.join(loc) or 'body'}: {first.get('msg', 'invalid')}", ".".join(loc) or None)
+            except StarletteHTTPException as e:
+                return _error_response(request, e.status_code, f"http_{e.status_code}", str(e.detail))
+            except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError) as e:
+                log.warning("redis unavailable: %s", e)
+                return _error_response(request, 503, "dependency_unavailable", "the catalog (Redis) is unreachable; retry shortly")
+
+        return route
+
+
+router = APIRouter(prefix="/v1", tags=["openai"], route_class=OpenAIRoute)
+
+
+# ---- request and response models ---------------------------------------------------------------
+
+
+class ContentPart(BaseModel):
+    type: Literal["text"]
+    text: Text
+
+
+class ChatMessage(BaseModel):
+    role: Literal["system", "developer", "user", "assistant"]
+    content: Text | list[ContentPart]
+    name: str | None = None
+
+    @property
+    def text(self) -> str:
+        return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+# Parameters OpenAI defines that this service does not implement: accepted only at their neutral
+# value (what a client sends when it does not use them), a clear 400 otherwise, never ignored.
+_NEUTRAL: dict[str, tuple] = {
+    "top_p": (1, 1.0),
+    "frequency_penalty": (0, 0.0),
+    "presence_penalty": (0, 0.0),
+    "logprobs": (False, 0),
+    "top_logprobs": (0,),
+    "logit_bias": ({},),
+    "tools": ([],),
+    "tool_choice": ("none", "auto"),
+    "functions": ([],),
+    "function_call": ("none", "auto"),
+    "response_format": ({"type": "text"},),
+    "echo": (False,),
+    "best_of": (1,),
+    "suffix": ("",),
+}
+
+
+class _Common(BaseModel):
+    """What chat and text completions share: OpenAI's sampling fields and our extensions."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: str = Field(description="the served model (GET /v1/models), or `<model>@<context id>` to name the context")
+    context_id: str | None = Field(None, description="extension: the registered context to answer over")
+    method: str = Field("full", description="extension: sparse method (GET /v1/methods)")
+    method_params: dict[str, Any] = Field(default_factory=dict, description="extension: the method's parameters")
+    backend: Literal["torch_ref", "triton", "offload"] | None = Field(None, description="extension: attention backend")
+    max_tokens: int | None = Field(None, ge=1, description=f"tokens to generate at most [{DEFAULT_MAX_TOKENS}]")
+    temperature: float | None = Field(None, ge=0.0, le=2.0, description="0 = greedy [1, as OpenAI]")
+    seed: int | None = Field(None, ge=0, le=SEED_MAX)
+    stop: Text | list[Text] | None = Field(None, description="up to 4 strings; the answer ends before the first")
+    n: int | None = Field(None, description="only 1")
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = Field(None, description="accepted, unused")
+    metadata: dict[str, str] | None = Field(None, description="accepted, unused")
+    store: bool | None = Field(None, description="accepted, unused (nothing is stored)")
+    top_p: float | None = None
+    frequency_penalty: float | None = None
+    presence_penalty: float | None = None
+    logprobs: bool | int | None = None
+    top_logprobs: int | None = None
+    logit_bias: dict[str, float] | None = None
+
+    def check_supported(self) -> None:
+        if self.n not in (None, 1):
+            raise OpenAIError(400, "unsupported_parameter", "only n=1 is supported", "n")
+        for name, neutral in _NEUTRAL.items():
+            value = getattr(self, name, None)
+            if value is not None and value not in neutral:
+                raise OpenAIError(400, "unsupported_parameter",
+                                  f"{name}={value!r} is not supported by this service (accepted: {neutral[0]!r})", name)
+        stops = self.stops
+        if len(stops) > 4 or any(not s for s in stops):
+            raise OpenAIError(400, "invalid_parameter", "stop: at most 4 non-empty strings", "stop")
+
+    @property
+    def stops(self) -> list[str]:
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+
+    def new_tokens(self) -> int:
+        return self.max_tokens or DEFAULT_MAX_TOKENS
+
+
+class ChatCompletionCreate(_Common):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1, description="takes precedence over max_tokens")
+    tools: list[dict] | None = None
+    tool_choice: str | dict | None = None
+    functions: list[dict] | None = None
+    function_call: str | dict | None = None
+    response_format: dict | None = None
+    parallel_tool_calls: bool | None = Field(None, description="accepted, unused (no tools)")
+
+    def new_tokens(self) -> int:
+        return self.max_completion_tokens or self.max_tokens or DEFAULT_MAX_TOKENS
+
+
+class CompletionCreate(_Common):
+    prompt: Text | list[Text] = Field(description="appended after the context as it is (one prompt)")
+    echo: bool | None = None
+    best_of: int | None = None
+    suffix: str | None = None
+
+    @property
+    def text(self) -> str:
+        if isinstance(self.prompt, list):
+            if len(self.prompt) != 1:
+                raise OpenAIError(400, "unsupported_parameter", "one prompt per request", "prompt")
+            return self.prompt[0]
+        return self.prompt
+
+
+class OpenAIErrorDetail(BaseModel):
+    message: str
+    type: str = Field(description="invalid_request_error, authentication_error, server_error")
+    param: str | None = Field(description="the request field at fault, when one is")
+    code: str | None = Field(description="our stable error code (service/errors.py), e.g. not_found, unauthorized")
+
+
+class OpenAIErrorResponse(BaseModel):
+    error: OpenAIErrorDetail
+
+
+_STATUS = {400: "invalid request: schema, unsupported parameter (n, top_p, ...), missing_context, invalid_parameter, "
+                "over_budget, too_long",
+           401: "unauthorized: API keys are set and the request has no valid bearer key",
+           404: "not_found (no such context), model_not_found",
+           409: "context_not_ready, method_not_built, method_unavailable",
+           500: "internal_error (details in the server log)",
+           503: "no_decode_worker, decode_worker_lost, dependency_unavailable (Redis)",
+           504: "decode_timeout"}
+
+
+def _errors(*statuses: int) -> dict:
+    return {s: {"model": OpenAIErrorResponse, "description": _STATUS[s]} for s in sorted({*statuses, 401, 500, 503})}
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "ctxcache"
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+# ---- naming the context, rendering the request -----------------------------------------------
+
+
+def _context_of(rt, body: _Common) -> str:
+    """The context id the request names (`context_id`, or `model = <served model>@<id>`)."""
+    spec = rt.lm.spec
+    name, at, from_model = body.model.partition("@")
+    if name not in (spec.name, spec.fingerprint):
+        raise OpenAIError(404, "model_not_found", f"this service serves model {spec.name!r}, not {name!r}", "model")
+    if at and body.context_id and from_model != body.context_id:
+        raise OpenAIError(400, "invalid_parameter", "`model` and `context_id` name different contexts", "context_id")
+    cid = body.context_id or from_model
+    if not cid:
+        raise OpenAIError(400, "missing_context", "name the context: `context_id` in the body (extra_body with the "
+                                                  f"OpenAI SDK) or model='{spec.name}@<context id>'", "context_id")
+    return cid
+
+
+def chat_question_ids(lm, messages: list[ChatMessage], fmt: str) -> list[int]:
+    """The token ids of `messages` rendered by the model's chat template after a context of format
+    `fmt` (see the module docstring)."""
+    tok = lm.tokenizer
+    if not getattr(tok, "chat_template", None):
+        raise OpenAIError(400, "unsupported_configuration", "the served model has no chat template; use /v1/completions")
+    turns = [{"role": "system" if m.role == "developer" else m.role, "content": m.text} for m in messages]
+    n_lead = next((i for i, t in enumerate(turns) if t["role"] != "system"), len(turns))
+    if n_lead == len(turns) or turns[n_lead]["role"] != "user":
+        raise OpenAIError(400, "invalid_parameter", "after the system messages, the conversation must start with a "
+                                                    "user message", "messages")
+    if fmt != "chat":
+        text = tok.apply_chat_template(turns, tokenize=False, add_generation_prompt=True)
+        return tok(text, add_special_tokens=False)["input_ids"]
+    lead, rest = turns[:n_lead], turns[n_lead:]
+    if lead:
+        turns = [{"role": "user", "content": _SENTINEL}, *lead, *rest]
+    else:
+        turns = [{"role": "user", "content": _SENTINEL + QUESTION_SEPARATOR + rest[0]["content"]}, *rest[1:]]
+    try:
+        rendered = tok.apply_chat_template(turns, tokenize=False, add_generation_prompt=True)
+    except Exception as e:  # noqa: BLE001 - jinja's TemplateError: a template that refuses this conversation
+        raise OpenAIError(400, "invalid_parameter", f"the chat template refuses these messages: {e}", "messages") from None
+    head, found, tail = rendered.partition(_SENTINEL)
+    if not found or head != lm.prompt_format.prefix:
+        raise OpenAIError(400, "unsupported_configuration", "the model's chat template does not render these messages "
+                                                            "after the cached context", "messages")
+    return tok(tail, add_special_tokens=False)["input_ids"]
+
+
+def _native(body: _Common, question: str) -> CompletionRequest:
+    """The native request that `_completion_job` checks (its question is replaced by the rendered ids)."""
+    body.check_supported()
+    return CompletionRequest(question=question or " ", max_tokens=body.new_tokens(),
+                             temperature=1.0 if body.temperature is None else body.temperature, seed=body.seed,
+                             method=body.method, params=body.method_params, backend=body.backend)
+
+
+# ---- answering --------------------------------------------------------------------------------
+
+
+class StopScanner:
+    """Finds the first occurrence of any stop string in streamed text. Text that could still be the
+    start of a stop string is held back until the next delta decides."""
+
+    def __init__(self, stops: list[str]):
+        self.stops = stops
+        self.hold = max(map(len, stops), default=1) - 1
+        self.buf = ""
+
+    def feed(self, delta: str) -> tuple[str, bool]:
+        """The text safe to emit, and whether a stop string was found (then nothing follows)."""
+        self.buf += delta
+        hits = [i for i in (self.buf.find(s) for s in self.stops) if i >= 0]
+        if hits:
+            out, self.buf = self.buf[:min(hits)], ""
+            return out, True
+        cut = max(len(self.buf) - self.hold, 0)
+        out, self.buf = self.buf[:cut], self.buf[cut:]
+        return out, False
+
+    def flush(self) -> str:
+        out, self.buf = self.buf, ""
+        return out
+
+
+@dataclass
+class _End:
+    finish_reason: str = "stop"
+    completion_tokens: int = 0
+    error: dict | None = None  # {"code", "message"}
+    stats: dict = field(default_factory=dict)
+
+
+async def _answer(dc: DecodeClient, sub: Submission, request: Request, deadline: float, stops: list[str],
+                  method: str) -> AsyncIterator[str | _End]:
+    """The answer's text deltas, then one `_End`. With stop strings the tokens are read as they come
+    and the generation is cancelled at the first match (leaving `events` cancels it); without, a
+    JSON-like wait (`tokens=False`) that may restart on another worker is used by the caller."""
+    scanner, n = StopScanner(stops), 0
+    async with aclosing(dc.events(sub, request, deadline, tokens=True)) as events:
+        async for kind, data in events:
+            if kind == "token":
+                n += 1
+                text, hit = scanner.feed(data["text"])
+                if text:
+                    yield text
+                if hit:
+                    COMPLETIONS.labels(method, "ok").inc()
+                    yield _End("stop", n)
+                    return
+            elif kind == "done":
+                COMPLETIONS.labels(method, "ok").inc()
+                TTFT.labels(data["stats"]["cache"]).observe(data["stats"]["ttft_ms"] / 1000)
+                if rest := scanner.flush():
+                    yield rest
+                yield _End(_finish(data["finish_reason"]), data["usage"]["completion_tokens"], stats=data["stats"])
+                return
+            else:
+                COMPLETIONS.labels(method, data["code"]).inc()
+                yield _End(error=data)
+                return
+    COMPLETIONS.labels(method, "disconnected").inc()
+
+
+async def _whole(dc: DecodeClient, sub: Submission, request: Request, deadline: float, stops: list[str],
+                 method: str) -> tuple[str, _End] | None:
+    """The whole answer (None: the client went away). Without stop strings no token events are
+    read, so a request whose worker died restarts on another one (`DecodeClient.events`)."""
+    if stops:
+        parts: list[str] = []
+        async with aclosing(_answer(dc, sub, request, deadline, stops, method)) as answer:
+            async for item in answer:
+                if isinstance(item, _End):
+                    return "".join(parts), item
+                parts.append(item)
+        return None
+    async with aclosing(dc.events(sub, request, deadline, tokens=False)) as events:
+        async for kind, data in events:
+            if kind == "done":
+                COMPLETIONS.labels(method, "ok").inc()
+                TTFT.labels(data["stats"]["cache"]).observe(data["stats"]["ttft_ms"] / 1000)
+                return data["text"], _End(_finish(data["finish_reason"]), data["usage"]["completion_tokens"],
+                                          stats=data["stats"])
+            COMPLETIONS.labels(method, data["code"]).inc()
+            return "", _End(error=data)
+    COMPLETIONS.labels(method, "disconnected").inc()
+    return None
+
+
+def _finish(reason: str) -> str:
+    return "length" if reason == "length" else "stop"  # "cancelled" reaches no listening client
+
+
+def _usage(n_ctx: int, n_question: int, n_out: int) -> dict:
+    prompt = n_ctx + n_question
+    return {"prompt_tokens": prompt, "completion_tokens": n_out, "total_tokens": prompt + n_out,
+            "prompt_tokens_details": {"cached_tokens": n_ctx}}
+
+
+def _raise(err: dict) -> None:
+    raise ApiError(ERROR_STATUS.get(err["code"], 500), err["code"], err["message"])
+
+
+async def _start(rt, dc: DecodeClient, body: _Common, question: str,
+                 question_ids: Callable[[dict], list[int]]) -> tuple[dict, dict, Submission, float]:
+    cid = _context_of(rt, body)
+    rec, job = await run_in_threadpool(_completion_job, rt, cid, _native(body, question), question_ids)
+    sub = await dc.submit(job)
+    return rec, job, sub, time.monotonic() + rt.settings.decode_timeout_seconds
+
+
+@router.post("/chat/completions", summary="OpenAI-compatible chat completion over a registered context",
+             responses={200: {"content": {"text/event-stream": {}}, "description": "JSON, or SSE chunks when stream=true"},
+                        **_errors(400, 404, 409, 504)})
+async def chat_completions(body: ChatCompletionCreate, rt: RuntimeDep, request: Request, dc: DecodeClientDep):
+    last_user = next((m.text for m in reversed(body.messages) if m.role == "user"), "")
+    rec, job, sub, deadline = await _start(
+        rt, dc, body, last_user, lambda r: chat_question_ids(rt.lm, body.messages, r.get("prompt_format", "chat")))
+    meta = {"id": f"chatcmpl-{sub.rid}", "created": int(time.time()), "model": body.model,
+            "system_fingerprint": rt.lm.spec.fingerprint[:16]}
+    n_ctx, n_q = rec["n_tokens"], len(job["question_ids"])
+    if body.stream:
+        usage = bool(body.stream_options and body.stream_options.include_usage)
+        return EventSourceResponse(_chat_stream(dc, sub, request, deadline, body.stops, job["method"], meta,
+                                                (n_ctx, n_q) if usage else None))
+    got = await _whole(dc, sub, request, deadline, body.stops, job["method"])
+    if got is None:
+        return JSONResponse({}, status_code=499)  # the client is gone: nobody reads this
+    text, end = got
+    if end.error:
+        _raise(end.error)
+    return {**meta, "object": "chat.completion",
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+                         "finish_reason": end.finish_reason}],
+            "usage": _usage(n_ctx, n_q, end.completion_tokens)}
+
+
+async def _chat_stream(dc, sub, request, deadline, stops, method, meta, usage_of: tuple[int, int] | None):
+    def chunk(delta: dict, finish: str | None = None) -> dict:
+        body = {**meta, "object": "chat.completion.chunk",
+                "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}]}
+        return {"data": json.dumps(body)}
+
+    yield chunk({"role": "assistant", "content": ""})
+    async with aclosing(_answer(dc, sub, request, deadline, stops, method)) as answer:
+        async for item in answer:
+            if not isinstance(item, _End):
+                yield chunk({"content": item})
+                continue
+            if item.error:
+                err = item.error
+                yield {"data": json.dumps(openai_error_body(ERROR_STATUS.get(err["code"], 500), err["code"], err["message"]))}
+            else:
+                yield chunk({}, item.finish_reason)
+                if usage_of is not None:
+                    yield {"data": json.dumps({**meta, "object": "chat.completion.chunk", "choices": [],
+                                               "usage": _usage(*usage_of, item.completion_tokens)})}
+            yield {"data": "[DONE]"}
+            return
+
+
+@router.post("/completions", summary="OpenAI-compatible text completion: the prompt continues the context",
+             responses={200: {"content": {"text/event-stream": {}}, "description": "JSON, or SSE chunks when stream=true"},
+                        **_errors(400, 404, 409, 504)})
+async def completions(body: CompletionCreate, rt: RuntimeDep, request: Request, dc: DecodeClientDep):
+    prompt = body.text
+    rec, job, sub, deadline = await _start(
+        rt, dc, body, prompt, lambda r: rt.lm.tokenizer(prompt, add_special_tokens=False)["input_ids"])
+    meta = {"id": f"cmpl-{sub.rid}", "created": int(time.time()), "model": body.model}
+    n_ctx, n_q = rec["n_tokens"], len(job["question_ids"])
+    if body.stream:
+        usage = bool(body.stream_options and body.stream_options.include_usage)
+        return EventSourceResponse(_text_stream(dc, sub, request, deadline, body.stops, job["method"], meta,
+                                                (n_ctx, n_q) if usage else None))
+    got = await _whole(dc, sub, request, deadline, body.stops, job["method"])
+    if got is None:
+        return JSONResponse({}, status_code=499)
+    text, end = got
+    if end.error:
+        _raise(end.error)
+    return {**meta, "object": "text_completion",
+            "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": end.finish_reason}],
+            "usage": _usage(n_ctx, n_q, end.completion_tokens)}
+
+
+async def _text_stream(dc, sub, request, deadline, stops, method, meta, usage_of: tuple[int, int] | None):
+    def chunk(text: str, finish: str | None = None) -> dict:
+        return {"data": json.dumps({**meta, "object": "text_completion",
+                                    "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish}]})}
+
+    async with aclosing(_answer(dc, sub, request, deadline, stops, method)) as answer:
+        async for item in answer:
+            if not isinstance(item, _End):
+                yield chunk(item)
+                continue
+            if item.error:
+                err = item.error
+                yield {"data": json.dumps(openai_error_body(ERROR_STATUS.get(err["code"], 500), err["code"], err["message"]))}
+            else:
+                yield chunk("", item.finish_reason)
+                if usage_of is not None:
+                    yield {"data": json.dumps({**meta, "object": "text_completion", "choices": [],
+                                               "usage": _usage(*usage_of, item.completion_tokens)})}
+            yield {"data": "[DONE]"}
+            return
+
+
+@router.get("/models", response_model=ModelList, summary="the served model", responses=_errors())
+def list_models(rt: RuntimeDep):
+    return ModelList(data=[ModelCard(id=rt.lm.spec.name, created=STARTED)])
+
+
+@router.get("/models/{model_id:path}", response_model=ModelCard, summary="the served model, by name",
+            responses=_errors(404))
+def get_model(model_id: str, rt: RuntimeDep):
+    if model_id.partition("@")[0] not in (rt.lm.spec.name, rt.lm.spec.fingerprint):
+        raise OpenAIError(404, "model_not_found", f"this service serves model {rt.lm.spec.name!r}, not {model_id!r}", "model")
+    return ModelCard(id=rt.lm.spec.name, created=STARTED)
