@@ -20,5 +20,8 @@ $(VENV)/.installed: pyproject.toml Makefile
 serve: setup
 	$(VENV)/bin/ctxcache serve
 
+# Needs a Redis server at CTXCACHE_TEST_REDIS_URL (default redis://127.0.0.1:6379/0), which this
+# target does not start (e.g. `redis-server --save '' --appendonly no &`); tests use their own key
+# prefixes. Takes about 10 minutes on 2 CPU cores (GPU tests are skipped without a GPU).
 test: setup
 	$(VENV)/bin/python -m pytest -q

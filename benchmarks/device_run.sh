@@ -6,7 +6,7 @@
 #   device tool: run(command="bash benchmarks/device_run.sh tests decode before_after",
 #                    carry=[".whl", ".old"])
 #   stages: tests | kerneltests | decode | decodecold | decode512 | before_after | kernels | e2e32 | e2e128 |
-#           e2e128rest | e2eprof
+#           e2e128rest | e2eprof | e2elayer
 #   (default: tests decode before_after)
 #   .old = the tree before the plan/run redesign (`git archive <commit> decoder indexer storage`), for
 #   the before/after decode comparison.
@@ -56,6 +56,14 @@ for stage in $stages; do
       python3 benchmarks/gpu_e2e.py --lengths 131072 --batches 1 8 --methods full psa saap csattn --profile \
         --eager-tokens 0 --hf-tokens 0 --tokens 8 --budget-s 500 --out "$OUT/e2e_prof" 2>&1 \
         | tee "$OUT/gpu_e2e_prof.log" | tail -30 ;;
+    e2elayer)  # the fused layer ops (decoder/kernels/layer.py) on and off, same run; their tests first
+      python3 -m pytest -q -p no:cacheprovider -o addopts="" tests/test_layer_kernels.py 2>&1 | tail -3 \
+        | tee "$OUT/gpu_layer_tests.log"
+      python3 -m pytest -q -p no:cacheprovider -m gpu -o addopts="" tests/test_runner.py 2>&1 | tail -3 \
+        | tee -a "$OUT/gpu_layer_tests.log"
+      python3 benchmarks/gpu_e2e.py --lengths 131072 --batches 1 8 --methods full saap psa --layer-ab --profile \
+        --eager-tokens 0 --hf-tokens 0 --tokens 8 --budget-s 420 --out "$OUT/e2e_layer" 2>&1 \
+        | tee "$OUT/gpu_e2e_layer.log" | tail -16 ;;
     decode512)
       python3 benchmarks/gpu_decode.py --lengths 524288 --batches 1 --backends triton \
         --methods streaming topk csattn ctkvr lfps psa saap --out "$OUT/512k" 2>&1 | tee "$OUT/gpu_decode_512k.log" \

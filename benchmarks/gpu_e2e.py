@@ -238,7 +238,8 @@ class Bench:
         ms, tps, fl = row.get("ms_per_token"), row.get("tokens_per_s"), row.get("floor_ms")
         f = lambda x: "-" if x is None else f"{x:.2f}"  # noqa: E731
         log(f"  n={row['n']} B={row['batch']} {row['runner']:18s} {row['method']:8s} {row.get('backend', ''):9s} "
-            f"{f(ms)} ms/token  {f(tps)} tok/s  floor {f(fl)} ms  {row.get('graph') or ''} {row.get('error') or ''}")
+            f"{f(ms)} ms/token  {f(tps)} tok/s  floor {f(fl)} ms  {row.get('graph') or ''} {row.get('error') or ''}"
+            f"{'' if row.get('fused_layer', True) else ' (torch layer ops)'}")
 
     def floor(self, n: int, b: int, frac: float, local: int) -> tuple[float, float]:
         """(HBM floor ms, K/V bytes) of one step of b requests reading `frac` of n + local rows."""
@@ -270,13 +271,13 @@ class Bench:
                       "note": None if b == 1 else f"{b} requests served one after another (the decode worker today)"})
 
     def runner(self, n: int, ctx: ContextKV, name: str, method, params, reader, backend_name: str, b: int,
-               graphs: bool, tokens: int, extra: dict) -> None:
+               graphs: bool, tokens: int, extra: dict, fused_layer: bool | None = None) -> None:
         be = get_backend(backend_name)
         qs = self.questions(b, n + b)
         prof_steps = 2 if self.a.profile and graphs and b == 1 else 0
         max_new = tokens + 3 + prof_steps
         local = self.a.question + max_new
-        run = Runner(self.lm, be, self.dev, graphs=graphs, track_fraction=True)
+        run = Runner(self.lm, be, self.dev, graphs=graphs, track_fraction=True, fused_layer=fused_layer)
         for q in qs:
             run.add(ctx, method.open(reader, params, DecodeContext(n, self.lm.spec, local)), params, q, max_new)
         t0 = time.perf_counter()
@@ -318,7 +319,8 @@ class Bench:
                "backend": backend_name, "ms_per_token": ms, "tokens_per_s": b * 1e3 / ms, "floor_ms": fl,
                "ms_mean": statistics.fmean(times), "ms_max": max(times), "steps_timed": len(times),
                "kv_fraction": frac, "graph": status, "first_step": first_status, "prompt_ms": t_prompt * 1e3,
-               "warmup_ms": t_warm * 1e3, "capture_or_first_ms": t_first * 1e3, **extra}
+               "warmup_ms": t_warm * 1e3, "capture_or_first_ms": t_first * 1e3,
+               "fused_layer": run.layer_kernels is not None, **extra}
         if prof is not None:
             row["profile"] = prof
         if backend_name == "offload":
@@ -372,6 +374,8 @@ def main() -> None:
                     help="compare the prefill with the HF one at this n (0: off)")
     ap.add_argument("--budget-s", type=float, default=540.0, help="start no new measurement after this many seconds")
     ap.add_argument("--profile", action="store_true", help="kernels of one replayed B = 1 step per method")
+    ap.add_argument("--layer-ab", action="store_true",
+                    help="also time each runner row with the fused layer ops off (torch RMSNorm/RoPE/SiLU)")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--out", default=os.environ.get("OUT", "benchmarks/out"))
     a = ap.parse_args()
@@ -469,7 +473,8 @@ def main() -> None:
                         for b in a.batches:
                             if bench.over_budget():
                                 break
-                            bench.runner(n, ctx, name, method, params, reader, be, b, True, a.tokens, extra)
+                            for fl in ((None, False) if a.layer_ab else (None,)):
+                                bench.runner(n, ctx, name, method, params, reader, be, b, True, a.tokens, extra, fl)
                             if b == 1 and a.eager_tokens and not bench.over_budget():
                                 bench.runner(n, ctx, name, method, params, reader, be, b, False, a.eager_tokens, extra)
                     if "offload" in backends and name in a.offload_methods:
@@ -503,7 +508,8 @@ def main() -> None:
             continue
         f = lambda x, p=2: "-" if x is None else f"{x:.{p}f}"  # noqa: E731
         ratio = None if not r.get("floor_ms") else r["ms_per_token"] / r["floor_ms"]
-        print(f"| {r['n']} | {r['batch']} | {r['runner']} | {r['method']} | {r['backend']} | {f(r['ms_per_token'])} | "
+        fl = "" if r.get("fused_layer", True) else " (torch layer ops)"
+        print(f"| {r['n']} | {r['batch']} | {r['runner']}{fl} | {r['method']} | {r['backend']} | {f(r['ms_per_token'])} | "
               f"{f(r['tokens_per_s'], 1)} | {f(r['floor_ms'])} | {f(ratio, 1)} | {f(r.get('kv_fraction'), 3)} | "
               f"{r.get('graph') or ('derived' if r.get('derived_from_b1') else '')} |")
     for r in bench.rows:

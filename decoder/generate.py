@@ -22,7 +22,9 @@ from indexer.base import KVView, MethodParams, Planner
 
 class ContextKV:
     """Per-layer access to a context's K/V; `load(name, layer)` returns the tensor where the backend
-    reads it (a tier's resident copy) in the model's dtype."""
+    reads it (a tier's resident copy) in the dtype it is stored in (`kv_dtype`), which may differ
+    from the model's (bfloat16 K/V under a float32 model): backends and planners take either and
+    compute in float32, never keeping a float32 copy of the whole context."""
 
     def __init__(self, n_tokens: int, load: Callable[[str, int], torch.Tensor]):
         self.n_tokens = n_tokens

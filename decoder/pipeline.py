@@ -25,7 +25,7 @@ from decoder.generate import ContextKV
 from decoder.prefill import prefill
 from indexer.base import DecodeContext, IndexReader, MethodEnv, MethodParams, Planner, SparseMethod
 from storage.artifacts import ContextArtifacts, ContextStore, IndexArrays
-from storage.keys import PromptHash
+from storage.keys import KV_DTYPES, PromptHash
 from storage.tier import TensorTier
 
 
@@ -41,6 +41,15 @@ class BuildResult:
     failed: dict[str, str] = field(default_factory=dict)  # index_id -> error (only with keep_going)
 
 
+def _stored_kv(k: torch.Tensor, v: torch.Tensor, kv_dtype: str | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The captured K/V [L, KVH, N, D] in the dtype they are stored in (None: as captured);
+    round-to-nearest-even, torch's cast."""
+    if kv_dtype is None:
+        return k, v
+    dt = getattr(torch, kv_dtype)
+    return k.to(dt), v.to(dt)
+
+
 def build_context(
     lm,
     store: ContextStore,
@@ -54,12 +63,20 @@ def build_context(
     on_index: Callable[[int, int], None] | None = None,
     manifest_extra: dict | None = None,
     keep_going: bool = False,
+    kv_dtype: str | None = None,
 ) -> BuildResult:
     """Prefill `tokens` and build the indexes in `todo` (index_id -> (method, params)); publish the
     context, or add the indexes when it is already published. `progress(f)` reports the prefill's
     fraction done, `on_index(i, n)` each finished index. With `keep_going`, a failing index build is
-    recorded in `failed` and the others still publish (the eval harness); without, it raises."""
+    recorded in `failed` and the others still publish (the eval harness); without, it raises.
+
+    `kv_dtype` (a `storage.keys.KV_DTYPES` name; None = the model's dtype) is what the K/V are
+    stored in; `key` must be the prompt hash for that dtype. Indexes are built from the capture as
+    the model computed it, before the cast: they are then the same for every stored dtype, also
+    when an index is added later to a published context (its prefill runs again)."""
     spec = lm.spec
+    if kv_dtype is not None and kv_dtype not in KV_DTYPES:  # refused before the prefill, not after it
+        raise ValueError(f"kv_dtype must be one of {KV_DTYPES}, not {kv_dtype!r}")
     published = store.exists(spec.slug, key)
     t0 = time.perf_counter()
     cap = prefill(lm, tokens, chunk_tokens=chunk_tokens, keep_q=bool(todo), progress=progress)
@@ -83,7 +100,9 @@ def build_context(
     if published:
         manifest = store.add_indexes(spec.slug, key, builds)
     else:
-        manifest = store.publish(key, spec, tokens, cap.k, cap.v, builds, {"timings": timings, **(manifest_extra or {})})
+        k, v = _stored_kv(cap.k, cap.v, kv_dtype)
+        del cap  # the capture (Q too) is not needed past here: free it before the write
+        manifest = store.publish(key, spec, tokens, k, v, builds, {"timings": timings, **(manifest_extra or {})})
     return BuildResult(manifest, t_prefill, {b.index_id: b.build_s for b in builds}, failed)
 
 

@@ -25,7 +25,10 @@ CUDA graph when it can:
   RMSNorm -> SiLU MLP; final norm and lm_head on each request's last token; sampling on the device.
   Projections and MLP run once for all requests of the batch ([B, C] rows), attention loops over
   them (each has its own context, planner and plan). Only the sampled token ids are read back:
-  one host sync per step, to stream them.
+  one host sync per step, to stream them. On CUDA the small ops between the GEMMs (RMSNorm with
+  the residual add before it, RoPE of q and k, SiLU·up) are one Triton launch each
+  (`decoder/kernels/layer.py`, `fused_layer`): ~15 kernels per layer instead of ~41, the same
+  roundings as the torch functions below, which stay the reference and the CPU path.
 * **Requests' attention in parallel** (`parallel=True`, CUDA, B > 1, context on the device): each
   request's plan + run + update of a layer is issued on its own side stream (the batch position's
   stream: fork from the step's stream, join back before o_proj), so the small search and attention
@@ -251,6 +254,18 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos + rot * sin
 
 
+def _layer_kernels(w: ModelWeights, device: torch.device, fused: bool | None):
+    """decoder/kernels/layer.py when the runner uses it (see `Runner`), else None."""
+    if fused is False or (fused is None and device.type != "cuda"):
+        return None
+    try:
+        from decoder.kernels import layer
+    except ImportError:  # no Triton
+        return None
+    probe = torch.empty(0, dtype=w.embed.dtype, device=device)
+    return None if layer.unsupported(probe, w.head_dim) else layer
+
+
 def mlp(x: torch.Tensor, lw: LayerWeights) -> torch.Tensor:
     """x [S, C] -> [S, C]: down(silu(gate(x)) * up(x))."""
     gate, up = F.linear(x, lw.wgu, lw.bgu).chunk(2, dim=-1)  # [S, I] each
@@ -363,10 +378,14 @@ class Runner:
     `track_fraction`: accumulate each request's fraction of visible K/V read (frame + plan) on the
     device, as `generate`'s StepStats (a few small kernels per layer and request).
     `parallel`: on CUDA, each request's attention runs on its own side stream (module docstring).
+    `fused_layer`: RMSNorm (+ residual add), RoPE of q and k and SiLU·up as one Triton launch each
+    (`decoder/kernels/layer.py`, same roundings as the torch functions here); None = on CUDA where
+    Triton runs them, True = also through Triton's interpreter (tests), False = torch.
     """
 
     def __init__(self, lm, backend: AttentionBackend, device: str | torch.device | None = None, *,
-                 graphs: bool = True, track_fraction: bool = False, parallel: bool = True):
+                 graphs: bool = True, track_fraction: bool = False, parallel: bool = True,
+                 fused_layer: bool | None = None):
         model = lm.model
         self.w = fuse_weights(model)
         self.device = torch.device(device) if device is not None else self.w.embed.device
@@ -388,6 +407,7 @@ class Runner:
         self.parallel = parallel and self.device.type == "cuda" and not backend.context_on_host
         self._side: list[torch.cuda.Stream] = []  # one per batch position (parallel attention)
         self._eager_key: tuple | None = None  # the batch of the last eager one-token step
+        self.layer_kernels = _layer_kernels(self.w, self.device, fused_layer)  # None: the torch functions
 
     # -- requests ------------------------------------------------------------------------------
 
@@ -567,21 +587,36 @@ class Runner:
         slots = [p - r.n_ctx for r, p in zip(reqs, q_pos)]  # local slot of each query token
         x = F.embedding(ids, w.embed)  # [S, C]
         cos, sin = rope_cos_sin(pos, w.inv_freq, w.rope_scaling, x.dtype)  # [S, D]
+        fk = self.layer_kernels
+        branch = None  # fused path: the MLP output not yet added to x (added by the next RMSNorm)
         for layer, lw in enumerate(w.layers):
-            qkv = F.linear(rms_norm(x, lw.ln1, w.eps), lw.wqkv, lw.bqkv)  # [S, (H + 2 KVH) D]
-            q, k, v = qkv.split([h * d, kvh * d, kvh * d], dim=-1)
-            q = apply_rope(q.view(-1, h, d), cos, sin)  # [S, H, D]
-            k = apply_rope(k.view(-1, kvh, d), cos, sin)  # [S, KVH, D]
-            v = v.view(-1, kvh, d)
+            if fk is None:
+                qkv = F.linear(rms_norm(x, lw.ln1, w.eps), lw.wqkv, lw.bqkv)  # [S, (H + 2 KVH) D]
+                q, k, v = qkv.split([h * d, kvh * d, kvh * d], dim=-1)
+                q = apply_rope(q.view(-1, h, d), cos, sin)  # [S, H, D]
+                k = apply_rope(k.view(-1, kvh, d), cos, sin)  # [S, KVH, D]
+            else:
+                hn, x = (fk.rms_norm(x, lw.ln1, w.eps), x) if branch is None else fk.rms_norm(branch, lw.ln1, w.eps, x)
+                qkv = F.linear(hn, lw.wqkv, lw.bqkv)
+                q, k = fk.rope_qk(qkv, cos, sin, h, kvh, d)
+            v = qkv[:, (h + kvh) * d:].view(-1, kvh, d)
             outs = fork_join(self._streams(b), [
                 lambda i=i, r=r: self._attend(r, layer, lw.scale, q[i * t:(i + 1) * t], k[i * t:(i + 1) * t],
                                               v[i * t:(i + 1) * t], q_pos[i], slots[i])
                 for i, r in enumerate(reqs)])
             a = outs[0] if b == 1 else torch.cat(outs)  # [S, H D]
-            x = x + F.linear(a, lw.wo, lw.bo)
-            x = x + mlp(rms_norm(x, lw.ln2, w.eps), lw)
+            if fk is None:
+                x = x + F.linear(a, lw.wo, lw.bo)
+                x = x + mlp(rms_norm(x, lw.ln2, w.eps), lw)
+            else:  # x + o_proj, its RMSNorm, SiLU·up: two launches around the projections
+                hn, x = fk.rms_norm(F.linear(a, lw.wo, lw.bo), lw.ln2, w.eps, x)
+                branch = F.linear(fk.silu_mul(F.linear(hn, lw.wgu, lw.bgu)), lw.wdown, lw.bdown)
         last = x.view(b, t, -1)[:, -1]  # [B, C]
-        logits = F.linear(rms_norm(last, w.norm, w.eps), w.lm_head).float()  # [B, V]
+        if fk is None:
+            normed = rms_norm(last, w.norm, w.eps)
+        else:  # the last MLP's residual add, on the rows that are read
+            normed, _ = fk.rms_norm(branch.view(b, t, -1)[:, -1], w.norm, w.eps, last)
+        logits = F.linear(normed, w.lm_head).float()  # [B, V]
         last_pos = pos.view(b, t)[:, -1]  # [B]
         temp = torch.cat([r.temperature for r in reqs])
         seed = torch.cat([r.seed for r in reqs])

@@ -7,8 +7,11 @@ import json
 import logging
 import time
 from contextlib import asynccontextmanager
+from pathlib import Path
 
+import fastapi_offline
 from fastapi import FastAPI
+from fastapi_offline import FastAPIOffline
 from starlette.middleware.trustedhost import TrustedHostMiddleware
 
 from service.api.decode_client import DecodeClient
@@ -16,6 +19,7 @@ from service.api.routes import admin, contexts, health, openai, training
 from service.auth import ApiKeyGuard, document_bearer_auth
 from service.errors import error_body, install_error_handlers
 from service.maintenance import rebuild_catalog
+from service.ratelimit import RateLimitGuard, RateLimits, document_rate_limits
 from service.runtime import Runtime
 from service.settings import Settings, get_settings
 
@@ -63,6 +67,15 @@ class RequestGuard:
         await self.app(scope, replay, send)
 
 
+DOCS_ASSETS = "/docs-assets"  # where the API docs' scripts, styles and icon are served
+
+
+def docs_asset_paths() -> set[str]:
+    """The URL of every file the docs pages load (open without an API key, like the pages)."""
+    static = Path(fastapi_offline.__file__).parent / "static"
+    return {f"{DOCS_ASSETS}/{f.name}" for f in static.iterdir() if f.is_file()}
+
+
 async def _reject(send, status: int, code: str, message: str) -> None:
     body = json.dumps(error_body(code, message)).encode()
     await send({"type": "http.response.start", "status": status,
@@ -93,6 +106,8 @@ def create_app(settings: Settings | None = None, *, lm=None) -> FastAPI:
             w.start()
         app.state.workers = workers
         app.state.decode = DecodeClient(rt)
+        app.state.rate_limits = RateLimits(settings.rate_limit, settings.rate_limit_expensive,
+                                           app.state.decode.r.connection_pool, settings.key_prefix)
         try:
             yield
         finally:
@@ -108,7 +123,10 @@ def create_app(settings: Settings | None = None, *, lm=None) -> FastAPI:
             await app.state.decode.aclose()
             rt.close()
 
-    app = FastAPI(
+    # Swagger UI (/docs) and ReDoc (/redoc) with their scripts and styles served by this app from the
+    # fastapi-offline package (FastAPI's default pages load them from a CDN: blank on an offline machine)
+    app = FastAPIOffline(
+        static_url=DOCS_ASSETS,
         title="ctxcache",
         version="0.1.0",
         summary="Register a long context once; ask many questions with sparse decode over its stored KV.",
@@ -121,8 +139,13 @@ def create_app(settings: Settings | None = None, *, lm=None) -> FastAPI:
     app.include_router(admin.router)
     app.include_router(openai.router)
     app.add_middleware(RequestGuard, max_bytes=settings.max_request_bytes)
+    if settings.rate_limit or settings.rate_limit_expensive:  # inside the key guard: counts valid keys only
+        app.add_middleware(RateLimitGuard, by_key=bool(settings.api_keys))
+        document_rate_limits(app, {k for k, v in (("standard", settings.rate_limit),
+                                                  ("expensive", settings.rate_limit_expensive)) if v})
     if settings.api_keys:  # outside RequestGuard: a request without a key is refused before its body is read
-        open_paths = {"/healthz", app.docs_url, app.redoc_url, app.openapi_url, app.swagger_ui_oauth2_redirect_url} - {None}
+        open_paths = {"/healthz", "/docs", "/redoc", app.openapi_url, app.swagger_ui_oauth2_redirect_url,
+                      *docs_asset_paths()} - {None}
         app.add_middleware(ApiKeyGuard, keys=[k.get_secret_value() for k in settings.api_keys], open_paths=open_paths)
         document_bearer_auth(app, open_paths)
     if settings.allowed_hosts:  # outermost: a request for another Host gets 400 before anything reads it

@@ -47,17 +47,31 @@ class ApiKeyGuard:
         await send({"type": "http.response.body", "body": raw})
 
     def _authorized(self, scope) -> bool:
-        header = next((v for k, v in scope.get("headers") or [] if k == b"authorization"), None)
-        if header is None:
+        token = bearer_token(scope)
+        if token is None:
             return False
-        scheme, _, token = header.decode("latin-1").strip().partition(" ")
-        if scheme.lower() != "bearer" or not token.strip():
-            return False
-        given = _digest(token.strip())
+        given = _digest(token)
         ok = False
         for d in self.digests:  # every key compared: the time does not tell which one matched
             ok |= hmac.compare_digest(given, d)
         return ok
+
+
+def bearer_token(scope) -> str | None:
+    """The key of a request's `Authorization: Bearer <key>` header, or None."""
+    header = next((v for k, v in scope.get("headers") or [] if k == b"authorization"), None)
+    if header is None:
+        return None
+    scheme, _, token = header.decode("latin-1").strip().partition(" ")
+    if scheme.lower() != "bearer" or not token.strip():
+        return None
+    return token.strip()
+
+
+def key_id(scope) -> str | None:
+    """Who a request's key is, for counting and logs: a sha256 prefix of the key (never the key)."""
+    token = bearer_token(scope)
+    return None if token is None else _digest(token).hex()[:16]
 
 
 def _digest(key: str) -> bytes:

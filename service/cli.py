@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -9,6 +10,7 @@ import signal
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Optional
 
@@ -62,12 +64,14 @@ def serve(
                 timeout_graceful_shutdown=s.shutdown_grace_seconds)
 
 
-def _run_worker(kind: str, redis_url: Optional[str], data_dir: Optional[Path], model: Optional[str]) -> None:
+def _run_worker(kind: str, redis_url: Optional[str], data_dir: Optional[Path], model: Optional[str],
+                metrics_port: Optional[int] = None) -> None:
+    from service.metrics import serve_worker_metrics
     from service.runtime import Runtime
     from service.workers import DecodeWorker, Janitor, PrefillWorker, TrainWorker
 
     _logging()
-    s = _settings(redis_url=redis_url, data_dir=data_dir, model=model)
+    s = _settings(redis_url=redis_url, data_dir=data_dir, model=model, metrics_port=metrics_port)
     if s.embedded:
         typer.echo("a separate worker needs --redis-url (embedded mode runs workers inside `ctxcache serve`)", err=True)
         raise typer.Exit(2)
@@ -78,9 +82,17 @@ def _run_worker(kind: str, redis_url: Optional[str], data_dir: Optional[Path], m
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     signal.signal(signal.SIGINT, lambda *_: stop.set())
+    if s.metrics_port is not None:
+        try:
+            serve_worker_metrics(rt, loops, s.metrics_port, s.host)
+        except OSError as e:  # the port is taken: say so in one line, before any job is claimed
+            typer.echo(f"cannot serve metrics on {s.host}:{s.metrics_port}: {e.strerror or e}", err=True)
+            rt.close()
+            raise typer.Exit(2)
     for lp in loops:
         lp.start()
-    typer.echo(f"ctxcache {kind} worker {loops[0].wid} running (model {rt.lm.spec.name})")
+    typer.echo(f"ctxcache {kind} worker {loops[0].wid} running (model {rt.lm.spec.name})"
+               + (f", metrics on http://{s.host}:{s.metrics_port}/metrics" if s.metrics_port else ""))
     stop.wait()
     # drain: no new jobs; a decode worker's held requests may finish for the grace, then are given up
     # (their API retries them on another worker); every loop is joined within the same bound
@@ -92,14 +104,19 @@ def _run_worker(kind: str, redis_url: Optional[str], data_dir: Optional[Path], m
     rt.close()
 
 
+MetricsPortOpt = typer.Option(None, envvar="CTXCACHE_METRICS_PORT",
+                              help="serve Prometheus metrics on this port (bound to CTXCACHE_HOST) [none]")
+
+
 @worker_app.command("prefill")
 def worker_prefill(
     redis_url: Optional[str] = typer.Option(None, envvar="CTXCACHE_REDIS_URL"),
     data_dir: Optional[Path] = typer.Option(None),
     model: Optional[str] = typer.Option(None),
+    metrics_port: Optional[int] = MetricsPortOpt,
 ):
     """Build contexts: prefill, index, persist."""
-    _run_worker("prefill", redis_url, data_dir, model)
+    _run_worker("prefill", redis_url, data_dir, model, metrics_port)
 
 
 @worker_app.command("decode")
@@ -107,9 +124,10 @@ def worker_decode(
     redis_url: Optional[str] = typer.Option(None, envvar="CTXCACHE_REDIS_URL"),
     data_dir: Optional[Path] = typer.Option(None),
     model: Optional[str] = typer.Option(None),
+    metrics_port: Optional[int] = MetricsPortOpt,
 ):
     """Answer questions over stored contexts (GPU if present)."""
-    _run_worker("decode", redis_url, data_dir, model)
+    _run_worker("decode", redis_url, data_dir, model, metrics_port)
 
 
 @worker_app.command("train")
@@ -117,30 +135,85 @@ def worker_train(
     redis_url: Optional[str] = typer.Option(None, envvar="CTXCACHE_REDIS_URL"),
     data_dir: Optional[Path] = typer.Option(None),
     model: Optional[str] = typer.Option(None),
+    metrics_port: Optional[int] = MetricsPortOpt,
 ):
     """Run offline training jobs (POST /v1/methods/saap/train); shares the data dir with the prefill workers."""
-    _run_worker("train", redis_url, data_dir, model)
+    _run_worker("train", redis_url, data_dir, model, metrics_port)
 
 
 # ---- client commands -------------------------------------------------------------------------
 
 
-def _client(url: str) -> httpx.Client:
-    """An HTTP client for the service; sends `CTXCACHE_API_KEY` as the bearer key when it is set."""
+@contextlib.contextmanager
+def _client(url: str) -> Iterator[httpx.Client]:
+    """An HTTP client for the service; sends `CTXCACHE_API_KEY` as the bearer key when it is set.
+    A service that cannot be reached (or drops the connection) ends the command with one line on
+    stderr and exit code 1, not a traceback."""
     key = os.environ.get("CTXCACHE_API_KEY", "").strip()
     headers = {"Authorization": f"Bearer {key}"} if key else {}
-    return httpx.Client(base_url=url, headers=headers, timeout=httpx.Timeout(30.0, read=900.0))
+    try:
+        with httpx.Client(base_url=url, headers=headers, timeout=httpx.Timeout(30.0, read=900.0)) as c:
+            yield c
+    except httpx.TransportError as e:
+        what = "cannot reach" if isinstance(e, (httpx.ConnectError, httpx.ConnectTimeout)) else "lost the connection to"
+        reason = " ".join(str(e).split()) or type(e).__name__
+        typer.echo(f"error: {what} the ctxcache service at {url} ({reason}); is it running? "
+                   f"(--url or CTXCACHE_URL)", err=True)
+        raise typer.Exit(1) from None
 
 
 def _check(resp: httpx.Response) -> dict:
+    """The response's JSON, or exit 1 after printing its error (and the field errors in `details`)."""
     if resp.status_code >= 400:
         try:
             err = resp.json()["error"]
             typer.echo(f"error {resp.status_code} {err['code']}: {err['message']}", err=True)
-        except (ValueError, KeyError):
+        except (ValueError, KeyError, TypeError):
             typer.echo(f"error {resp.status_code}: {resp.text[:500]}", err=True)
+            raise typer.Exit(1)
+        for line in _detail_lines(err.get("details")):
+            typer.echo(f"  {line}", err=True)
         raise typer.Exit(1)
     return resp.json() if resp.content else {}
+
+
+def _detail_lines(details) -> list[str]:
+    """An error's `details` for a terminal: one `location: message` line per field error (pydantic's
+    list of {loc, msg}), else the details as one JSON line."""
+    if not details:
+        return []
+    if isinstance(details, list) and all(isinstance(d, dict) and "msg" in d for d in details):
+        return [f"{'.'.join(map(str, d.get('loc') or [])) or '-'}: {d['msg']}" for d in details]
+    return [json.dumps(details)]
+
+
+ID_HEX = frozenset("0123456789abcdef")
+MIN_ID_PREFIX = 6
+
+
+def _resolve_id(c: httpx.Client, given: str) -> str:
+    """A context id from a full id or an unambiguous prefix of at least 6 hex digits (matched over
+    the service's context list). Exit 2 for an ambiguous or malformed prefix, 1 when none matches."""
+    prefix = given.strip().lower()
+    if len(prefix) == 64:
+        return prefix
+    if len(prefix) < MIN_ID_PREFIX or not set(prefix) <= ID_HEX:
+        typer.echo(f"error: {given!r} is not a context id: give the 64 hex digits or a unique prefix of at least "
+                   f"{MIN_ID_PREFIX}", err=True)
+        raise typer.Exit(2)
+    matches, offset = [], 0
+    while offset is not None:
+        page = _check(c.get("/v1/contexts", params={"limit": 200, "offset": offset}))
+        matches += [r["id"] for r in page["data"] if r["id"].startswith(prefix)]
+        offset = page.get("next_offset")
+    if not matches:
+        typer.echo(f"error: no context id starts with {prefix}", err=True)
+        raise typer.Exit(1)
+    if len(matches) > 1:
+        typer.echo(f"error: id prefix {prefix} is ambiguous; it matches {len(matches)} contexts: "
+                   + ", ".join(sorted(matches)[:10]) + (" ..." if len(matches) > 10 else ""), err=True)
+        raise typer.Exit(2)
+    return matches[0]
 
 
 @app.command()
@@ -201,17 +274,20 @@ def ask(
     stats: bool = typer.Option(False, help="print usage and decode stats"),
     url: str = UrlOpt,
 ):
-    """Ask a question; the answer streams to stdout."""
+    """Ask a question; the answer streams to stdout. ID: the full id or a unique prefix (>= 6 hex digits)."""
     params = {}
     for p in param:
-        k, _, v = p.partition("=")
+        k, eq, v = p.partition("=")
+        if not eq or not k.strip():
+            typer.echo(f"error: --param/-p takes KEY=VALUE (a JSON value, e.g. k=64); got {p!r}", err=True)
+            raise typer.Exit(2)
         try:
-            params[k] = json.loads(v)
+            params[k.strip()] = json.loads(v)
         except ValueError:
-            params[k] = v
+            params[k.strip()] = v
     body = {"question": question, "method": method, "params": params, "max_tokens": max_tokens,
             "temperature": temperature, "stream": True}
-    with _client(url) as c, c.stream("POST", f"/v1/contexts/{cid}/completions", json=body) as resp:
+    with _client(url) as c, c.stream("POST", f"/v1/contexts/{_resolve_id(c, cid)}/completions", json=body) as resp:
         if resp.status_code >= 400:
             resp.read()
             _check(resp)
@@ -234,15 +310,16 @@ def ask(
 
 @app.command()
 def status(cid: str = typer.Argument(..., metavar="ID"), url: str = UrlOpt):
-    """Show a context's record."""
+    """Show a context's record. ID: the full id or a unique prefix (>= 6 hex digits)."""
     with _client(url) as c:
-        typer.echo(json.dumps(_check(c.get(f"/v1/contexts/{cid}")), indent=1))
+        typer.echo(json.dumps(_check(c.get(f"/v1/contexts/{_resolve_id(c, cid)}")), indent=1))
 
 
 @app.command()
 def delete(cid: str = typer.Argument(..., metavar="ID"), url: str = UrlOpt):
-    """Delete a context and its artifacts."""
+    """Delete a context and its artifacts. ID: the full id or a unique prefix (>= 6 hex digits)."""
     with _client(url) as c:
+        cid = _resolve_id(c, cid)
         _check(c.delete(f"/v1/contexts/{cid}"))
     typer.echo(f"deleted {cid}")
 
@@ -296,7 +373,9 @@ def train_saap(
     corpus: Optional[Path] = typer.Option(None, help="directory of .txt files [built-in seeded corpus]"),
     out: Optional[Path] = typer.Option(None, help="output directory [<data-dir>/saap/<model fingerprint[:16]>]"),
     data_dir: Optional[Path] = typer.Option(None, help="data directory (model cache, default output) [./data]"),
-    preset: str = typer.Option("full", help="full (the paper's sizes) or small (a few minutes on 2 CPU cores)"),
+    preset: Optional[str] = typer.Option(
+        None, help="full (the paper's sizes) or small (a few minutes on 2 CPU cores) [full; on a CPU, none: "
+                   "refused when the estimate exceeds train_budget_seconds, name a preset]"),
     clusters: Optional[int] = typer.Option(None, help="C, k-means buckets per layer and KV head [full 1024, small 32]"),
     steps: Optional[int] = typer.Option(None, help="Adam steps per layer [full 40000, small 300]"),
     hidden: Optional[int] = typer.Option(None, help="classifier hidden width [full 1024, small 128]"),
@@ -314,6 +393,8 @@ def train_saap(
 
     On a GPU (--device auto or cuda): the full preset takes ~0.9 h on one H100 (extrapolated from measured layers).
     On a CPU use --preset small (~3 min on 2 cores); the full preset is ~36 h on 16 cores (benchmarks/RESULTS_saap.md).
+    Without --preset on a CPU the command refuses (exit 2) when its estimate (service/limits.py, as for a REST
+    training job) exceeds `train_budget_seconds`: the full preset's ~385 h is never started by accident.
     """
     from decoder.model import load_model
     from indexer._saap_train import resolve_device, settings_from, train_saap as _train
@@ -327,12 +408,21 @@ def train_saap(
             for part in layers.split(","):
                 a, _, b = part.strip().partition("-")
                 layer_list += list(range(int(a), int(b) + 1)) if b else [int(a)]
-        ts = settings_from(preset, clusters=clusters, steps=steps, hidden=hidden, n_docs=docs, doc_tokens=doc_tokens,
+        ts = settings_from(preset or "full", clusters=clusters, steps=steps, hidden=hidden, n_docs=docs, doc_tokens=doc_tokens,
                            layers=tuple(layer_list) if layer_list else None, seed=seed, device=device)
         dev = resolve_device(ts.device)
     except ValueError as e:
         typer.echo(f"invalid settings: {e}", err=True)
         raise typer.Exit(2)
+    if preset is None and dev.type == "cpu":
+        from service.limits import train_cost
+
+        cost = train_cost(load_model(s.model, s.data_dir, with_weights=False).spec, ts)
+        if cost.seconds > s.train_budget_seconds:
+            typer.echo(f"refused: {cost.what} on a CPU is estimated at ~{cost.seconds / 3600:.1f} h (over "
+                       f"train_budget_seconds={s.train_budget_seconds:.0f} s); pass --preset small (minutes), or "
+                       f"--preset full to run the full preset anyway", err=True)
+            raise typer.Exit(2)
     if threads:
         import torch
 

@@ -25,6 +25,7 @@ STATUS_CODES = {
     413: "payload_too_large: body over max_request_bytes",
     422: "validation_error (schema), invalid_parameter, over_budget (estimated cost over the budget), "
          "context_too_long, too_long, unknown_method, unknown_model, unsupported_configuration, ...",
+    429: "rate_limited: over the API key's rate limit (rate_limit, rate_limit_expensive); Retry-After says when to retry",
     500: "internal_error, artifact_corrupt, artifact_missing (details in the server log)",
     503: "dependency_unavailable (Redis), no_decode_worker, decode_worker_lost, storage_unavailable (a manifest "
          "could not be written)",

@@ -45,6 +45,16 @@ def resolve_backend(settings: Settings, device: str) -> str:
     return default_backend_name(device) if settings.attention_backend == "auto" else settings.attention_backend
 
 
+def resolve_kv_dtype(settings: Settings, model_dtype: str) -> str:
+    """The dtype contexts' K/V are stored in (`storage.keys.KV_DTYPES`): the setting, or with `auto`
+    the model's own dtype (what prefill computes, so storing it rounds nothing). It enters the
+    context id, so the API resolves it once at registration and the prefill worker builds what the
+    id says (the record carries it)."""
+    if settings.kv_dtype != "auto":
+        return settings.kv_dtype
+    return model_dtype if model_dtype in ("bfloat16", "float16") else "float32"
+
+
 def resolve_runner(settings: Settings, device: str) -> bool:
     """Whether the decode worker batches requests through `decoder.runner` (auto: on a GPU)."""
     if settings.decode_runner == "auto":
@@ -96,6 +106,11 @@ class Runtime:
         from indexer.base import MethodEnv
 
         return MethodEnv(self.settings.data_dir, confined=True)  # paths in request params stay under it
+
+    @property
+    def kv_dtype(self) -> str:
+        """The dtype this service stores new contexts' K/V in (`resolve_kv_dtype`)."""
+        return resolve_kv_dtype(self.settings, self.lm.spec.dtype)
 
     @property
     def max_context_tokens(self) -> int:

@@ -10,6 +10,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Annotated
 
+from limits import parse as parse_limit
 from pydantic import Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
@@ -26,6 +27,11 @@ class Settings(BaseSettings):
     device: str = Field("auto", pattern="^(auto|cpu|cuda(:[0-9]+)?)$", description="where the model runs in workers (prefill and decode); auto = cuda if present")
     host: str = Field("127.0.0.1", description="bind address of `ctxcache serve`")
     port: int = Field(8000, ge=1, le=65535, description="port of `ctxcache serve`")
+    metrics_port: int | None = Field(
+        None, ge=1, le=65535,
+        description="a worker process (`ctxcache worker ...`) serves Prometheus metrics on this port (bound to "
+                    "`host`); unset = none. `ctxcache serve` ignores it: its workers are threads counted in the "
+                    "API's /metrics")
     run_workers: bool | None = Field(
         None, description="run prefill + decode workers inside the API process; default: yes when embedded"
     )
@@ -51,6 +57,11 @@ class Settings(BaseSettings):
         description="decode attention backend: auto = triton on a GPU when installed, else torch_ref; offload keeps "
                     "context K/V in DRAM and ships the attended rows; a completion may name another one")
     prefill_chunk_tokens: int = Field(512, ge=16, le=65536, description="prefill chunk size (memory bound + progress)")
+    kv_dtype: str = Field(
+        "auto", pattern="^(auto|bfloat16|float16|float32)$",
+        description="dtype a context's K/V are stored in and held in the tiers (2 bytes per value in bfloat16/float16, "
+                    "4 in float32); part of the context id. auto = the model's dtype: bfloat16/float16 where the model "
+                    "runs in it, float32 for a float32 model (the service's default model: nothing lost, no rounding)")
     job_lease_seconds: int = Field(60, ge=5, description="a prefill job whose worker is silent this long is requeued")
     decode_timeout_seconds: float = Field(600.0, gt=0, description="a completion waiting longer for its worker gets 504")
     decode_lease_seconds: int = Field(
@@ -81,6 +92,14 @@ class Settings(BaseSettings):
     api_keys: Annotated[list[SecretStr] | None, NoDecode] = Field(
         None, description="API keys (env CTXCACHE_API_KEYS, comma-separated): every route but /healthz and the docs "
                           "then needs `Authorization: Bearer <key>` (401 unauthorized otherwise); unset = open")
+    rate_limit: str | None = Field(
+        None, description="requests each API key (each client address without keys) may make in a moving window to "
+                          "the routes that start work: registering a context, completions (ours and OpenAI's), in "
+                          "the `limits` notation ('120/minute', '1000 per hour'); more -> 429 rate_limited with "
+                          "Retry-After (service/ratelimit.py); unset or '0' = no limit")
+    rate_limit_expensive: str | None = Field(
+        None, description="the same for training and the admin routes (fsck, catalog rebuild), e.g. '10/hour'; "
+                          "unset or '0' = no limit")
 
     @field_validator("api_keys", mode="before")
     @classmethod
@@ -92,6 +111,21 @@ class Settings(BaseSettings):
             return None
         keys = [k.strip() if isinstance(k, str) else k for k in value]
         return [k for k in keys if k] or None
+
+    @field_validator("rate_limit", "rate_limit_expensive")
+    @classmethod
+    def _check_limit(cls, value: str | None) -> str | None:
+        """None for off (unset, empty or '0'), else the limit in `limits`' own notation; a value it
+        cannot read is refused at startup, not at the first request."""
+        if value is None or value.strip() in ("", "0"):
+            return None
+        try:
+            item = parse_limit(value)
+        except ValueError as e:
+            raise ValueError(f"not a rate limit ({e}); write e.g. '120/minute' or '10 per hour'") from None
+        if item.amount < 1:
+            raise ValueError("a rate limit allows at least 1 request; unset it to turn it off")
+        return str(item)
 
     @property
     def embedded(self) -> bool:

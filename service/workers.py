@@ -22,11 +22,12 @@ from decoder.backends import get_backend
 from decoder.generate import generate
 from decoder.pipeline import ContextTiers, build_context, open_context
 from indexer.base import MethodUnavailable, get_method
+from service import metrics
 from service.errors import INTERNAL_ERROR_MESSAGE, redact_paths
 from service.maintenance import restore_record
 from service.runtime import Runtime, resolve_backend, resolve_device, resolve_gpu_cache_bytes, resolve_runner
 from storage.artifacts import ArtifactCorrupt, ArtifactError, ArtifactMissing
-from storage.keys import PromptHash
+from storage.keys import KV_DTYPES, PromptHash
 
 log = logging.getLogger("ctxcache.worker")
 
@@ -143,9 +144,12 @@ class PrefillWorker(_LeasedLoop):
             self._build(cid, rec)
         except Exception as e:  # noqa: BLE001 - any failure becomes the context's status, never a lost job
             log.exception("prefill of %s failed", cid)
+            metrics.job_finished(self.kind, "failed")
             code = "artifact_corrupt" if isinstance(e, ArtifactCorrupt) else "build_failed"
             cat.update(cid, status="failed", error_code=code,
                        error_message=redact_paths(f"{type(e).__name__}: {e}"[:2000], self.rt.settings.data_dir))
+        else:
+            metrics.job_finished(self.kind, "done")
 
     def _build(self, cid: str, rec: dict) -> None:
         rt, cat = self.rt, self.rt.catalog
@@ -163,11 +167,13 @@ class PrefillWorker(_LeasedLoop):
                 self._ready(cid, spec.slug, manifest)
                 return
             tokens = rt.store.open(spec.slug, key).read("tokens").tolist()
+            kv_dtype = None  # its K/V are stored already; only indexes are added
         else:
             todo = methods
             tokens = cat.tokens(cid)
             if tokens is None:
                 raise RuntimeError("token ids of this context are gone from the catalog; register it again")
+            kv_dtype = self._kv_dtype(cid, spec, tokens, rec.get("kv_dtype"))
         cat.update(cid, status="prefilling", progress=0.0, error_code="", error_message="")
         last = [0.0]
 
@@ -189,7 +195,8 @@ class PrefillWorker(_LeasedLoop):
                             chunk_tokens=rt.settings.prefill_chunk_tokens, progress=progress, on_index=on_index,
                             manifest_extra={"prompt_format": rec.get("prompt_format", "chat"),
                                             "display_name": rec.get("display_name") or "",
-                                            "expires_at": rec.get("expires_at")})
+                                            "expires_at": rec.get("expires_at")},
+                            kv_dtype=kv_dtype)
         manifest = res.manifest
         if not self._ready(cid, spec.slug, manifest):
             if cat.was_deleted(cid):
@@ -198,6 +205,17 @@ class PrefillWorker(_LeasedLoop):
                 log.warning("context %s: its record vanished during the build; re-added from the manifest", cid)
                 restore_record(rt, spec.slug, manifest)
         cat.drop_tokens(cid)
+
+    @staticmethod
+    def _kv_dtype(cid: str, spec, tokens: list[int], recorded: str | None) -> str:
+        """The dtype to store the K/V in: the one the context id was computed with (the record's,
+        set by the API from `kv_dtype`, tried first). A record without it (registered before the
+        setting, or restored from a manifest) still gets the id's dtype; tokens that hash to the id
+        under no dtype are refused rather than stored under a wrong id."""
+        for dt in dict.fromkeys([d for d in (recorded, *KV_DTYPES) if d in KV_DTYPES]):
+            if PromptHash.compute(spec.fingerprint, spec.tokenizer_fingerprint, tokens, dt).hex == cid:
+                return dt
+        raise RuntimeError("the context's token ids do not hash to its id under any kv dtype; register it again")
 
     def _intact(self, cid: str, slug: str, key: PromptHash) -> bool:
         """Whether a published context verifies chunk by chunk (`ContextStore.verify`). A context is
@@ -414,6 +432,7 @@ class DecodeWorker(_Loop):
                 log.exception("decode step of the %s runner failed", name)
                 for key in [k for k in self._live if k[0] == name]:
                     live = self._live.pop(key)
+                    metrics.job_finished(self.kind, "failed")
                     cat.emit(live.job.rid, "error", {"code": "internal_error", "message": INTERNAL_ERROR_MESSAGE})
                     runner.remove(key[1])
                     self._release(live.job.req)
@@ -496,14 +515,17 @@ class DecodeWorker(_Loop):
         try:
             yield
         except ArtifactError as e:
+            metrics.job_finished(self.kind, "failed")
             code = "artifact_missing" if isinstance(e, ArtifactMissing) else "artifact_corrupt"
             log.error("context %s: %s", cid, e)
             self.forget(cid)
             cat.update(cid, status="failed", error_code=code, error_message=str(e)[:2000])
             cat.emit(rid, "error", {"code": code, "message": f"stored artifacts of this context are unusable: {e}"})
         except MethodUnavailable as e:
+            metrics.job_finished(self.kind, "failed")
             cat.emit(rid, "error", {"code": "method_unavailable", "message": str(e)[:2000]})
         except Exception as e:  # noqa: BLE001
+            metrics.job_finished(self.kind, "failed")
             log.exception("completion %s on %s failed", rid, cid)
             cat.emit(rid, "error", {"code": "internal_error", "message": INTERNAL_ERROR_MESSAGE})
 
@@ -553,6 +575,7 @@ class DecodeWorker(_Loop):
               stats: dict) -> None:
         tok = self.rt.lm.tokenizer
         n, n_out, loads = job.n_ctx, len(token_ids), job.opened.loads
+        tps = round(max(n_out - 1, 0) / decode_s, 2) if decode_s > 0 and n_out > 1 else None
         self.rt.catalog.emit(job.rid, "done", {
             "text": tok.decode(token_ids, skip_special_tokens=True),
             "token_ids": token_ids,
@@ -570,13 +593,15 @@ class DecodeWorker(_Loop):
                 "tier_misses": sum(loads.misses.values()),
                 "tiers": {t: {"hits": loads.hits.get(t, 0), "misses": loads.misses.get(t, 0)}
                           for t in sorted(set(loads.hits) | set(loads.misses))},
-                "decode_tokens_per_s": round(max(n_out - 1, 0) / decode_s, 2) if decode_s > 0 and n_out > 1 else None,
+                "decode_tokens_per_s": tps,
                 **stats,
                 "device": self.device,
                 "kv_device": str(job.opened.resident),
                 "method_stats": job.opened.planner.stats(),
             },
         })
+        metrics.job_finished(self.kind, "done")
+        metrics.decode_finished(job.method.name, n_out, tps, stats.get("kv_fraction"))
         self.rt.catalog.worker_alive(self.kind, self.wid, ttl_s=self.liveness_ttl_s, info=self.info())  # fresh tier numbers for /metrics
 
 
@@ -680,26 +705,31 @@ class TrainWorker(_LeasedLoop):
             manifest = json.loads((out / "manifest.json").read_text())
         except TrainingCancelled:
             log.info("training job %s cancelled", jid)
+            metrics.job_finished(self.kind, "cancelled")
             cat.end_train(jid, fp, status="cancelled", phase="cancelled")
             return
         except Exception as e:  # noqa: BLE001 - a failed job becomes the job's status, never a lost job
             log.exception("training job %s failed", jid)
+            metrics.job_finished(self.kind, "failed")
             cat.end_train(jid, fp, status="failed", phase="failed", error_code="train_failed",
                           error_message=redact_paths(f"{type(e).__name__}: {e}"[:2000], self.rt.settings.data_dir))
             return
+        metrics.job_finished(self.kind, "done")
         cat.end_train(jid, fp, status="done", phase="done", progress=1.0, model_dir=str(out),
                       digest=manifest["digest"], layers_done=len(manifest["layers"]),
                       layers_total=len(manifest["layers"]), train_s=round(time.perf_counter() - t0, 2))
 
 
 class Janitor(_Loop):
-    """Removes expired contexts (record + artifacts) and requeues jobs of crashed workers."""
+    """Removes expired contexts (record + artifacts), requeues jobs of crashed workers and drops
+    decode requests that lost both their worker and their client."""
 
     kind = "janitor"
 
     def __init__(self, rt: Runtime, on_delete=None):
         super().__init__(rt)
         self.on_delete = on_delete
+        self._unleased: dict[str, float] = {}  # active decode request (queued JSON) -> first seen without lease
 
     def tick(self) -> None:
         self.sweep()
@@ -715,7 +745,30 @@ class Janitor(_Loop):
             expired += 1
         requeued = cat.requeue_stale()
         store.gc_temp(older_than_s=max(3600.0, 10 * self.rt.settings.job_lease_seconds))
-        return {"expired": expired, "requeued": requeued}
+        return {"expired": expired, "requeued": requeued, "decode_dropped": self._drop_orphaned_decodes()}
+
+    def _drop_orphaned_decodes(self) -> int:
+        """Remove active decode requests whose worker died and that no API waits on (the API and the
+        worker died together): nothing else would ever remove them.
+
+        Whether a client waits is told by time, not by a marker: an API waiting on a request notices
+        a lost lease within two of its checks (under a second, `DecodeClient.check_s`) and removes
+        the entry itself when it retries or gives up. An entry still there without a lease for
+        twice `decode_lease_seconds` since this janitor first saw it so is one nobody waits on. A
+        live request is never touched: it holds a lease (checked again, under WATCH, at removal),
+        and one removed while its API was stalled is still retried by that API (its check reads the
+        lease and the queue, not the active list)."""
+        cat, now = self.rt.catalog, time.monotonic()
+        grace = 2 * self.rt.settings.decode_lease_seconds
+        self._unleased = {raw: self._unleased.get(raw, now) for raw in cat.unleased_decode()}
+        dropped = 0
+        for raw, since in list(self._unleased.items()):
+            if now - since >= grace and cat.drop_decode(raw):
+                del self._unleased[raw]
+                dropped += 1
+        if dropped:
+            log.info("dropped %d decode request(s) whose worker and client are gone", dropped)
+        return dropped
 
 
 def delete_context(rt: Runtime, cid: str) -> bool:

@@ -25,8 +25,11 @@ to them. Each array's sha256 over its data (`arrays.<name>.sha256`) stays in the
 publish read-back checks it, and `verify` uses it for contexts published before chunk checksums
 existed (their reads still fail on a missing chunk).
 
-bfloat16 has no zarr dtype: it is stored as a uint16 view and the logical dtype is kept in the
-array attributes and the manifest.
+bfloat16 has no zarr dtype: it is stored as a uint16 view (its exact bit pattern) and the logical
+dtype is kept in the array attributes and the manifest (`arrays.<name>.dtype`, `stored_dtype` is the
+zarr one); reads give the logical dtype back. The K/V dtype (`kv_dtype`: float32, bfloat16 or
+float16, the service's setting) is also a top-level manifest field, and part of the context's
+prompt hash. The chunk checks below see only bytes, so they cover the uint16 view the same way.
 
 Publishing: everything is written under `<slug>/.tmp-<hash>-<uuid>/`, read back and checked
 against the sha256 recorded at write time, then renamed into place (atomic on POSIX). A failed
@@ -215,6 +218,7 @@ class ContextStore:
                 "prompt_hash": key.hex,
                 "model": spec.to_dict(),
                 "n_tokens": n,
+                "kv_dtype": arrays["kv/k"]["dtype"],  # part of the prompt hash (storage.keys.PromptHash)
                 "created_at": time.time(),
                 "arrays": arrays,
                 "indexes": index_meta,
@@ -512,6 +516,11 @@ class ContextArtifacts:
     @property
     def n_tokens(self) -> int:
         return int(self.manifest["n_tokens"])
+
+    @property
+    def kv_dtype(self) -> str:
+        """The dtype the K/V are stored in (and read back as)."""
+        return self.manifest["arrays"]["kv/k"]["dtype"]
 
     def _array(self, name: str) -> zarr.Array:
         if name not in self.manifest["arrays"]:

@@ -531,6 +531,34 @@ class Catalog:
         the waiting API sees the worker gone at once and retries the request or answers 503."""
         self.r.delete(self.k_decode_lease(job["rid"]))
 
+    def unleased_decode(self) -> list[str]:
+        """The active decode requests (their queued JSON) that no worker holds a lease on: their
+        worker died. The API waiting on one removes it when it retries; `drop_decode` removes those
+        no API waits on any more (the janitor)."""
+        raws = self.r.lrange(self.k_decode_active, 0, -1)
+        if not raws:
+            return []
+        with self.r.pipeline(transaction=False) as pipe:
+            for raw in raws:
+                pipe.exists(self.k_decode_lease(json.loads(raw)["rid"]))
+            leased = pipe.execute()
+        return [(raw.decode() if isinstance(raw, bytes) else raw) for raw, held in zip(raws, leased) if not held]
+
+    def drop_decode(self, raw: str) -> bool:
+        """Remove one active decode request (its queued JSON) unless a worker leased it meanwhile;
+        True if it was removed."""
+        rid = json.loads(raw)["rid"]
+        with self.r.pipeline() as pipe:  # WATCH: a lease taken between the check and the removal wins
+            try:
+                pipe.watch(self.k_decode_lease(rid))
+                if pipe.exists(self.k_decode_lease(rid)):
+                    return False
+                pipe.multi()
+                pipe.lrem(self.k_decode_active, 1, raw)
+                return bool(pipe.execute()[0])
+            except redis.WatchError:
+                return False
+
     def emit(self, rid: str, event: str, data: dict, ttl_s: int = 600) -> None:
         key = self.k_out(rid)
         with self.r.pipeline() as pipe:

@@ -23,7 +23,9 @@ NEG_INF = float("-inf")
 def dense_attention(q: torch.Tensor, kv: KVView, scale: float) -> torch.Tensor:
     """Every context token + the request-local tokens each query may see. q [KVH, G, T, D].
     Scores and the softmax in float32; on a GPU the context's bf16/fp16 K/V are read in place
-    (`bmm_f32`) rather than copied to float32."""
+    (`bmm_f32`) rather than copied to float32 when q has their dtype. K/V stored in another dtype
+    than the model's (`kv_dtype` bfloat16 under a float32 model) are upcast one layer at a time
+    for the step, never rounding q; the tiers keep them in their stored dtype."""
     kvh, g, t, d = q.shape
     qf = q.reshape(kvh, g * t, d)
     s_ctx = bmm_f32(qf, kv.ctx_k.transpose(1, 2)).view(kvh, g, t, -1) * scale

@@ -135,8 +135,10 @@ def create_context(body: ContextCreate, rt: RuntimeDep, response: Response):
             raise ApiError(422, "unsupported_configuration", f"{name}: " + "; ".join(reasons))
         index_id = method.index_id(params, spec, rt.method_env) if method.has_index else None
         wanted[name] = {"params": params.model_dump(), "index_id": index_id}
-    cid = PromptHash.compute(spec.fingerprint, spec.tokenizer_fingerprint, ids).hex
-    record = {"model": spec.name, "slug": spec.slug, "n_tokens": len(ids), "prompt_format": body.format if body.text is not None else "raw",
+    kv_dtype = rt.kv_dtype  # part of the identity: the same text in another KV dtype is another context
+    cid = PromptHash.compute(spec.fingerprint, spec.tokenizer_fingerprint, ids, kv_dtype).hex
+    record = {"model": spec.name, "slug": spec.slug, "n_tokens": len(ids), "kv_dtype": kv_dtype,
+              "prompt_format": body.format if body.text is not None else "raw",
               "display_name": body.display_name or ""}
     reg = rt.catalog.register(cid, record, ids, wanted, body.ttl_seconds)
     REGISTRATIONS.labels(created=str(reg.created).lower()).inc()

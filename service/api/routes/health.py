@@ -7,11 +7,11 @@ import tempfile
 
 from fastapi import APIRouter
 from fastapi.responses import JSONResponse, Response
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from indexer.base import get_method, method_names
 from service.api.deps import RuntimeDep
+from service.metrics import api_collectors
 from service.schemas import MethodDescription, Readiness
 
 router = APIRouter(tags=["health"])
@@ -56,40 +56,12 @@ def _storage_check(root) -> dict:
     return out
 
 
-class _WorkerTiers:
-    """Each live decode worker's memory tiers, from the info it publishes with its heartbeat (so the
-    API shows them in embedded and in distributed mode alike)."""
-
-    def __init__(self, rt):
-        self.rt = rt
-
-    def collect(self):
-        fams = {
-            "bytes": GaugeMetricFamily("ctxcache_tier_bytes", "bytes held by a decode worker's tier", labels=["worker", "tier"]),
-            "capacity_bytes": GaugeMetricFamily("ctxcache_tier_capacity_bytes", "capacity of a decode worker's tier",
-                                                labels=["worker", "tier"]),
-            "entries": GaugeMetricFamily("ctxcache_tier_entries", "arrays held by a decode worker's tier", labels=["worker", "tier"]),
-            "hits": CounterMetricFamily("ctxcache_tier_hits", "tier lookups served from the tier", labels=["worker", "tier"]),
-            "misses": CounterMetricFamily("ctxcache_tier_misses", "tier lookups loaded from below", labels=["worker", "tier"]),
-            "evictions": CounterMetricFamily("ctxcache_tier_evictions", "arrays evicted from a tier", labels=["worker", "tier"]),
-        }
-        try:
-            workers = self.rt.catalog.worker_info("decode")
-        except Exception:  # noqa: BLE001 - Redis down: /metrics still answers with what the process has
-            workers = {}
-        for wid, info in sorted(workers.items()):
-            for t in info.get("tiers", []):
-                for key, fam in fams.items():
-                    fam.add_metric([wid, t["tier"]], t.get(key, 0))
-        yield from fams.values()
-
-
 @router.get("/metrics", summary="Prometheus metrics", response_class=Response,
             responses={200: {"content": {"text/plain": {}}, "description": "Prometheus text format"}})
 def metrics(rt: RuntimeDep):
-    per_request = CollectorRegistry()
-    per_request.register(_WorkerTiers(rt))
-    return Response(generate_latest() + generate_latest(per_request), media_type=CONTENT_TYPE_LATEST)
+    """This process's counters (and, in embedded mode, its worker threads'), the queue depths and
+    every live decode worker's tiers; names in service/metrics.py and README.md ("Metrics")."""
+    return Response(generate_latest() + generate_latest(api_collectors(rt)), media_type=CONTENT_TYPE_LATEST)
 
 
 @router.get("/v1/methods", response_model=list[MethodDescription], tags=["methods"], summary="sparse methods and their parameters")
