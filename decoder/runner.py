@@ -376,7 +376,9 @@ class Runner:
     `backend`: the attention backend every request runs with (an `AttentionBackend`).
     `graphs`: capture and replay one-token steps on CUDA (False: always eager).
     `track_fraction`: accumulate each request's fraction of visible K/V read (frame + plan) on the
-    device, as `generate`'s StepStats (a few small kernels per layer and request).
+    device, as `generate`'s StepStats, over the steps that run eagerly (the question, a batch's
+    first one-token step, every step without graphs): ~20 small kernels per layer and request
+    (`frame_fraction` over the plan's width), which a captured graph would replay every token.
     `parallel`: on CUDA, each request's attention runs on its own side stream (module docstring).
     `fused_layer`: RMSNorm (+ residual add), RoPE of q and k and SiLU·up as one Triton launch each
     (`decoder/kernels/layer.py`, same roundings as the torch functions here); None = on CUDA where
@@ -497,8 +499,9 @@ class Runner:
             outs += [(r, tok[i:i + 1]) for i, r in enumerate(batch)]
         ids = torch.cat([t for _, t in outs]).tolist()  # the step's one host sync
         got = []
+        ran_eagerly = not batch or self.graph_status.startswith("eager")
         for (r, _), t in zip(outs, ids):
-            if self.track_fraction:  # host-side count here: a replayed graph runs no Python
+            if self.track_fraction and (r.produced == 0 or ran_eagerly):  # the steps `_attend` counted
                 r.counted += self.w.n_kv_heads * (r.question.shape[0] if r.produced == 0 else 1)
             r.produced += 1
             r.tokens.append(t)
@@ -511,7 +514,7 @@ class Runner:
 
     def _decode(self, batch: list[Request], prompted: bool) -> tuple[torch.Tensor, torch.Tensor]:
         """The one-token step of `batch`: replayed, captured, or eager."""
-        key = (tuple(r.slot for r in batch), self.track_fraction)
+        key = tuple(r.slot for r in batch)
         why = None
         if not self.graphs:
             why = "graphs off"
@@ -654,6 +657,6 @@ class Runner:
         plan = r.planner.plan(layer, pq, pkv)
         out = self.backend.run(qh, kv, plan, r.sink, r.window, scale)  # [KVH, G, T, D]
         r.planner.update(layer, new_k, new_v, pkv.q_pos)
-        if self.track_fraction:
+        if self.track_fraction and not (qh.is_cuda and torch.cuda.is_current_stream_capturing()):
             r.touched[layer] += frame_fraction(plan, kv, r.sink, r.window).sum().to(r.touched.device)
         return out.reshape(w.n_heads, t, d).transpose(0, 1).reshape(t, w.n_heads * d)

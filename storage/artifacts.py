@@ -123,7 +123,8 @@ class IndexArrays:
 
 
 class ContextStore:
-    """Filesystem root holding all contexts (local SSD; an fsspec store would slot in here)."""
+    """Filesystem root holding all contexts (local SSD; `storage.objstore.ObjectContextStore`: the
+    same artifacts in object storage)."""
 
     def __init__(self, root: Path | str):
         self.root = Path(root)
@@ -174,6 +175,35 @@ class ContextStore:
             "build_s": round(idx.build_s, 4),
         }
 
+    def _write_context(self, group: zarr.Group, tokens: list[int], k: torch.Tensor, v: torch.Tensor,
+                       indexes: list[IndexArrays]) -> tuple[dict, dict]:
+        """Write a whole context's arrays into `group`; return (arrays' metadata, indexes' entries)."""
+        arrays: dict[str, dict] = {}
+        n = len(tokens)
+        arrays["tokens"] = self._write_array(group, "tokens", torch.tensor(tokens, dtype=torch.int32), (max(n, 1),))
+        kv_chunks = (1, 1, min(KV_CHUNK_TOKENS, max(n, 1)), k.shape[-1])
+        arrays["kv/k"] = self._write_array(group, "kv/k", k, kv_chunks)
+        arrays["kv/v"] = self._write_array(group, "kv/v", v, kv_chunks)
+        index_meta = {idx.index_id: self._write_index(group, idx, arrays) for idx in indexes}
+        return arrays, index_meta
+
+    @staticmethod
+    def _new_manifest(key: PromptHash, spec, n: int, arrays: dict, index_meta: dict, meta: dict, t0: float) -> dict:
+        manifest = {
+            "format": FORMAT,
+            "prompt_hash": key.hex,
+            "model": spec.to_dict(),
+            "n_tokens": n,
+            "kv_dtype": arrays["kv/k"]["dtype"],  # part of the prompt hash (storage.keys.PromptHash)
+            "created_at": time.time(),
+            "arrays": arrays,
+            "indexes": index_meta,
+            "bytes": sum(a["nbytes"] for a in arrays.values()),
+            **meta,
+        }
+        manifest.setdefault("timings", {})["write_s"] = round(time.perf_counter() - t0, 4)
+        return manifest
+
     def _verify(self, path: Path, arrays_meta: dict) -> None:
         """Read back what was just written under `path`: every chunk present, the data equal to what
         was written; then record each chunk file's crc32c (what every later read is checked against)."""
@@ -205,27 +235,9 @@ class ContextStore:
         t0 = time.perf_counter()
         try:
             group = zarr.open_group(tmp, mode="w")
-            arrays: dict[str, dict] = {}
-            n = len(tokens)
-            arrays["tokens"] = self._write_array(group, "tokens", torch.tensor(tokens, dtype=torch.int32), (max(n, 1),))
-            kv_chunks = (1, 1, min(KV_CHUNK_TOKENS, max(n, 1)), k.shape[-1])
-            arrays["kv/k"] = self._write_array(group, "kv/k", k, kv_chunks)
-            arrays["kv/v"] = self._write_array(group, "kv/v", v, kv_chunks)
-            index_meta = {idx.index_id: self._write_index(group, idx, arrays) for idx in indexes}
+            arrays, index_meta = self._write_context(group, tokens, k, v, indexes)
             self._verify(tmp, arrays)
-            manifest = {
-                "format": FORMAT,
-                "prompt_hash": key.hex,
-                "model": spec.to_dict(),
-                "n_tokens": n,
-                "kv_dtype": arrays["kv/k"]["dtype"],  # part of the prompt hash (storage.keys.PromptHash)
-                "created_at": time.time(),
-                "arrays": arrays,
-                "indexes": index_meta,
-                "bytes": sum(a["nbytes"] for a in arrays.values()),
-                **meta,
-            }
-            manifest.setdefault("timings", {})["write_s"] = round(time.perf_counter() - t0, 4)
+            manifest = self._new_manifest(key, spec, len(tokens), arrays, index_meta, meta, t0)
             _write_json_atomic(tmp / MANIFEST, manifest)
             with self._lock:
                 if final.exists():  # a finished earlier build of the same content: keep it
@@ -360,6 +372,19 @@ class ContextStore:
                     yield slug_dir.name, self.read_manifest(slug_dir.name, PromptHash(ctx.name))
                 except (ArtifactError, ValueError):
                     continue
+
+    def stored_contexts(self):
+        """(slug, id) of every folder that looks like a context, published or not (fsck counts a
+        folder without a readable manifest as damaged; temp folders are not contexts)."""
+        if not self.root.exists():
+            return
+        for slug_dir in sorted(p for p in self.root.iterdir() if p.is_dir()):
+            for ctx in sorted(slug_dir.iterdir()):
+                if ctx.is_dir() and not ctx.name.startswith("."):
+                    try:
+                        yield slug_dir.name, PromptHash(ctx.name)
+                    except ValueError:
+                        continue
 
     def gc_temp(self, older_than_s: float = 3600.0) -> int:
         """Remove temp folders left by crashed writers."""

@@ -178,7 +178,7 @@ def test_service_bf16_context_answers_the_passkey_like_float32(tmp_path, redis_p
             cid = c.post("/v1/contexts", json={"text": doc}).json()["id"]
             rec = _wait_ready(c, cid)
             manifest = json.loads(next(settings.contexts_dir.glob(f"*/{cid}/manifest.json")).read_text())
-            assert manifest["kv_dtype"] == dt and rec["bytes"] == manifest["bytes"]
+            assert manifest["kv_dtype"] == dt and rec["bytes"] == manifest["bytes"] and rec["kv_dtype"] == dt
             r = c.post(f"/v1/contexts/{cid}/completions",
                        json={"question": PASSKEY_QUESTION, "method": "full", "max_tokens": 10})
             assert r.status_code == 200, r.text

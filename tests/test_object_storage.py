@@ -17,7 +17,6 @@ Real default model on the CPU, real Redis under a per-test key prefix, a bucket 
 from __future__ import annotations
 
 import threading
-import time
 import uuid
 
 import boto3
@@ -27,9 +26,11 @@ import torch
 from fastapi.testclient import TestClient
 from moto.server import ThreadedMotoServer
 from obstore.store import S3Store
+from typer.testing import CliRunner
 
 from conftest import MODEL_CACHE, passkey_document
 from service.app import create_app
+from service.cli import app as cli_app
 from service.runtime import Runtime
 from service.workers import DecodeWorker, PrefillWorker
 from storage.artifacts import MANIFEST, ArtifactMissing, ContextStore, IndexArrays
@@ -97,7 +98,7 @@ def _completion(c, cid: str):
 # ---- storage level ------------------------------------------------------------------------------
 
 
-def test_round_trip_updates_are_compare_and_swap(s3_endpoint, storage_url):
+def test_round_trip_updates_are_compare_and_swap(s3_endpoint, storage_url, monkeypatch):
     store = ObjectContextStore(storage_url, endpoint_url=s3_endpoint)
     key, k, v, manifest = _publish(store, dtype=torch.bfloat16)
     assert {m["root"] for m in manifest["arrays"].values()} == {manifest["arrays"]["kv/k"]["root"]}
@@ -122,6 +123,23 @@ def test_round_trip_updates_are_compare_and_swap(s3_endpoint, storage_url):
     assert set(final["indexes"]) == {"demo-0123456789abcdef", extras[0].index_id, extras[1].index_id}
     assert store.verify(_Spec.slug, key) == []
     assert store.open(_Spec.slug, key).read(f"indexes/{extras[1].index_id}/table", 1).tolist() == [3] * 4
+
+    # another writer lands between this one's read and its write: the swap is refused and retried
+    real_get, reads = ObjectContextStore._get_manifest, []
+
+    def other_writes_after_the_read(self, slug, k):
+        got = real_get(self, slug, k)
+        reads.append(self)
+        if self is store and reads.count(store) == 1:
+            other.add_indexes(slug, k, [IndexArrays("demo", 1, {"a": 5}, "5" * 16, {"table": torch.ones(2, 3).int()})])
+        return got
+
+    monkeypatch.setattr(ObjectContextStore, "_get_manifest", other_writes_after_the_read)
+    store.update_metadata(_Spec.slug, key, display_name="mine")
+    monkeypatch.undo()
+    assert reads.count(store) == 2  # read, refused (If-Match), read again, written
+    final = store.read_manifest(_Spec.slug, key)
+    assert final["display_name"] == "mine" and "demo-" + "5" * 16 in final["indexes"]
 
     # a cached handle keeps its arrays over a rename, not over a new index
     art = store.open(_Spec.slug, key)
@@ -205,11 +223,23 @@ def test_unreachable_storage_is_storage_unavailable(storage_url):
 # ---- through the service -------------------------------------------------------------------------
 
 
+def test_the_api_starts_with_the_bucket_down_and_says_so(tmp_path, redis_prefix, storage_url, lm):
+    """The catalog rebuild at start cannot reach the bucket: the API still starts (it logs the
+    failure), answers liveness, and readiness reports the storage as not ok (503)."""
+    settings = _s3_settings(tmp_path, redis_prefix, storage_url, "http://127.0.0.1:9", run_workers=False)
+    with TestClient(create_app(settings, lm=lm)) as c:
+        assert c.get("/healthz").status_code == 200
+        r = c.get("/readyz")
+        assert r.status_code == 503 and r.json()["checks"]["storage"]["ok"] is False, r.text
+
+
 def test_a_context_lives_in_the_bucket_and_answers(tmp_path, redis_prefix, s3_endpoint, storage_url, lm):
     settings = _s3_settings(tmp_path, redis_prefix, storage_url, s3_endpoint)
     bucket = _bucket(storage_url, s3_endpoint)
     with TestClient(create_app(settings, lm=lm)) as c:
         assert isinstance(c.app.state.runtime.store, ObjectContextStore)
+        ready = c.get("/readyz")  # the storage probe writes to the bucket, not to a local folder
+        assert ready.status_code == 200 and ready.json()["checks"]["storage"]["ok"], ready.text
         cid = _register(c, 31415, display_name="in s3")
         assert "31415" in ask(c, cid, max_tokens=10)["text"]
         slug = c.app.state.runtime.lm.spec.slug
@@ -272,6 +302,13 @@ def test_a_swapped_or_missing_chunk_in_the_bucket_is_artifact_corrupt(tmp_path, 
         obstore.put(bucket, a, db)
         obstore.put(bucket, b, da)  # two valid chunks (their own crcs hold), in each other's place
         obstore.delete(bucket, chunk(missing, "c/3/1/0/0"))
+
+        # offline, straight from the bucket (no service): both found, exit 1
+        res = CliRunner().invoke(cli_app, ["fsck", "--storage-url", storage_url],
+                                 env={"CTXCACHE_STORAGE_ENDPOINT_URL": s3_endpoint})
+        assert res.exit_code == 1, res.output
+        assert f"DAMAGED {swapped}" in res.output and f"DAMAGED {missing}" in res.output, res.output
+        assert "2 contexts checked" in res.output
 
         for cid, word in ((swapped, "checksum"), (missing, "missing")):
             r = _completion(c, cid)

@@ -45,7 +45,8 @@ def _public(rec: dict, cls=ContextPublic, **extra) -> ContextPublic:
     methods = {k: v for k, v in (rec.get("methods") or {}).items() if v.get("index_id")}
     return cls(
         id=rec["id"], status=rec["status"], progress=rec.get("progress") or 0.0, model=rec.get("model", ""),
-        n_tokens=rec.get("n_tokens"), format=rec.get("prompt_format", "chat"), methods=methods,
+        n_tokens=rec.get("n_tokens"), format=rec.get("prompt_format", "chat"), kv_dtype=rec.get("kv_dtype") or "float32",
+        methods=methods,
         index_free_methods=free, bytes=rec.get("bytes"), timings=rec.get("timings") or {},
         display_name=rec.get("display_name") or None, created_at=rec.get("created_at") or 0.0,
         updated_at=rec.get("updated_at"), expires_at=rec.get("expires_at"), error=err, **extra,

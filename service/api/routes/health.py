@@ -31,7 +31,8 @@ def readyz(rt: RuntimeDep):
         checks["redis"] = {"ok": True, "embedded": rt.settings.embedded}
     except Exception as e:  # noqa: BLE001
         checks["redis"] = {"ok": False, "error": f"{type(e).__name__}: {e}"}
-    checks["storage"] = _storage_check(rt.store.root)
+    probe = getattr(rt.store, "storage_check", None)  # object storage probes the bucket (storage/objstore.py)
+    checks["storage"] = probe() if probe else _storage_check(rt.store.root)
     checks["model"] = {"ok": rt.lm is not None, "name": rt.lm.spec.name, "fingerprint": rt.lm.spec.fingerprint[:16]}
     if checks["redis"]["ok"]:
         workers = {k: rt.catalog.live_workers(k) for k in ("prefill", "decode")}
