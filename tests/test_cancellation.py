@@ -18,7 +18,6 @@ import json
 import os
 import random
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -28,8 +27,8 @@ from pathlib import Path
 
 import httpx
 import pytest
-import uvicorn
 
+import servers
 from conftest import passkey_document
 from service.app import create_app
 from test_api import _settings
@@ -44,23 +43,10 @@ SHORT = {"question": "What is the pass key?", "max_tokens": 1}
 
 @contextmanager
 def live_server(app):
-    """`app` served by uvicorn on a free local port, in a thread; yields the base URL."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning",
-                                           timeout_graceful_shutdown=2))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    end = time.time() + 120
-    while not server.started:
-        assert thread.is_alive() and time.time() < end, "server did not start"
-        time.sleep(0.05)
-    try:
-        yield f"http://127.0.0.1:{port}", app
-    finally:
-        server.should_exit = True
-        thread.join(60)
+    """`app` served on a free local port (tests/servers.py), 2 s of graceful shutdown; yields
+    (base URL, app)."""
+    with servers.live_server(app, graceful_shutdown_s=2) as base:
+        yield base, app
 
 
 def register(base: str, text: str, timeout: float = 240.0) -> str:
@@ -233,9 +219,7 @@ def test_sigterm_drains_within_the_grace_and_stops_the_embedded_redis(tmp_path):
     with it (before, uvicorn waited for the waiting completions without bound, and a service killed
     then left its redis-server orphaned)."""
     settings = _settings(tmp_path)  # no redis_url: the embedded redis-server
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = servers.free_port()
     env = {**os.environ, "CTXCACHE_SHUTDOWN_GRACE_SECONDS": "2", "CTXCACHE_LOG_LEVEL": "WARNING",
            "CTXCACHE_TORCH_THREADS": "1"}
     proc = subprocess.Popen([sys.executable, "-m", "service.cli", "serve", "--port", str(port), "--data-dir",

@@ -2,15 +2,11 @@
 
 from __future__ import annotations
 
-import socket
-import threading
-import time
-
 import pytest
-import uvicorn
 from typer.testing import CliRunner
 
 from conftest import PASSKEY_QUESTION, passkey_document
+from servers import live_server
 from service.app import create_app
 from service.cli import app as cli
 from test_api import _settings
@@ -20,20 +16,8 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture
 def server(tmp_path, redis_prefix, lm):
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    srv = uvicorn.Server(uvicorn.Config(create_app(_settings(tmp_path, redis_prefix), lm=lm), host="127.0.0.1",
-                                        port=port, log_level="warning"))
-    th = threading.Thread(target=srv.run, daemon=True)
-    th.start()
-    end = time.time() + 30
-    while not srv.started and time.time() < end:
-        time.sleep(0.05)
-    assert srv.started
-    yield f"http://127.0.0.1:{port}"
-    srv.should_exit = True
-    th.join(30)
+    with live_server(create_app(_settings(tmp_path, redis_prefix), lm=lm)) as base:
+        yield base
 
 
 def test_register_list_ask_delete(server, tmp_path):

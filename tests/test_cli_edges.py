@@ -6,19 +6,16 @@ from __future__ import annotations
 
 import hashlib
 import re
-import socket
 import subprocess
 import sys
-import threading
-import time
 
 import pytest
 import redis
-import uvicorn
 from fastapi.testclient import TestClient
 from typer.testing import CliRunner
 
 from conftest import REDIS_URL, ROOT, passkey_document
+from servers import free_port, live_server
 from service.app import create_app
 from service.cli import app as cli
 from storage.catalog import Catalog
@@ -27,26 +24,10 @@ from test_api import _settings
 run = CliRunner().invoke
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture
 def server(tmp_path, redis_prefix, lm):
-    port = _free_port()
-    app = create_app(_settings(tmp_path, redis_prefix, run_workers=False), lm=lm)
-    srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    th = threading.Thread(target=srv.run, daemon=True)
-    th.start()
-    end = time.time() + 30
-    while not srv.started and time.time() < end:
-        time.sleep(0.05)
-    assert srv.started
-    yield f"http://127.0.0.1:{port}", Catalog(redis.Redis.from_url(REDIS_URL), redis_prefix)
-    srv.should_exit = True
-    th.join(30)
+    with live_server(create_app(_settings(tmp_path, redis_prefix, run_workers=False), lm=lm)) as base:
+        yield base, Catalog(redis.Redis.from_url(REDIS_URL), redis_prefix)
 
 
 def _register(url: str, tmp_path, key: int) -> str:
@@ -58,7 +39,7 @@ def _register(url: str, tmp_path, key: int) -> str:
 
 
 def test_unreachable_server_is_one_line_without_traceback():
-    url = f"http://127.0.0.1:{_free_port()}"  # nothing listens there
+    url = f"http://127.0.0.1:{free_port()}"  # nothing listens there
     # a real process: what a user sees on the terminal (CliRunner would swallow a traceback)
     for args in (["list"], ["status", "a" * 64], ["ask", "a" * 64, "hi"]):
         p = subprocess.run([sys.executable, "-m", "service.cli", *args, "--url", url], cwd=ROOT,

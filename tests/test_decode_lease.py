@@ -20,6 +20,7 @@ import httpx
 import pytest
 
 from conftest import REDIS_URL, passkey_document
+from servers import stop_processes
 from service.app import create_app
 from test_api import _settings
 from test_cancellation import LONG, live_server, register
@@ -124,11 +125,4 @@ def test_killed_decode_worker_is_retried_once_then_fails_fast(tmp_path, redis_pr
             assert time.perf_counter() - t_kill < 15
             assert cat.r.llen(cat.k_decode) == 0 and cat.r.llen(cat.k_decode_active) == 0  # nothing left behind
     finally:
-        for p in procs:
-            if p.poll() is None:
-                p.terminate()
-        for p in procs:
-            try:
-                p.wait(30)
-            except subprocess.TimeoutExpired:
-                p.kill()
+        stop_processes(procs, timeout_s=30)

@@ -12,6 +12,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 from conftest import PASSKEY_QUESTION, REDIS_URL, passkey_document
+from servers import stop_processes
 from service.app import create_app
 from test_api import _settings, ask, wait_ready
 
@@ -39,11 +40,5 @@ def test_api_and_workers_in_separate_processes(tmp_path, redis_prefix, lm):
             out = ask(c, cid, "topk", {"k": 64}, max_tokens=12, question=PASSKEY_QUESTION)
             assert "27182" in out["text"]
     finally:
-        for p in procs:
-            p.terminate()
-        for p in procs:
-            try:
-                p.wait(20)
-            except subprocess.TimeoutExpired:
-                p.kill()
+        stop_processes(procs)
     assert all(p.returncode == 0 for p in procs), [p.stdout.read().decode()[-2000:] for p in procs]

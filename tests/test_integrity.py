@@ -16,6 +16,7 @@ from fastapi.testclient import TestClient
 from typer.testing import CliRunner
 
 from conftest import passkey_document
+from servers import register_passkey
 from service.app import create_app
 from service.cli import app as cli_app
 from storage.artifacts import MANIFEST, ArtifactCorrupt, ContextStore, IndexArrays, _write_json_atomic
@@ -138,12 +139,7 @@ def client(tmp_path, redis_prefix, lm):
         yield c
 
 
-def _register(c, key: int, **kw) -> str:
-    r = c.post("/v1/contexts", json={"text": passkey_document(key, n_rep=4), **kw})
-    assert r.status_code in (200, 202), r.text
-    cid = r.json()["id"]
-    assert wait_ready(c, cid)["status"] == "ready"
-    return cid
+_register = register_passkey
 
 
 def _context_dir(c, cid: str) -> Path:

@@ -17,6 +17,7 @@ from fastapi.testclient import TestClient
 from prometheus_client.parser import text_string_to_metric_families
 
 from conftest import PASSKEY_QUESTION, REDIS_URL, ROOT, passkey_document
+from servers import stop_processes
 from service.app import create_app
 from test_api import _settings, ask, wait_ready
 
@@ -92,13 +93,7 @@ def test_worker_processes_export_metrics(tmp_path, redis_prefix, lm):
             dec, dec_names = _samples(_scrape(ports["decode"], procs))
             api, api_names = _samples(c.get("/metrics").text)
     finally:
-        for p in procs:
-            p.terminate()
-        for p in procs:
-            try:
-                p.wait(20)
-            except subprocess.TimeoutExpired:
-                p.kill()
+        stop_processes(procs)
 
     # the prefill worker: its job done, the queue drained
     assert _value(pre, "ctxcache_jobs_total", kind="prefill", outcome="done") == 1.0

@@ -29,6 +29,7 @@ from obstore.store import S3Store
 from typer.testing import CliRunner
 
 from conftest import MODEL_CACHE, passkey_document
+from servers import register_passkey
 from service.app import create_app
 from service.cli import app as cli_app
 from service.runtime import Runtime
@@ -82,12 +83,7 @@ def _s3_settings(tmp_path, redis_prefix, url, endpoint, **kw):
     return _settings(tmp_path, redis_prefix, storage_url=url, storage_endpoint_url=endpoint, **kw)
 
 
-def _register(c, key: int, **kw) -> str:
-    r = c.post("/v1/contexts", json={"text": passkey_document(key, n_rep=4), **kw})
-    assert r.status_code in (200, 202), r.text
-    cid = r.json()["id"]
-    assert wait_ready(c, cid)["status"] == "ready"
-    return cid
+_register = register_passkey
 
 
 def _completion(c, cid: str):
