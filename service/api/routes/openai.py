@@ -453,45 +453,18 @@ async def chat_completions(body: ChatCompletionCreate, rt: RuntimeDep, request: 
         rt, dc, body, last_user, lambda r: chat_question_ids(rt.lm, body.messages, r.get("prompt_format", "chat")))
     meta = {"id": f"chatcmpl-{sub.rid}", "created": int(time.time()), "model": body.model,
             "system_fingerprint": rt.lm.spec.fingerprint[:16]}
-    n_ctx, n_q = rec["n_tokens"], len(job["question_ids"])
-    if body.stream:
-        usage = bool(body.stream_options and body.stream_options.include_usage)
-        return EventSourceResponse(_chat_stream(dc, sub, request, deadline, body.stops, job["method"], meta,
-                                                (n_ctx, n_q) if usage else None))
-    got = await _whole(dc, sub, request, deadline, body.stops, job["method"])
-    if got is None:
-        return JSONResponse({}, status_code=499)  # the client is gone: nobody reads this
-    text, end = got
-    if end.error:
-        _raise(end.error)
-    return {**meta, "object": "chat.completion",
-            "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
-                         "finish_reason": end.finish_reason}],
-            "usage": _usage(n_ctx, n_q, end.completion_tokens)}
 
+    def choice(text: str, finish: str | None) -> dict:
+        return {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+                "finish_reason": finish}
 
-async def _chat_stream(dc, sub, request, deadline, stops, method, meta, usage_of: tuple[int, int] | None):
-    def chunk(delta: dict, finish: str | None = None) -> dict:
-        body = {**meta, "object": "chat.completion.chunk",
-                "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}]}
-        return {"data": json.dumps(body)}
+    def delta(text: str | None, finish: str | None) -> dict:
+        return {"index": 0, "delta": {} if text is None else {"content": text}, "logprobs": None,
+                "finish_reason": finish}
 
-    yield chunk({"role": "assistant", "content": ""})
-    async with aclosing(_answer(dc, sub, request, deadline, stops, method)) as answer:
-        async for item in answer:
-            if not isinstance(item, _End):
-                yield chunk({"content": item})
-                continue
-            if item.error:
-                err = item.error
-                yield {"data": json.dumps(openai_error_body(ERROR_STATUS.get(err["code"], 500), err["code"], err["message"]))}
-            else:
-                yield chunk({}, item.finish_reason)
-                if usage_of is not None:
-                    yield {"data": json.dumps({**meta, "object": "chat.completion.chunk", "choices": [],
-                                               "usage": _usage(*usage_of, item.completion_tokens)})}
-            yield {"data": "[DONE]"}
-            return
+    opening = {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
+    return await _respond(dc, sub, request, deadline, body, rec, job, meta, ("chat.completion", choice),
+                          ("chat.completion.chunk", delta, opening))
 
 
 @router.post("/completions", summary="OpenAI-compatible text completion: the prompt continues the context",
@@ -502,39 +475,53 @@ async def completions(body: CompletionCreate, rt: RuntimeDep, request: Request, 
     rec, job, sub, deadline = await _start(
         rt, dc, body, prompt, lambda r: rt.lm.tokenizer(prompt, add_special_tokens=False)["input_ids"])
     meta = {"id": f"cmpl-{sub.rid}", "created": int(time.time()), "model": body.model}
+
+    def choice(text: str | None, finish: str | None) -> dict:
+        return {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
+
+    return await _respond(dc, sub, request, deadline, body, rec, job, meta, ("text_completion", choice),
+                          ("text_completion", choice, None))
+
+
+async def _respond(dc, sub, request, deadline, body, rec: dict, job: dict, meta: dict, whole: tuple, stream: tuple):
+    """The answer of a submitted completion in OpenAI's shape: one JSON object (`whole` = (object,
+    choice(text, finish_reason))), or SSE chunks (`stream` = (object, choice(delta or None,
+    finish_reason), the opening choice or None)) ending with `[DONE]`."""
     n_ctx, n_q = rec["n_tokens"], len(job["question_ids"])
     if body.stream:
-        usage = bool(body.stream_options and body.stream_options.include_usage)
-        return EventSourceResponse(_text_stream(dc, sub, request, deadline, body.stops, job["method"], meta,
-                                                (n_ctx, n_q) if usage else None))
+        usage_of = (n_ctx, n_q) if body.stream_options and body.stream_options.include_usage else None
+        return EventSourceResponse(_stream(dc, sub, request, deadline, body.stops, job["method"], meta, *stream,
+                                           usage_of))
     got = await _whole(dc, sub, request, deadline, body.stops, job["method"])
     if got is None:
-        return JSONResponse({}, status_code=499)
+        return JSONResponse({}, status_code=499)  # the client is gone: nobody reads this
     text, end = got
     if end.error:
         _raise(end.error)
-    return {**meta, "object": "text_completion",
-            "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": end.finish_reason}],
+    obj, choice = whole
+    return {**meta, "object": obj, "choices": [choice(text, end.finish_reason)],
             "usage": _usage(n_ctx, n_q, end.completion_tokens)}
 
 
-async def _text_stream(dc, sub, request, deadline, stops, method, meta, usage_of: tuple[int, int] | None):
-    def chunk(text: str, finish: str | None = None) -> dict:
-        return {"data": json.dumps({**meta, "object": "text_completion",
-                                    "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish}]})}
+async def _stream(dc, sub, request, deadline, stops, method, meta, obj: str, choice, opening: dict | None,
+                  usage_of: tuple[int, int] | None):
+    def chunk(c: dict) -> dict:
+        return {"data": json.dumps({**meta, "object": obj, "choices": [c]})}
 
+    if opening is not None:
+        yield chunk(opening)
     async with aclosing(_answer(dc, sub, request, deadline, stops, method)) as answer:
         async for item in answer:
             if not isinstance(item, _End):
-                yield chunk(item)
+                yield chunk(choice(item, None))
                 continue
             if item.error:
                 err = item.error
                 yield {"data": json.dumps(openai_error_body(ERROR_STATUS.get(err["code"], 500), err["code"], err["message"]))}
             else:
-                yield chunk("", item.finish_reason)
+                yield chunk(choice(None, item.finish_reason))
                 if usage_of is not None:
-                    yield {"data": json.dumps({**meta, "object": "text_completion", "choices": [],
+                    yield {"data": json.dumps({**meta, "object": obj, "choices": [],
                                                "usage": _usage(*usage_of, item.completion_tokens)})}
             yield {"data": "[DONE]"}
             return
