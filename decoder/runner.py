@@ -88,7 +88,7 @@ import torch
 import torch.nn.functional as F
 
 from decoder.backends import AttentionBackend, frame_fraction
-from indexer.base import KVView, MethodParams, Planner
+from indexer.base import KVView, MethodParams, Planner, graph_capturing
 
 _MASK32 = 0xFFFFFFFF
 
@@ -595,7 +595,7 @@ class Runner:
         for layer, lw in enumerate(w.layers):
             if fk is None:
                 qkv = F.linear(rms_norm(x, lw.ln1, w.eps), lw.wqkv, lw.bqkv)  # [S, (H + 2 KVH) D]
-                q, k, v = qkv.split([h * d, kvh * d, kvh * d], dim=-1)
+                q, k, _ = qkv.split([h * d, kvh * d, kvh * d], dim=-1)  # v: the view below, both paths
                 q = apply_rope(q.view(-1, h, d), cos, sin)  # [S, H, D]
                 k = apply_rope(k.view(-1, kvh, d), cos, sin)  # [S, KVH, D]
             else:
@@ -657,6 +657,6 @@ class Runner:
         plan = r.planner.plan(layer, pq, pkv)
         out = self.backend.run(qh, kv, plan, r.sink, r.window, scale)  # [KVH, G, T, D]
         r.planner.update(layer, new_k, new_v, pkv.q_pos)
-        if self.track_fraction and not (qh.is_cuda and torch.cuda.is_current_stream_capturing()):
+        if self.track_fraction and not graph_capturing(qh):
             r.touched[layer] += frame_fraction(plan, kv, r.sink, r.window).sum().to(r.touched.device)
         return out.reshape(w.n_heads, t, d).transpose(0, 1).reshape(t, w.n_heads * d)

@@ -201,6 +201,13 @@ class KVView:
         return self.ctx_k.shape[1]
 
 
+def graph_capturing(t: torch.Tensor) -> bool:
+    """True while the current CUDA stream records a graph (t: a tensor of the step, for its device).
+    Host-side diagnostics of a step (planner stats, the runner's K/V-fraction count) skip their
+    device work then: a replayed graph would repeat it every token, and its host half never runs."""
+    return t.is_cuda and torch.cuda.is_current_stream_capturing()
+
+
 def frame_bounds(q_pos: torch.Tensor, n_ctx: int, sink: int, window: int) -> tuple[int, torch.Tensor]:
     """The frame's context part per query token: the sink is [0, s_end), the window is
     [w_lo[t], n_ctx); a plan selects in [s_end, w_lo[t]). Returns (s_end, w_lo [T] int64).

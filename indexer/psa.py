@@ -86,7 +86,7 @@ import torch.nn.functional as F
 from pydantic import Field
 
 from indexer._select import gather_rows
-from indexer.base import MethodParams, Plan, Planner, SparseMethod, budget, frame_bounds, register
+from indexer.base import MethodParams, Plan, Planner, SparseMethod, budget, frame_bounds, graph_capturing, register
 
 META_MIN, META_MAX, META_MEAN = 0, 1, 2
 FP16_MAX = 65504.0
@@ -344,10 +344,9 @@ class _PSAPlanner(Planner):
 
     def update(self, layer, k, v, positions):
         res = self._last.pop(layer, None)
-        if res is None or (res.positions.is_cuda and torch.cuda.is_current_stream_capturing()):
-            # stats() is diagnostics: a graph-captured step would replay these ~8 small kernels per
-            # layer on every token (~0.5 ms per token of an 8B model, 256 launches), so the counts
-            # cover the steps run eagerly (the question, a batch's first step); `Planner` says so
+        if res is None or graph_capturing(res.positions):
+            # stats() is diagnostics: ~8 small kernels per layer, not replayed in every graphed token
+            # (the counts cover the steps run eagerly; `Planner` says so)
             return
         add = torch.stack([res.blocks.double().sum(), res.mass_est.double().sum(), res.capped.double().sum()])
         if layer in self._acc:
