@@ -6,7 +6,7 @@
 #   device tool: run(command="bash benchmarks/device_run.sh tests decode before_after",
 #                    carry=[".whl", ".old"])
 #   stages: tests | kerneltests | decode | decodecold | decode512 | before_after | kernels | e2e32 | e2e128 |
-#           e2e128rest | e2eprof | e2elayer
+#           e2e128rest | e2eprof | e2elayer | attntests | decodeab | psaab | latency | ncu | psasweep
 #   (default: tests decode before_after)
 #   .old = the tree before the plan/run redesign (`git archive <commit> decoder indexer storage`), for
 #   the before/after decode comparison.
@@ -64,6 +64,32 @@ for stage in $stages; do
       python3 benchmarks/gpu_e2e.py --lengths 131072 --batches 1 8 --methods full saap psa --layer-ab --profile \
         --eager-tokens 0 --hf-tokens 0 --tokens 8 --budget-s 420 --out "$OUT/e2e_layer" 2>&1 \
         | tee "$OUT/gpu_e2e_layer.log" | tail -16 ;;
+    attntests)  # the attention kernels' tests on the GPU (real concurrency for the fused merge's tickets)
+      python3 -m pytest -q -p no:cacheprovider -o addopts="" tests/test_triton_attention.py 2>&1 | tail -4 \
+        | tee "$OUT/gpu_attention_tests.log" ;;
+    decodeab)  # KernelConfig variants of the attention kernels side by side, B = 1, with kernel profiles
+      python3 benchmarks/gpu_decode.py --lengths 131072 32768 --batches 1 --profile --methods streaming psa saap csattn \
+        --backends triton triton:fused_merge=0 triton:num_stages=1 triton:block_n=64 --out "$OUT/ab" 2>&1 \
+        | tee "$OUT/gpu_decode_ab.log" | grep -v "^  \|^    " ;;
+    psaab)  # psa's select with its keys in registers against the scratch path, same run; its kernel tests first
+      python3 -m pytest -q -p no:cacheprovider -o addopts="" tests/test_kernels_psa.py tests/test_kernels_ivf.py 2>&1 \
+        | tail -3 | tee "$OUT/gpu_psa_tests.log"
+      python3 benchmarks/gpu_decode.py --lengths 131072 32768 --batches 1 --profile --torch-plans --backends triton \
+        --methods psa psa:regs_select=0 --out "$OUT/psaab" 2>&1 | tee "$OUT/gpu_decode_psaab.log" | grep -v "^  \|^    " ;;
+    latency)  # the split kernel's fixed cost over its knobs (benchmarks/gpu_split_latency.py)
+      { which ncu nsys; ls /usr/local/cuda/bin 2>/dev/null | head -30; } 2>&1 | tee "$OUT/tools.txt"
+      python3 benchmarks/gpu_split_latency.py 2>&1 | tee "$OUT/gpu_split_latency.log" ;;
+    ncu)  # Nsight Compute on one psa step at 128K, then a streaming step: where each kernel's time goes
+      /usr/local/cuda/bin/ncu -k regex:"_(crit|select|sums|stop|split|merge)_kernel" --launch-count 7 \
+        --section SpeedOfLight --section WarpStateStats --section LaunchStats --section Occupancy \
+        --section MemoryWorkloadAnalysis --section SchedulerStats \
+        python3 benchmarks/gpu_decode.py --lengths 131072 --batches 1 --methods psa streaming --backends triton \
+        --reps 2 --out "$OUT/ncu_run" > "$OUT/ncu_psa.txt" 2>&1; tail -5 "$OUT/ncu_psa.txt" ;;
+    psasweep)  # psa's plan knobs (PsaConfig) one at a time, 128K, B = 1, kernel profiles
+      python3 benchmarks/gpu_decode.py --lengths 131072 --batches 1 --profile --backends triton --methods psa \
+        psa:select_warps=16 psa:select_warps=4 psa:tile_tokens=64 psa:tile_tokens=256 psa:sums_warps=8 \
+        psa:stop_parts=32 psa:stop_warps=8 psa:block_b=128 psa:block_b=32 psa:crit_warps=8 psa:pos_block=512 \
+        --out "$OUT/psasweep" 2>&1 | tee "$OUT/gpu_decode_psasweep.log" | grep -v "^  \|^    " ;;
     decode512)
       python3 benchmarks/gpu_decode.py --lengths 524288 --batches 1 --backends triton \
         --methods streaming topk csattn ctkvr lfps psa saap --out "$OUT/512k" 2>&1 | tee "$OUT/gpu_decode_512k.log" \

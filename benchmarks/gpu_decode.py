@@ -171,6 +171,51 @@ class Request:
         return self.backend.run(self.q, self.kv, self.plan, self.sink, self.window, D ** -0.5)
 
 
+def backend_for(spec: str):
+    """A registered backend by name, or "triton:knob=value,..." for the triton backend with
+    `KernelConfig` knobs changed (A/B rows in one run, e.g. "triton:fused_merge=0")."""
+    name, _, knobs = spec.partition(":")
+    if not knobs:
+        return get_backend(name)
+    from dataclasses import fields
+
+    from decoder.backends.triton import TritonAttention
+    from decoder.kernels.attention import KernelConfig
+
+    types = {f.name: f.type for f in fields(KernelConfig)}
+    kw = {}
+    for item in knobs.split(","):
+        key, _, val = item.partition("=")
+        if key not in types:
+            raise SystemExit(f"unknown KernelConfig knob {key!r} in backend {spec!r}")
+        kw[key] = bool(int(val)) if "bool" in str(types[key]) else int(val)
+    return TritonAttention(KernelConfig(**kw))
+
+
+def plan_knobs(method: str, knobs: str):
+    """ "psa:regs_select=0": the psa fused plan with `PsaConfig` knobs changed while this method's
+    rows run (A/B rows in one run); returns the function that restores the defaults."""
+    if not knobs:
+        return lambda: None
+    if method != "psa":
+        raise SystemExit(f"plan knobs are supported for psa only, not {method!r}")
+    import dataclasses
+
+    import indexer.kernels.psa as kp
+
+    old = kp.DEFAULT_CONFIG
+    kw = {}
+    for item in knobs.split(","):
+        key, _, val = item.partition("=")
+        kind = type(getattr(old, key))
+        kw[key] = bool(int(val)) if kind is bool else kind(val)
+    kp.DEFAULT_CONFIG = dataclasses.replace(old, **kw)
+
+    def restore():
+        kp.DEFAULT_CONFIG = old
+    return restore
+
+
 def ratio(num: float | None, den: float | None) -> float | None:
     return None if num is None or den is None else num / den
 
@@ -243,7 +288,9 @@ def run_length(n: int, batches: list[int], methods: list[str], backends: list[st
               f"5% slice {sdpa_slice[b, 'eager']:.3f} / {sdpa_slice[b, 'graph']}", flush=True)
 
     ref_backend = get_backend("torch_ref")
-    for name in methods:
+    for spec_name in methods:
+        name, _, knobs = spec_name.partition(":")
+        restore = plan_knobs(name, knobs)
         try:
             method, params = method_params(name, saap_dir, psa_max_ratio)
             layers = 2 if name == "saap" else 1
@@ -265,7 +312,7 @@ def run_length(n: int, batches: list[int], methods: list[str], backends: list[st
                 print(f"  {name}: build {b_s:.2f} s ({b_s * 1e3 / t_prefill:.1f}x the layer's prefill), "
                       f"{nbytes / 2**20:.1f} MiB per layer", flush=True)
             for be_name in backends:
-                be = get_backend(be_name)
+                be = backend_for(be_name)
                 for b in batches:
                     reqs = []
                     for i in range(b):  # distinct memory per request (same values)
@@ -297,7 +344,7 @@ def run_length(n: int, batches: list[int], methods: list[str], backends: list[st
                             prof = {"error": f"{type(e).__name__}: {e}"[:200], "kernels_per_call": 0,
                                     "device_us_per_call": 0.0, "top": []}
                     for mode, ms in (("eager", eager), *graphs.items()):
-                        rows.append({"n": n, "batch": b, "method": name, "backend": be_name, "planner": "auto",
+                        rows.append({"n": n, "batch": b, "method": spec_name, "backend": be_name, "planner": "auto",
                                      "streams": "parallel" if streams else "one", "mode": mode, "ms": ms,
                                      "sdpa_ms": sdpa[b, mode], "sdpa_slice_ms": sdpa_slice[b, mode],
                                      "ratio": ratio(sdpa[b, mode], ms), "plan_k": k_plan,
@@ -310,7 +357,7 @@ def run_length(n: int, batches: list[int], methods: list[str], backends: list[st
                               f"time per step; top: {prof['top'][:3]}", flush=True)
                     warm = graphs.get("graph_warm_l2")
                     w_txt = "" if warm is None else f" (warm L2 {warm:.3f} ms, {ratio(sdpa[b, 'graph_warm_l2'], warm)}x)"
-                    print(f"  {name:9s} {be_name:9s} B={b}: eager {eager:.3f} ms ({sdpa[b, 'eager'] / eager:.2f}x sdpa), "
+                    print(f"  {spec_name:9s} {be_name:9s} B={b}: eager {eager:.3f} ms ({sdpa[b, 'eager'] / eager:.2f}x sdpa), "
                           f"graph {g_txt}{w_txt}, K={k_plan} filled={valid if valid is None else round(valid, 3)} err={err:.1e}"
                           f"{'' if why == 'ok' else ' graph: ' + why}", flush=True)
                     if torch_plans and b == 1 and be_name == "triton" and has_fused_path(reqs[0].planner):
@@ -321,6 +368,8 @@ def run_length(n: int, batches: list[int], methods: list[str], backends: list[st
         except Exception as e:  # noqa: BLE001 - one method failing must not hide the others' numbers
             traceback.print_exc()
             rows.append({"n": n, "method": name, "error": f"{type(e).__name__}: {str(e)[:300]}"})
+        finally:
+            restore()
     return rows, builds
 
 
@@ -347,7 +396,8 @@ def main() -> None:
     ap.add_argument("--lengths", type=int, nargs="+", default=[32768, 131072])
     ap.add_argument("--batches", type=int, nargs="+", default=[1])
     ap.add_argument("--methods", nargs="+", default=METHODS)
-    ap.add_argument("--backends", nargs="+", default=None)
+    ap.add_argument("--backends", nargs="+", default=None,
+                    help='backend names, or "triton:knob=value,..." for KernelConfig variants (A/B rows)')
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--psa-max-ratio", type=float, default=0.1)
     ap.add_argument("--device", default="cuda")

@@ -35,6 +35,9 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 # scan / dense chunks and one query token per launch sequence
 TINY = kernels.PsaConfig(block_b=16, block_q=16, score_block=16, select_block=16, tile_tokens=16, rank_block=16,
                          dense_block=16, scan_block=16, pos_block=64, x_budget=64)
+# the select's keys in registers at the tests' small block counts (one warp: a 64-key tile has no replicas)
+REGS = kernels.PsaConfig(select_warps=1)
+SCRATCH = kernels.PsaConfig(regs_select=False)
 
 
 def _meta(ctx_k: torch.Tensor, bs: int) -> torch.Tensor:
@@ -158,8 +161,9 @@ def test_empty_context_plans_nothing():
     assert got.positions.shape == want.positions.shape == (2, 1, 0)
 
 
+@pytest.mark.parametrize("cfg", [None, REGS], ids=["scratch-select", "register-select"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_ties_take_the_lowest_block_and_are_deterministic(dtype, monkeypatch):
+def test_ties_take_the_lowest_block_and_are_deterministic(dtype, cfg, monkeypatch):
     """Integer-valued queries and keys (every dot product exact, in any order) with every block
     repeated once: each block's score ties exactly with its twin's, also at the B_max-th place (odd
     B_max). The fused plan ranks the lower block id first, as the torch path does with a stable sort
@@ -175,7 +179,7 @@ def test_ties_take_the_lowest_block_and_are_deterministic(dtype, monkeypatch):
     sort = torch.sort
     monkeypatch.setattr(torch, "sort", lambda x, dim=-1, descending=False, stable=None: sort(
         x, dim=dim, descending=descending, stable=True))
-    kw = dict(eps=0.97, microbatch=1, sink=4, window=8, max_blocks=11, criticality="cuboid")
+    kw = dict(eps=0.97, microbatch=1, sink=4, window=8, max_blocks=11, criticality="cuboid", cfg=cfg)
     got, want = _both(q, ctx_k, loc_k, q_pos, meta, bs, **kw)
     _assert_same(got, want, "ties")
     ranked = got.ranked[..., : int(got.used.min())]
@@ -183,6 +187,22 @@ def test_ties_take_the_lowest_block_and_are_deterministic(dtype, monkeypatch):
     assert (pairs[..., :-1] == pairs[..., 1:]).any(), "no tied twins ranked side by side: the test checks nothing"
     again = kernels.progressive_plan(*_dev(q, ctx_k, loc_k, q_pos, meta), bs, **kw)
     assert torch.equal(again.positions, got.positions) and torch.equal(again.mass_est, got.mass_est)
+
+
+@pytest.mark.parametrize("kind,t,dtype", [("cuboid", 1, torch.float32), ("mean", 1, torch.bfloat16),
+                                           ("center", 2, torch.bfloat16)])
+def test_select_in_registers_equals_the_scratch_path(kind, t, dtype):
+    """300 blocks (a 512-key tile: the default 8-warp select keeps the keys in registers) and 40
+    blocks with one warp: the in-register select picks the same candidates in the same order as the
+    scratch path (bit-equal plans) and as the torch path."""
+    for n, bs, cfg in ((2400, 8, None), (320, 8, REGS)):
+        q, ctx_k, loc_k, q_pos = _inputs(zlib.crc32(f"regs-{kind}-{t}-{n}".encode()), n=n, t=t, m=t + 2, dtype=dtype)
+        meta = _meta(ctx_k, bs)
+        kw = dict(eps=0.9, microbatch=2, sink=4, window=8, max_blocks=math.ceil(0.2 * meta.shape[1]), criticality=kind)
+        got, want = _both(q, ctx_k, loc_k, q_pos, meta, bs, cfg=cfg, **kw)
+        _assert_same(got, want, f"registers {kind} n={n}")
+        scratch = kernels.progressive_plan(*_dev(q, ctx_k, loc_k, q_pos, meta), bs, cfg=SCRATCH, **kw)
+        assert torch.equal(got.positions, scratch.positions) and torch.equal(got.ranked, scratch.ranked)
 
 
 def _reader(meta):

@@ -267,7 +267,7 @@ def _merge_kernel(
 class KernelConfig:
     """Tuning knobs. None = the defaults below (swept on an H100 at D = 128 bf16: NOTES.md)."""
 
-    block_n: int | None = None  # key rows per chunk; default 128 (64 for D = 256), halved for fp32
+    block_n: int | None = None  # key rows per chunk; default 128 (64 for D = 256 or one chunk in all), halved for fp32
     num_warps: int | None = None  # split kernel; default 4 (8 when BLOCK_M·D > 64·128)
     num_stages: int | None = None  # pipelining of the chunk loop; default 3 (2 when a stage > 32 KiB)
     programs_per_sm: int = 2  # split count aims at programs_per_sm · SMs programs in all
@@ -328,6 +328,9 @@ def launch_plan(kvh: int, g: int, t: int, d: int, itemsize: int, n_ctx: int, n_l
     if itemsize == 4 and cfg.block_n is None:
         block_n = max(16, block_n // 2)
     rows = shared + (0 if n_pos is None else min(t, tb) * n_pos)
+    small = cfg.block_n is None and rows <= block_n and d <= 128 and itemsize < 4
+    if small:  # one chunk in all (a frame-only step): two half chunks over 8 warps finish sooner
+        block_n = 64  # (measured: benchmarks/RESULTS.md, "The split kernel's fixed cost")
     n_chunks = max(1, triton.cdiv(rows, block_n))
     if cfg.splits is not None:
         splits = max(1, min(cfg.splits, n_chunks))
@@ -336,7 +339,7 @@ def launch_plan(kvh: int, g: int, t: int, d: int, itemsize: int, n_ctx: int, n_l
         splits = max(1, min(triton.cdiv(target, kvh * n_qb), n_chunks // max(1, cfg.min_chunks_per_split)))
     cps = triton.cdiv(n_chunks, splits)
     splits = triton.cdiv(n_chunks, cps)
-    num_warps = cfg.num_warps or (8 if block_m * d > 64 * 128 else 4)
+    num_warps = cfg.num_warps or (8 if block_m * d > 64 * 128 or small else 4)
     if cfg.num_stages:
         num_stages = cfg.num_stages
     elif interpreted_run:

@@ -231,6 +231,14 @@ def _kth_largest(BUF, full_off, ping_off, pong_off, n, K, key_lo, n_ge_lo, key_h
             cur = dst
             cur_n = base
     reg = tl.load(BUF + cur + ar, mask=ar < cur_n, other=-1)  # phase B: the band (or all n) in registers
+    return _bisect_regs(reg, n, K, lo, hi, c_hi, done)
+
+
+@triton.jit
+def _bisect_regs(reg, n, K, lo, hi, c_hi, done):
+    """Phase B of `_kth_largest`: the bisection over keys held in registers (`reg`: the band
+    [lo, hi) and anything outside it; -1 for empty slots), given count(key >= hi) = c_hi < K;
+    returns (thr, take) as `_kth_largest` does."""
     while (hi - lo > 1) & (done == 0):
         mid = lo + (hi - lo) // 2
         cnt = c_hi + tl.sum(((reg >= mid) & (reg < hi)).to(tl.int32), 0)
@@ -249,6 +257,17 @@ def _kth_largest(BUF, full_off, ping_off, pong_off, n, K, key_lo, n_ge_lo, key_h
     else:  # hi == lo + 1: lo is the K-th largest key; c_hi keys are above it
         thr = lo
         take = K - c_hi
+    return thr, take
+
+
+@triton.jit
+def _top_threshold_regs(keys, n, K, key_min, n_valid, key_hi):
+    """`_top_threshold` over keys held in registers (a row of n <= the block's keys, no scratch)."""
+    if n_valid < K:
+        thr = n * 0
+        take = K - n_valid
+    else:
+        thr, take = _bisect_regs(keys, n, K, key_min, key_hi, n * 0, (K >= n_valid).to(tl.int32))
     return thr, take
 
 

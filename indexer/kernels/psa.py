@@ -126,7 +126,7 @@ import triton
 import triton.language as tl
 
 from indexer.kernels import Workspaces, interpreted  # also makes Triton 3.6's interpreter work with NumPy 2.4
-from indexer.kernels.ivf import _exp, _round_as, _top_threshold  # shared device helpers (exp, rounding, k-th key)
+from indexer.kernels.ivf import _exp, _round_as, _top_threshold, _top_threshold_regs  # shared device helpers
 from indexer.psa import ProgressivePlan, dense_part_blocks
 
 NEG_BIG: tl.constexpr = tl.constexpr(-1.0e30)  # the max of an empty set: finite, so exp(m - m') is never nan
@@ -244,12 +244,14 @@ def _select_kernel(
     X, PS, QPOS, SCR, CAND, CKEY, NCAND,
     T, nb, n_ctx, s_end, window, n_sb, bs, n_bt, K, scr_row,
     G: tl.constexpr, G_PAD: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK: tl.constexpr,
-    PRECISE: tl.constexpr,
+    IN_REGS: tl.constexpr, PRECISE: tl.constexpr,
 ):
     """One program per row (KV head, token): the group score of every ranked block (sum over the
     group's heads of the softmax over blocks) as an int key (float bits + 1; 0 = dense-part block),
     the K best keys (ties: lowest block id), and their block ids and keys in block order ->
-    CAND / CKEY [rows, K], their count -> NCAND [rows]."""
+    CAND / CKEY [rows, K], their count -> NCAND [rows]. IN_REGS (the row's blocks fit one tile of
+    BLOCK keys, and the tile has no element that two threads hold): the keys stay in registers from
+    the score to the emit, no scratch round trip."""
     r = tl.program_id(0)
     t = r % T
     ar_g = tl.arange(0, G_PAD)
@@ -273,49 +275,67 @@ def _select_kernel(
     inv_z = tl.div_rn(1.0 + 0.0 * z, tl.where(z > 0, z, 1.0))
 
     _, first_w = _window_start(QPOS, t, n_ctx, s_end, window, bs, nb)
-    row = SCR + r.to(tl.int64) * scr_row
-    for c0 in range(0, nb, BLOCK_C):
-        b = c0 + tl.arange(0, BLOCK_C)
-        ranked = (b < nb) & (b >= n_sb) & (b < first_w)
-        x = tl.load(X + hrow[:, None] * nb + b[None, :], mask=g_ok[:, None] & ranked[None, :], other=float("-inf"))
-        p = _exp(x - m_all[:, None], PRECISE) * inv_z[:, None]  # softmax over blocks, per head
-        score = tl.sum(p, 0)
-        key = tl.where(ranked, score.to(tl.int32, bitcast=True) + 1, 0)  # score >= 0: bits keep the order
-        tl.store(row + b, key, mask=b < nb)
-    tl.debug_barrier()  # the keys' stores before other threads read them
-    # The count and range of the keys from the stored keys, which every thread reads alike. (Where
-    # a tile is smaller than the CTA, elements are replicated over threads, and the copies of a
-    # float reduction's result (m_all, inv_z) may differ in the last bit between threads: on an H100
-    # with tiny test tiles, threads then disagreed about key_min / key_max, took different branches
-    # of the threshold search and emitted more than K candidates. Read back, they agree.)
-    n_valid = r * 0
-    key_min = r * 0 + INT_MAX
-    key_max = r * 0
-    for c0 in range(0, nb, BLOCK_C):
-        b = c0 + tl.arange(0, BLOCK_C)
-        key = tl.load(row + b, mask=b < nb, other=0)
-        n_valid += tl.sum((key > 0).to(tl.int32), 0)
-        key_min = tl.minimum(key_min, tl.min(tl.where(key > 0, key, INT_MAX), 0))
-        key_max = tl.maximum(key_max, tl.max(key, 0))
-    thr, take = _top_threshold(row, nb, K, key_min, n_valid, key_max + 1, BLOCK)
+    if IN_REGS:
+        blk = tl.arange(0, BLOCK)
+        rk = (blk < nb) & (blk >= n_sb) & (blk < first_w)
+        x = tl.load(X + hrow[:, None] * nb + blk[None, :], mask=g_ok[:, None] & rk[None, :], other=float("-inf"))
+        score = tl.sum(_exp(x - m_all[:, None], PRECISE) * inv_z[:, None], 0)
+        kreg = tl.where(rk, score.to(tl.int32, bitcast=True) + 1, tl.where(blk < nb, 0, -1))
+        n_valid = tl.sum((kreg > 0).to(tl.int32), 0)
+        key_min = tl.min(tl.where(kreg > 0, kreg, INT_MAX), 0)
+        thr, take = _top_threshold_regs(kreg, nb, K, key_min, n_valid, tl.max(kreg, 0) + 1)
+        eqr = kreg == thr
+        eqr_rank = tl.cumsum(eqr.to(tl.int32), 0) - 1
+        wr = ((kreg > thr) | (eqr & (eqr_rank < take))) & (kreg > 0)
+        at_r = tl.cumsum(wr.to(tl.int32), 0) - 1
+        o_reg = r.to(tl.int64) * K
+        tl.store(CAND + o_reg + at_r, blk, mask=wr)
+        tl.store(CKEY + o_reg + at_r, kreg, mask=wr)
+        tl.store(NCAND + r, tl.sum(wr.to(tl.int32), 0))
+    else:
+        row = SCR + r.to(tl.int64) * scr_row
+        for c0 in range(0, nb, BLOCK_C):
+            b = c0 + tl.arange(0, BLOCK_C)
+            ranked = (b < nb) & (b >= n_sb) & (b < first_w)
+            x = tl.load(X + hrow[:, None] * nb + b[None, :], mask=g_ok[:, None] & ranked[None, :], other=float("-inf"))
+            p = _exp(x - m_all[:, None], PRECISE) * inv_z[:, None]  # softmax over blocks, per head
+            score = tl.sum(p, 0)
+            key = tl.where(ranked, score.to(tl.int32, bitcast=True) + 1, 0)  # score >= 0: bits keep the order
+            tl.store(row + b, key, mask=b < nb)
+        tl.debug_barrier()  # the keys' stores before other threads read them
+        # The count and range of the keys from the stored keys, which every thread reads alike. (Where
+        # a tile is smaller than the CTA, elements are replicated over threads, and the copies of a
+        # float reduction's result (m_all, inv_z) may differ in the last bit between threads: on an H100
+        # with tiny test tiles, threads then disagreed about key_min / key_max, took different branches
+        # of the threshold search and emitted more than K candidates. Read back, they agree.)
+        n_valid = r * 0
+        key_min = r * 0 + INT_MAX
+        key_max = r * 0
+        for c0 in range(0, nb, BLOCK_C):
+            b = c0 + tl.arange(0, BLOCK_C)
+            key = tl.load(row + b, mask=b < nb, other=0)
+            n_valid += tl.sum((key > 0).to(tl.int32), 0)
+            key_min = tl.minimum(key_min, tl.min(tl.where(key > 0, key, INT_MAX), 0))
+            key_max = tl.maximum(key_max, tl.max(key, 0))
+        thr, take = _top_threshold(row, nb, K, key_min, n_valid, key_max + 1, BLOCK)
 
-    ar = tl.arange(0, BLOCK)
-    base = r * 0
-    eq_base = r * 0
-    out = r.to(tl.int64) * K
-    for c0 in range(0, nb, BLOCK):
-        o = c0 + ar
-        inn = o < nb
-        key = tl.load(row + o, mask=inn, other=0)
-        eq = (key == thr) & inn
-        eq_rank = eq_base + tl.cumsum(eq.to(tl.int32), 0) - 1
-        w = ((key > thr) | (eq & (eq_rank < take))) & (key > 0) & inn
-        at = base + tl.cumsum(w.to(tl.int32), 0) - 1
-        tl.store(CAND + out + at, o, mask=w)
-        tl.store(CKEY + out + at, key, mask=w)
-        base += tl.sum(w.to(tl.int32), 0)
-        eq_base += tl.sum(eq.to(tl.int32), 0)
-    tl.store(NCAND + r, base)
+        ar = tl.arange(0, BLOCK)
+        base = r * 0
+        eq_base = r * 0
+        out = r.to(tl.int64) * K
+        for c0 in range(0, nb, BLOCK):
+            o = c0 + ar
+            inn = o < nb
+            key = tl.load(row + o, mask=inn, other=0)
+            eq = (key == thr) & inn
+            eq_rank = eq_base + tl.cumsum(eq.to(tl.int32), 0) - 1
+            w = ((key > thr) | (eq & (eq_rank < take))) & (key > 0) & inn
+            at = base + tl.cumsum(w.to(tl.int32), 0) - 1
+            tl.store(CAND + out + at, o, mask=w)
+            tl.store(CKEY + out + at, key, mask=w)
+            base += tl.sum(w.to(tl.int32), 0)
+            eq_base += tl.sum(eq.to(tl.int32), 0)
+        tl.store(NCAND + r, base)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -531,6 +551,8 @@ class PsaConfig:
     score_block: int = 1024  # select: blocks per chunk of the score pass
     select_block: int = 4096  # select: keys the threshold search holds in registers (larger rows: L2 passes)
     select_warps: int = 8
+    regs_select: bool = True  # select: keep a row's keys in registers when they fit (False: the scratch path)
+    regs_scores: int = 16384  # select: most G_PAD x BLOCK scores the in-register path holds
     tile_tokens: int = 128  # sums: key rows per program (whole blocks: 4 of 32)
     rank_block: int = 512  # sums: candidate keys per compare chunk of the rank
     dense_block: int = 64  # sums: key rows per chunk of the dense part
@@ -657,6 +679,12 @@ def progressive_plan(
     cdt = _TL_DTYPES[meta.dtype] if on_gpu else tl.float32  # the torch path's `cdt`
     logit_dt = _TL_DTYPES.get(q.dtype, tl.float32)
     dot_fp32 = interpreted()
+    # the select keeps a row's keys in registers when they fit one tile (at most select_block keys,
+    # G_PAD x BLOCK scores <= regs_scores) that every thread holds a distinct part of (no replicas
+    # whose float rounding could disagree: see the select kernel)
+    sel_block = min(cfg.select_block, max(16, _pow2(nb)))
+    in_regs = (nb <= sel_block and _pow2(g) * sel_block <= cfg.regs_scores and sel_block >= 32 * cfg.select_warps
+               and cfg.regs_select)
     for t0 in range(0, t, tc):
         t1 = min(t, t0 + tc)
         tcc = t1 - t0
@@ -676,7 +704,8 @@ def progressive_plan(
             # for sm_90 (TritonGPUOptimizeThreadLocality; hit at 512K, n_bt = 256, on the H100, 2026-11-22)
             G=g, G_PAD=_pow2(g), BLOCK_P=max(16, min(64, _pow2(n_bt))),
             BLOCK_C=max(16, min(cfg.score_block, _pow2(nb))),
-            BLOCK=min(cfg.select_block, max(16, _pow2(nb))), PRECISE=precise, num_warps=cfg.select_warps,
+            BLOCK=min(cfg.select_block, max(16, _pow2(nb))),
+            IN_REGS=in_regs, PRECISE=precise, num_warps=cfg.select_warps,
         )
         _sums_kernel[(n_st + 1, r)](
             qc, ctx_k, loc_k, pc, cand, ckey, ncand, sid, smx, ssm, dmx, dsm,
