@@ -54,7 +54,7 @@ from decoder.fidelity import build_index, fidelity, selection_recall, teacher_fo
 from decoder.generate import ContextKV, generate  # noqa: E402
 from decoder.model import load_model  # noqa: E402
 from decoder.prefill import prefill  # noqa: E402
-from decoder.rope import undo_rope  # noqa: E402
+from indexer.rope import undo_rope  # noqa: E402
 from indexer import _saap_train as tr  # noqa: E402
 from indexer.base import DecodeContext, get_method  # noqa: E402
 from indexer.saap import SaapModel  # noqa: E402

@@ -118,7 +118,7 @@ import numpy as np
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
-from decoder.rope import undo_rope
+from indexer.rope import undo_rope
 from indexer import _saap_corpus as corpus_mod
 from indexer.saap import (
     BN_EPS,

@@ -154,14 +154,14 @@ import torch
 import torch.nn.functional as F
 from pydantic import Field
 
-from indexer._select import gather_context, gather_rows
-from indexer.base import MethodParams, Plan, Planner, SparseMethod, budget, frame_bounds, register
+from indexer.selection import gather_context, gather_rows
+from indexer.base import BudgetParams, Plan, Planner, SparseMethod, frame_bounds, register
 
 OFFSETS = (-1, 0, 1, 2)
 NEG_INF = float("-inf")
 
 
-class LFPSParams(MethodParams):
+class LFPSParams(BudgetParams):
     init_steps: int = Field(64, ge=1, le=1 << 16, description="last prefill queries that initialise the tables (build)")
     table_sink: int = Field(4, ge=0, le=4096, description="first positions kept out of the tables and means (build)")
     gamma: float = Field(0.95, gt=0.0, lt=1.0, description="decay of the score tables (build and decode)")
@@ -181,10 +181,6 @@ class LFPSParams(MethodParams):
     )
 
     build_fields = frozenset({"init_steps", "table_sink", "gamma"})
-
-    def budget(self, n_ctx: int) -> int:
-        """K: plan positions per (KV head, token), from the context length."""
-        return budget(n_ctx, k=self.k, ratio=self.ratio)
 
     def candidate_width(self, n_ctx: int) -> int:
         """C: candidate slots per (KV head, token), at least K, at most N."""

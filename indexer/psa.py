@@ -85,7 +85,7 @@ import torch
 import torch.nn.functional as F
 from pydantic import Field
 
-from indexer._select import gather_rows
+from indexer.selection import gather_rows
 from indexer.base import MethodParams, Plan, Planner, SparseMethod, budget, frame_bounds, graph_capturing, register
 
 META_MIN, META_MAX, META_MEAN = 0, 1, 2

@@ -30,7 +30,7 @@ Trained model (one directory per LLM, default `<data_dir>/saap/<model fingerprin
     (`--layers`, used by the tests): every untrained layer runs full attention.
 
 Build (prefill worker; `build_fields`: `model_dir`)
-  per trained layer and KV head, every context key is de-RoPE'd (`decoder.rope.undo_rope`, the
+  per trained layer and KV head, every context key is de-RoPE'd (`indexer.rope.undo_rope`, the
   model's `rope_theta`, positions 0..N-1) and assigned to its nearest (L2) centroid. Stored:
   `assign` [L, KVH, N] int32 bucket id of each key (-1 in untrained layers; not read at decode), `order` [L, KVH, N]
   int32 key ids grouped by bucket (stable: ascending ids inside a bucket), `offsets`
@@ -53,8 +53,8 @@ Decode (`open` once per request, `plan` per layer and step; KV heads and query t
     by the group sum of softmax(q'·c / sqrt(D)) over the centroids: the paper's "K-means (no
     rope)" baseline, on the same partition. ALL context keys of the probed buckets are planned (no
     top-K, paper §4 "beyond top-k"): their CSR slices, expanded into a block of a fixed width K per
-    layer (`_select.expand_clusters`), with the keys inside the frame masked to -1. K =
-    `_select.probe_width(offsets, ℓ)`, the most keys ℓ buckets of that layer hold in any KV head,
+    layer (`selection.expand_clusters`), with the keys inside the frame masked to -1. K =
+    `selection.probe_width(offsets, ℓ)`, the most keys ℓ buckets of that layer hold in any KV head,
     read once in `open` (so K depends on the index and ℓ, never on the step; a layer's GPU time is
     set by its largest visited buckets, as the paper says). Keys are in one bucket each and the
     probed buckets are distinct, so the planned positions are distinct without a dedup.
@@ -94,8 +94,8 @@ from typing import Literal
 import torch
 from pydantic import Field
 
-from decoder.rope import undo_rope
-from indexer._select import expand_clusters, nearest_centroid, probe_width, selectable
+from indexer.rope import undo_rope
+from indexer.selection import expand_clusters, nearest_centroid, probe_width, selectable
 from indexer.base import (
     DecodeContext,
     MethodEnv,

@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 from decoder.model import ModelSpec
-from decoder.rope import apply_rope, undo_rope
+from indexer.rope import apply_rope, undo_rope
 from indexer.base import KVView, PrefillCapture
 
 

@@ -19,8 +19,8 @@ from conftest import MODEL_CACHE, natural_document, passkey_document
 from decoder.backends import frame_fraction, frame_mask
 from decoder.fidelity import build_index, selection_recall, teacher_forced_logits, truncate_capture
 from decoder.generate import ContextKV
-from decoder.rope import apply_rope, undo_rope
-from indexer._select import probe_width
+from indexer.rope import apply_rope, undo_rope
+from indexer.selection import probe_width
 from indexer.base import DecodeContext, IndexReader, KVView, frame_bounds, get_method
 from indexer._saap_train import (
     StackedMLP,

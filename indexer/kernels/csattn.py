@@ -31,7 +31,7 @@ Kernels (grids from shapes only; per chunk of query tokens, see below):
    exact and independent of the order in which programs and entries arrive.
 3. `_finalize_kernel`, grid (ceil(N / BLOCK_N), rows): decodes every cell (count of lists, fixed-point
    sum), writes the fp32 score (-inf where no list touched the key or the frame owns the position:
-   `indexer._select.selectable_mask`) and zeroes the cell for the next search.
+   `indexer.selection.selectable_mask`) and zeroes the cell for the next search.
 4. `topk_positions` over the fp32 scores (4 launches of the radix select).
 
 Fixed point (the int64 cells). Per row, the exponent e = F - LB - E with LB = ceil(log2 L) (host
