@@ -68,7 +68,9 @@ from benchmarks._gpu_timing import kernel_profile  # noqa: E402
 from decoder.backends import get_backend  # noqa: E402
 from decoder.generate import ContextKV, generate  # noqa: E402
 from indexer.rope import undo_rope  # noqa: E402
-from decoder.runner import ModelWeights, Runner, apply_rope, fuse_weights, mlp, rms_norm, rope_cos_sin  # noqa: E402
+from decoder.layers import apply_rope, mlp, rms_norm, rope_cos_sin  # noqa: E402
+from decoder.runner import Runner  # noqa: E402
+from decoder.weights import ModelWeights, fuse_weights  # noqa: E402
 from indexer.base import DecodeContext, IndexReader, PrefillCapture, get_method  # noqa: E402
 
 MODELS = {  # name -> LlamaConfig fields
