@@ -64,7 +64,7 @@ from decoder.backends import backend_names, get_backend  # noqa: E402
 from indexer.rope import apply_rope, undo_rope  # noqa: E402
 from indexer.base import DecodeContext, IndexReader, KVView, PrefillCapture, get_method  # noqa: E402
 from indexer.kernels import saap as K  # noqa: E402
-from indexer.saap import SaapModel, bucket_scores  # noqa: E402
+from indexer.saap_model import SaapModel, bucket_scores  # noqa: E402
 from synthetic import Mixture, llama8b_spec, write_saap_model  # noqa: E402
 
 T = Timing("cuda")

@@ -75,8 +75,7 @@ copies) and adds each entry into an int64 fixed-point accumulator per (kv head, 
 atomics (exact, so the scores do not depend on the order of the adds, unlike torch's CUDA
 `scatter_reduce_`), one decodes it into the masked fp32 score buffer and zeroes it again, then the
 fused radix select (`indexer/kernels/select.py`) takes the top-K: 7 launches, no gathered copy of
-the lists: plan + attention 0.090 ms per layer-step at 128K on an H100, against 0.415 ms with the
-torch plan (its gather of the lists and scatter_reduce_ alone ~165 us) and 0.218 ms for dense SDPA. This torch code is the
+the lists (timings against the torch plan and dense SDPA: benchmarks/RESULTS.md, "Fused searches (issue 12) and the batched runner"). This torch code is the
 reference and the CPU path; the fused search selects the same positions per row (as a set; scores
 agree to ~1e-7 relative, ties and rounding: the kernel module's docstring). `planner.fused`: None =
 fused for CUDA tensors (the default), True = also on CPU (Triton's interpreter, tests), False = torch.

@@ -1,5 +1,9 @@
 """`lfps`: Learn From the Past for Sparse indexing (papers/lfps.txt §4, App. B).
 
+Long because the method is a reconstruction: the paper's equations were lost, so this docstring
+records each RECONSTRUCTED or ADAPTED choice next to the code that makes it (the code itself is
+under 500 lines); the pure table functions are public and tested one by one.
+
 The paper's equations were lost in extraction; this is a reconstruction from its prose. Each choice
 the prose leaves open is marked RECONSTRUCTED, with the reason; each change forced by the decode
 frame or by fixed-shape planning is marked ADAPTED.
@@ -134,8 +138,7 @@ another order), the same bypass decisions, and tables equal up to rounding (tabl
 there, so a value within ~1e-7 of a threshold may change sides; the kernel module's docstring).
 `planner.fused`: None = fused for CUDA tensors (the default), True = also on the CPU through
 Triton's interpreter (tests), False = always torch; `CTXCACHE_FUSED_LFPS=0` keeps every planner on
-torch. Measured on an H100 (one Llama-3.1-8B layer, 128K): plan + attention 0.134-0.147 ms against
-1.46 ms with the torch plan and 0.218 ms for dense SDPA (benchmarks/RESULTS.md).
+torch. Timings against the torch plan and dense SDPA: benchmarks/RESULTS.md, "Fused searches (issue 12) and the batched runner".
 
 Reporting: `stats()` gives the candidate fraction (exact q·k per visible token: candidates + the
 frame; a fully bypassed KV head counts the frame only), the bypassed fraction of query heads, the

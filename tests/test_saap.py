@@ -31,7 +31,8 @@ from indexer._saap_train import (
     settings_from,
     train_saap,
 )
-from indexer.saap import MODEL_FORMAT, SaapModel, bucket_scores, default_model_dir, nearest_centroid, sha256_file
+from indexer.saap_model import MODEL_FORMAT, SaapModel, bucket_scores, default_model_dir, sha256_file
+from indexer.selection import nearest_centroid
 
 TRAINED = (1, 2, 3, 4)
 C = 32

@@ -19,7 +19,8 @@ import torch
 
 from indexer import _saap_train as tr
 from indexer._saap_train import TrainSettings, kmeans, kmeans_torch, resolve_device, settings_from, train_saap
-from indexer.saap import SaapModel, bucket_scores, nearest_centroid
+from indexer.saap_model import SaapModel, bucket_scores
+from indexer.selection import nearest_centroid
 
 
 class ByteTokenizer:

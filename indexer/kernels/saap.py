@@ -1,6 +1,9 @@
 """SAAP's decode-time plan in four Triton launches (`indexer/saap.py` dispatches here for CUDA
 tensors; its torch path is the reference and the CPU path).
 
+Long because a method's kernels stay together: SAAP's four plan launches share their wrappers,
+their configuration and the cost model below.
+
 What one plan computes, for one layer (KVH KV heads, G query heads each, T query tokens; C key
 buckets, f_q with Hd hidden units, ℓ = nprobe, the plan width K = `selection.probe_width`):
 
