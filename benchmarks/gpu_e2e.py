@@ -1,5 +1,8 @@
 """End-to-end decode on a GPU: ms/token and tokens/s of a whole model, per method, against the HBM floor.
 
+Long because it is one self-contained run for the device tool (model, prefill, each method's
+index, three kinds of timed rows and their floors): a single file to carry and read top to bottom.
+
     # on the device tool (carry .whl: pydantic, faiss-cpu, zarr, ... as benchmarks/device_run.sh installs them)
     python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl
     PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1 python3 benchmarks/gpu_e2e.py --lengths 32768 --batches 1 8
