@@ -54,10 +54,10 @@ from decoder.fidelity import build_index, fidelity, selection_recall, teacher_fo
 from decoder.generate import ContextKV, generate  # noqa: E402
 from decoder.model import load_model  # noqa: E402
 from decoder.prefill import prefill  # noqa: E402
-from decoder.rope import undo_rope  # noqa: E402
+from indexer.rope import undo_rope  # noqa: E402
 from indexer import _saap_train as tr  # noqa: E402
 from indexer.base import DecodeContext, get_method  # noqa: E402
-from indexer.saap import SaapModel  # noqa: E402
+from indexer.saap_model import SaapModel  # noqa: E402
 from tests.conftest import MODEL_CACHE, PASSKEY_QUESTION, natural_document, passkey_document  # noqa: E402
 
 QUESTION = "Summarize what the engineer and the scheduler did, in detail."

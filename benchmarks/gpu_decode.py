@@ -65,7 +65,7 @@ sys.path.insert(0, str(ROOT))
 from benchmarks._gpu_timing import BF, D, G, H, KVH, M_LOCAL, THETA, Timing, kernel_profile  # noqa: E402
 from decoder.backends import backend_names, get_backend  # noqa: E402
 from decoder.runner import fork_join  # noqa: E402
-from decoder.rope import apply_rope  # noqa: E402
+from indexer.rope import apply_rope  # noqa: E402
 from indexer.base import DecodeContext, IndexReader, KVView, PrefillCapture, get_method  # noqa: E402
 
 sys.path.insert(0, str(ROOT / "tests"))

@@ -1,5 +1,8 @@
 """End-to-end decode on a GPU: ms/token and tokens/s of a whole model, per method, against the HBM floor.
 
+Long because it is one self-contained run for the device tool (model, prefill, each method's
+index, three kinds of timed rows and their floors): a single file to carry and read top to bottom.
+
     # on the device tool (carry .whl: pydantic, faiss-cpu, zarr, ... as benchmarks/device_run.sh installs them)
     python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl
     PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1 python3 benchmarks/gpu_e2e.py --lengths 32768 --batches 1 8
@@ -67,8 +70,10 @@ sys.path.insert(0, str(ROOT / "tests"))
 from benchmarks._gpu_timing import kernel_profile  # noqa: E402
 from decoder.backends import get_backend  # noqa: E402
 from decoder.generate import ContextKV, generate  # noqa: E402
-from decoder.rope import undo_rope  # noqa: E402
-from decoder.runner import ModelWeights, Runner, apply_rope, fuse_weights, mlp, rms_norm, rope_cos_sin  # noqa: E402
+from indexer.rope import undo_rope  # noqa: E402
+from decoder.layers import apply_rope, mlp, rms_norm, rope_cos_sin  # noqa: E402
+from decoder.runner import Runner  # noqa: E402
+from decoder.weights import ModelWeights, fuse_weights  # noqa: E402
 from indexer.base import DecodeContext, IndexReader, PrefillCapture, get_method  # noqa: E402
 
 MODELS = {  # name -> LlamaConfig fields

@@ -61,10 +61,10 @@ sys.path.insert(0, str(ROOT / "tests"))
 import indexer.kernels  # noqa: E402,F401  (the interpreter's NumPy fix, before any kernel module)
 from benchmarks._gpu_timing import BF, D, G, H, KVH, M_LOCAL, THETA, Timing, kernel_profile  # noqa: E402
 from decoder.backends import backend_names, get_backend  # noqa: E402
-from decoder.rope import apply_rope, undo_rope  # noqa: E402
+from indexer.rope import apply_rope, undo_rope  # noqa: E402
 from indexer.base import DecodeContext, IndexReader, KVView, PrefillCapture, get_method  # noqa: E402
 from indexer.kernels import saap as K  # noqa: E402
-from indexer.saap import SaapModel, bucket_scores  # noqa: E402
+from indexer.saap_model import SaapModel, bucket_scores  # noqa: E402
 from synthetic import Mixture, llama8b_spec, write_saap_model  # noqa: E402
 
 T = Timing("cuda")

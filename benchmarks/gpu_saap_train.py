@@ -44,7 +44,7 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from decoder.rope import undo_rope  # noqa: E402
+from indexer.rope import undo_rope  # noqa: E402
 from indexer import _saap_train as tr  # noqa: E402
 from tests.test_saap_device import random_lm  # noqa: E402
 

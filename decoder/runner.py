@@ -7,14 +7,8 @@ runner computes the same function with the same weights in a few plain functions
 comments), batches the dense work over the active requests, and replays each one-token step from a
 CUDA graph when it can:
 
-* **Weights**: the loaded HF model's (`lm.model`, LlamaForCausalLM-like: Llama 2/3.x, SmolLM2,
-  Qwen2 with q/k/v biases), used in place. q/k/v and gate/up are concatenated once into fused
-  matrices and, on a GPU, the model's own parameters are re-pointed to views of them (`fuse_weights`;
-  on the CPU a fused copy is kept instead, so the reference path's numerics never change): the
-  model keeps working, and on a GPU no memory is doubled. RMSNorm eps, the rotary module's
-  `inv_freq` and `attention_scaling` (default, linear, llama3 and yarn rope) and the attention
-  scale come from the model; `unsupported(model)` says what it cannot run (dynamic/longrope rope,
-  q/k norms, sliding-window layers, activations other than SiLU).
+* **Weights**: the loaded HF model's, used in place, q/k/v and gate/up fused once
+  (`decoder/weights.py`, which also says what the runner cannot run: `unsupported(model)`).
 * **Requests**: `add(ctx, planner, params, question_ids, max_new_tokens, temperature, seed)` ->
   slot. Each request owns a static request-local K/V buffer [L, KVH, max_local, D] (max_local =
   question + max_new_tokens), written in place at its current length (a device index: no host
@@ -28,7 +22,7 @@ CUDA graph when it can:
   one host sync per step, to stream them. On CUDA the small ops between the GEMMs (RMSNorm with
   the residual add before it, RoPE of q and k, SiLU·up) are one Triton launch each
   (`decoder/kernels/layer.py`, `fused_layer`): ~15 kernels per layer instead of ~41, the same
-  roundings as the torch functions below, which stay the reference and the CPU path.
+  roundings as the torch functions of `decoder/layers.py`, which stay the reference and the CPU path.
 * **Requests' attention in parallel** (`parallel=True`, CUDA, B > 1, context on the device): each
   request's plan + run + update of a layer is issued on its own side stream (the batch position's
   stream: fork from the step's stream, join back before o_proj), so the small search and attention
@@ -37,12 +31,8 @@ CUDA graph when it can:
   (`indexer.kernels.Workspaces`), so requests never share scratch memory; a request's tensors are
   only touched between a fork and the join that follows it, so stream order is preserved across
   layers and steps. Results do not depend on it (same kernels, same inputs; test).
-* **Sampling**: temperature 0 = greedy (argmax of the fp32 logits, as `generate`). Temperature > 0
-  = Gumbel-max with counter-based noise: token = argmax(logits / T + g), g_i = -log(-log(u_i)),
-  u_i a 32-bit integer hash of (seed, the token's absolute position, i). That is an exact draw
-  from softmax(logits / T), reproducible for a seed whatever the batch and whether the step was
-  replayed from a graph or not, and needs no generator state (graph-safe). It is *not* the
-  stream `generate`'s `torch.multinomial` draws for the same seed. Seed None: a random one.
+* **Sampling** on the device (`decoder/sampling.py`): greedy at temperature 0, else Gumbel-max
+  with counter-based noise of (seed, position), reproducible whatever the batch or graph replay.
 * **CUDA graph** (`graphs=True` on CUDA): the one-token step of the current batch (embedding to
   sampling, incl. each request's plan/run/update and the in-place advance of its position and
   next token) is captured once and replayed while the batch stays the same. A planner's
@@ -88,170 +78,10 @@ import torch
 import torch.nn.functional as F
 
 from decoder.backends import AttentionBackend, frame_fraction
+from decoder.layers import apply_rope, mlp, rms_norm, rope_cos_sin
+from decoder.sampling import sample_tokens
+from decoder.weights import ModelWeights, fuse_weights, unsupported  # noqa: F401 - the decode job asks runner.unsupported
 from indexer.base import KVView, MethodParams, Planner, graph_capturing
-
-_MASK32 = 0xFFFFFFFF
-
-
-# ---------------------------------------------------------------------------------------------
-# Weights
-
-
-@dataclass
-class LayerWeights:
-    ln1: torch.Tensor  # [C]
-    wqkv: torch.Tensor  # [(H + 2 KVH) D, C] fused q/k/v (the model's q/k/v_proj are views of it)
-    bqkv: torch.Tensor | None  # [(H + 2 KVH) D] (Qwen2) or None
-    wo: torch.Tensor  # [C, H D]
-    bo: torch.Tensor | None
-    ln2: torch.Tensor  # [C]
-    wgu: torch.Tensor  # [2 I, C] fused gate/up
-    bgu: torch.Tensor | None
-    wdown: torch.Tensor  # [C, I]
-    bdown: torch.Tensor | None
-    scale: float  # attention scale (the model's `self_attn.scaling`)
-
-
-@dataclass
-class ModelWeights:
-    embed: torch.Tensor  # [V, C]
-    layers: list[LayerWeights]
-    norm: torch.Tensor  # [C]
-    lm_head: torch.Tensor  # [V, C] (tied: the embedding)
-    eps: float
-    inv_freq: torch.Tensor  # [D / 2] fp32, the rotary module's (rope scaling applied)
-    rope_scaling: float  # the rotary module's attention_scaling (1.0 but for yarn & co)
-    n_heads: int
-    n_kv_heads: int
-    head_dim: int
-
-    @property
-    def group(self) -> int:
-        return self.n_heads // self.n_kv_heads
-
-    def read_bytes(self) -> int:
-        """Bytes one step reads of the weights: every matrix and norm, the lm_head, not the
-        embedding table (a step reads B rows of it) unless it is the tied lm_head."""
-        seen, total = set(), 0
-        mats = [self.norm, self.lm_head]
-        for lw in self.layers:
-            mats += [t for t in (lw.ln1, lw.wqkv, lw.bqkv, lw.wo, lw.bo, lw.ln2, lw.wgu, lw.bgu, lw.wdown, lw.bdown)
-                     if t is not None]
-        for t in mats:
-            if t.data_ptr() not in seen:
-                seen.add(t.data_ptr())
-                total += t.numel() * t.element_size()
-        return total
-
-
-_FUSED_ATTR = "_ctxcache_runner_weights"
-
-
-def unsupported(model) -> list[str]:
-    """Reasons the runner cannot run this model (empty = fine)."""
-    cfg = model.config
-    reasons = []
-    rot = getattr(getattr(model, "model", None), "rotary_emb", None)
-    layers = getattr(getattr(model, "model", None), "layers", None)
-    if rot is None or layers is None or not hasattr(model, "lm_head"):
-        return [f"{type(model).__name__} is not a Llama-like causal LM (model.layers, rotary_emb, lm_head)"]
-    if getattr(rot, "rope_type", "default") in ("dynamic", "longrope"):
-        reasons.append(f"rope type {rot.rope_type!r} changes its frequencies with the sequence length")
-    if getattr(cfg, "hidden_act", "silu") != "silu":
-        reasons.append(f"activation {cfg.hidden_act!r} (the runner's MLP is SiLU-gated)")
-    attn = layers[0].self_attn
-    if hasattr(attn, "q_norm") or hasattr(attn, "k_norm"):
-        reasons.append("per-head q/k norms (Qwen3-style) are not implemented")
-    kinds = set(getattr(cfg, "layer_types", None) or ["full_attention"])
-    if kinds != {"full_attention"}:
-        reasons.append(f"layer types {sorted(kinds)} (only full attention)")
-    if getattr(cfg, "final_logit_softcapping", None) or getattr(cfg, "attn_logit_softcapping", None):
-        reasons.append("logit soft-capping is not implemented")
-    if not hasattr(layers[0].mlp, "gate_proj"):
-        reasons.append("the MLP has no gate_proj/up_proj/down_proj")
-    return reasons
-
-
-def _fuse(mods: list[torch.nn.Linear], repoint: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Concatenate Linear weights (and biases) along the output dim once. `repoint`: also re-point
-    the modules' parameters to views of the result, so nothing is stored twice (GPU, where memory is
-    what limits a batch). The model then computes the same function, but not always the same bits:
-    a one-token (GEMV) matmul over a view can round differently (measured on the CPU: 6e-5 on the
-    default model's logits). So on the CPU, where `decoder.generate` is the reference path and
-    memory is not the limit, the runner keeps a fused copy and leaves the model untouched."""
-    w = torch.cat([m.weight.data for m in mods], dim=0)
-    b = None
-    if any(m.bias is not None for m in mods):
-        b = torch.cat([m.bias.data if m.bias is not None else torch.zeros(m.weight.shape[0], dtype=w.dtype, device=w.device)
-                       for m in mods])
-    if repoint:
-        o = 0
-        for m in mods:
-            n = m.weight.shape[0]
-            m.weight.data = w[o:o + n]
-            if m.bias is not None:
-                m.bias.data = b[o:o + n]
-            o += n
-    return w, b
-
-
-@torch.no_grad()
-def fuse_weights(model) -> ModelWeights:
-    """The runner's view of a Llama-like model's weights (made once per model object, cached on it)."""
-    got = getattr(model, _FUSED_ATTR, None)
-    if got is not None:
-        return got
-    reasons = unsupported(model)
-    if reasons:
-        raise ValueError("the decode runner cannot run this model: " + "; ".join(reasons))
-    cfg, inner = model.config, model.model
-    layers = []
-    for layer in inner.layers:
-        a, mlp = layer.self_attn, layer.mlp
-        repoint = a.q_proj.weight.device.type == "cuda"
-        wqkv, bqkv = _fuse([a.q_proj, a.k_proj, a.v_proj], repoint)
-        wgu, bgu = _fuse([mlp.gate_proj, mlp.up_proj], repoint)
-        layers.append(LayerWeights(
-            layer.input_layernorm.weight, wqkv, bqkv, a.o_proj.weight, a.o_proj.bias,
-            layer.post_attention_layernorm.weight, wgu, bgu, mlp.down_proj.weight, mlp.down_proj.bias,
-            float(a.scaling)))
-    n_heads = cfg.num_attention_heads
-    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // n_heads
-    rot = inner.rotary_emb
-    w = ModelWeights(
-        embed=inner.embed_tokens.weight, layers=layers, norm=inner.norm.weight, lm_head=model.lm_head.weight,
-        eps=float(inner.norm.variance_epsilon), inv_freq=rot.inv_freq.float(),
-        rope_scaling=float(rot.attention_scaling), n_heads=n_heads,
-        n_kv_heads=getattr(cfg, "num_key_value_heads", None) or n_heads, head_dim=head_dim)
-    setattr(model, _FUSED_ATTR, w)
-    return w
-
-
-# ---------------------------------------------------------------------------------------------
-# The layer code: plain functions (S = rows of the step: sum over requests of their T)
-
-
-def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
-    """x [..., C] -> [..., C]; LlamaRMSNorm's arithmetic (fp32 statistics, weight in x's dtype)."""
-    dt = x.dtype
-    xf = x.float()
-    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return w * xf.to(dt)
-
-
-def rope_cos_sin(pos: torch.Tensor, inv_freq: torch.Tensor, scaling: float, dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """pos [S] int -> cos, sin [S, D] in `dtype`; the rotary module's arithmetic (fp32 angles)."""
-    freqs = pos[:, None].float() * inv_freq[None, :]  # [S, D/2]
-    emb = torch.cat([freqs, freqs], dim=-1)  # [S, D]
-    return (emb.cos() * scaling).to(dtype), (emb.sin() * scaling).to(dtype)
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [S, heads, D], cos/sin [S, D] -> [S, heads, D] (rotate-half convention)."""
-    cos, sin = cos[:, None], sin[:, None]
-    half = x.shape[-1] // 2
-    rot = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-    return x * cos + rot * sin
 
 
 def _layer_kernels(w: ModelWeights, device: torch.device, fused: bool | None):
@@ -264,39 +94,6 @@ def _layer_kernels(w: ModelWeights, device: torch.device, fused: bool | None):
         return None
     probe = torch.empty(0, dtype=w.embed.dtype, device=device)
     return None if layer.unsupported(probe, w.head_dim) else layer
-
-
-def mlp(x: torch.Tensor, lw: LayerWeights) -> torch.Tensor:
-    """x [S, C] -> [S, C]: down(silu(gate(x)) * up(x))."""
-    gate, up = F.linear(x, lw.wgu, lw.bgu).chunk(2, dim=-1)  # [S, I] each
-    return F.linear(F.silu(gate) * up, lw.wdown, lw.bdown)
-
-
-def _mix32(x: torch.Tensor) -> torch.Tensor:
-    """A 32-bit integer hash (int64 tensors holding uint32 values; no int64 overflow)."""
-    x = ((x ^ (x >> 16)) * 0x45D9F3B) & _MASK32
-    x = ((x ^ (x >> 16)) * 0x45D9F3B) & _MASK32
-    return x ^ (x >> 16)
-
-
-def gumbel_noise(seed: torch.Tensor, pos: torch.Tensor, vocab: int) -> torch.Tensor:
-    """seed, pos [B] int64 -> [B, V] fp32 standard Gumbel noise, a pure function of (seed, pos, i)."""
-    key = _mix32((seed & _MASK32) ^ _mix32(pos & _MASK32))  # [B]
-    bits = _mix32((key[:, None] + torch.arange(vocab, device=seed.device)[None, :]) & _MASK32) >> 9  # [B, V] 23 bits
-    u = (bits.float() + 0.5) * 2.0 ** -23  # in (0, 1), exactly representable
-    return -torch.log(-torch.log(u))
-
-
-def sample_tokens(logits: torch.Tensor, temperature: torch.Tensor, seed: torch.Tensor, pos: torch.Tensor,
-                  hot: bool) -> torch.Tensor:
-    """logits [B, V] fp32 -> [B] int64. Greedy where temperature is 0; Gumbel-max over
-    logits / temperature elsewhere (`hot`: a host flag, True when any row samples)."""
-    greedy = logits.argmax(-1)  # first maximum, as torch.argmax in generate()
-    if not hot:
-        return greedy
-    g = gumbel_noise(seed, pos, logits.shape[-1])
-    drawn = (logits / temperature.clamp_min(1e-6)[:, None] + g).argmax(-1)
-    return torch.where(temperature > 0, drawn, greedy)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -1,4 +1,5 @@
-"""Sparse-attention methods: one module per method, one interface (`indexer.base`)."""
+"""Sparse-attention methods: one module per method, one interface (`indexer.base`), one list of
+the methods offered (`indexer.registry`)."""
 
 from indexer.base import (  # noqa: F401
     DecodeContext,

@@ -118,21 +118,21 @@ import numpy as np
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
-from decoder.rope import undo_rope
+from indexer.rope import undo_rope
 from indexer import _saap_corpus as corpus_mod
-from indexer.saap import (
+from indexer.saap import SaapParams
+from indexer.saap_model import (
     BN_EPS,
     MANIFEST,
     MODEL_FORMAT,
     SaapModel,
-    SaapParams,
     bucket_scores,
     default_model_dir,
     model_digest,
-    nearest_centroid,
     sha256_file,
     tensors_sha256,
 )
+from indexer.selection import nearest_centroid
 
 log = logging.getLogger("ctxcache.saap")
 

@@ -1,8 +1,8 @@
 """The sparse-method interface: methods *plan*, attention backends *run*.
 
 Every method (full, topk, streaming, csattn, ...) is one module in `indexer/` that defines a
-`SparseMethod` subclass decorated with `@register`; the service finds it by name, so adding a
-method is adding a file. The split follows flashinfer's `plan()`/`run()` and vLLM's metadata
+`SparseMethod` subclass decorated with `@register`, listed in `indexer/registry.py`; the service
+finds it by name, so adding a method is adding a file and its line there. The split follows flashinfer's `plan()`/`run()` and vLLM's metadata
 builder / attention impl: a method decides *which* context tokens a query attends; it never
 computes attention. `decoder/backends/` computes it (`torch_ref`, the reference; `offload`,
 context K/V in host memory; `triton`, fused kernels).
@@ -45,11 +45,8 @@ and may be overridden per request.
 
 from __future__ import annotations
 
-import importlib
-import logging
 import math
 import os
-import pkgutil
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from pathlib import Path
@@ -58,6 +55,7 @@ from typing import ClassVar
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
+from indexer.registry import get_method, method_names, register  # noqa: F401 - callers import them from here
 from storage.keys import params_hash
 
 
@@ -149,12 +147,30 @@ class MethodParams(BaseModel):
         return self.sink, self.window
 
 
+class BudgetParams(MethodParams):
+    """Params of a method whose plans hold a top-K of the context (topk, csattn, ctkvr, kivf,
+    lfps): K = `budget(n_ctx)`, the module-level `budget` rule over `k` and `budget_ratio`, else
+    `default_k`. A subclass declares its own `k` and `ratio` fields (their bounds, defaults and
+    descriptions are its own) and overrides only what differs: `default_k` (CTkvr's 512 when
+    neither is set) or `budget_ratio` (CSAttn's ratio comes from `rho` or a schedule)."""
+
+    default_k: ClassVar[int | None] = None
+
+    @property
+    def budget_ratio(self) -> float | None:
+        return self.ratio
+
+    def budget(self, n_ctx: int) -> int:
+        """K, the context positions a plan holds per (KV head, token), from the context length."""
+        return budget(n_ctx, k=self.k, ratio=self.budget_ratio, default=self.default_k)
+
+
 @dataclass
 class PrefillCapture:
     """What the prefill worker hands to `build`: every layer's post-RoPE tensors (CPU).
 
     q: [L, H, N, D]; k, v: [L, KVH, N, D]; positions: [N] (0..N-1); `spec` is the ModelSpec
-    (rope_theta etc. for methods that need de-RoPE'd vectors, see decoder/rope.py).
+    (rope_theta etc. for methods that need de-RoPE'd vectors, see indexer/rope.py).
     """
 
     q: torch.Tensor
@@ -331,12 +347,11 @@ class SparseMethod(ABC):
     def plan_width(self, params: MethodParams, n_ctx: int) -> int | None:
         """K, the context positions a plan holds per (KV head, token) besides the frame, for the
         service's cost estimate before a request runs (`service/limits.py`); None = dense plans
-        (every visible token, read in place). Default: the params' `budget(n_ctx)` where they define
-        one (the top-K methods), None for the bare frame's params (`full`), else n_ctx, the upper
+        (every visible token, read in place). Default: `budget(n_ctx)` for the top-K methods'
+        params (`BudgetParams`), None for the bare frame's params (`full`), else n_ctx, the upper
         bound (a plan holds distinct context positions)."""
-        size = getattr(params, "budget", None)
-        if callable(size):
-            return size(n_ctx)
+        if isinstance(params, BudgetParams):
+            return params.budget(n_ctx)
         return None if type(params) is MethodParams else n_ctx
 
     def index_id(self, params: MethodParams, spec=None, env: MethodEnv | None = None) -> str:
@@ -344,44 +359,3 @@ class SparseMethod(ABC):
         build params>`. A method whose index also depends on something outside the params (SAAP: the
         trained model) adds it when given the model `spec` and `env`; the service always passes them."""
         return f"{self.name}-{params_hash(self.name, self.version, params.build_params())}"
-
-
-_REGISTRY: dict[str, SparseMethod] = {}
-_BROKEN: dict[str, str] = {}  # module name -> import error
-_DISCOVERED = False
-
-
-def register(cls: type[SparseMethod]) -> type[SparseMethod]:
-    if cls.name in _REGISTRY and type(_REGISTRY[cls.name]) is not cls:
-        raise ValueError(f"two sparse methods are named {cls.name!r}")
-    _REGISTRY[cls.name] = cls()
-    return cls
-
-
-def _discover() -> None:
-    global _DISCOVERED
-    if _DISCOVERED:
-        return
-    import indexer
-
-    for mod in pkgutil.iter_modules(indexer.__path__):
-        if not mod.name.startswith("_") and mod.name != "base" and not mod.ispkg:  # packages hold helpers (kernels/)
-            try:
-                importlib.import_module(f"indexer.{mod.name}")
-            except Exception as e:  # noqa: BLE001 - one broken method module must not take the service down
-                _BROKEN[mod.name] = f"{type(e).__name__}: {e}"
-                logging.getLogger("ctxcache").error("sparse method module indexer.%s failed to import: %s", mod.name, e)
-    _DISCOVERED = True
-
-
-def get_method(name: str) -> SparseMethod:
-    _discover()
-    try:
-        return _REGISTRY[name]
-    except KeyError:
-        raise KeyError(f"unknown method {name!r}; known: {', '.join(sorted(_REGISTRY))}") from None
-
-
-def method_names() -> list[str]:
-    _discover()
-    return sorted(_REGISTRY)

@@ -45,7 +45,7 @@ Plan (`plan`, per layer and step, all heads batched, fixed shapes, no host sync;
    0.63 and 0.83 (KL 0.30). See benchmarks/RESULTS_csattn.md.
    The reduction is a scatter into a dense [KVH, T, N + 1] buffer (untouched keys stay -inf; the
    spare column takes the entries of lists a subspace did not back off to).
-4. Positions the plan may not select (the frame's sink and window, `_select.selectable_mask`) are
+4. Positions the plan may not select (the frame's sink and window, `selection.selectable_mask`) are
    masked, then top-K, K = `budget(N)`: ceil(rho·N) [rho 0.05] or a fixed `k`, from the context
    length alone, so plans are [KVH, T, K] int32 at every step (-1 where fewer keys scored).
    The backend attends the frame besides: the sink, the context part of the window and every
@@ -75,8 +75,7 @@ copies) and adds each entry into an int64 fixed-point accumulator per (kv head, 
 atomics (exact, so the scores do not depend on the order of the adds, unlike torch's CUDA
 `scatter_reduce_`), one decodes it into the masked fp32 score buffer and zeroes it again, then the
 fused radix select (`indexer/kernels/select.py`) takes the top-K: 7 launches, no gathered copy of
-the lists: plan + attention 0.090 ms per layer-step at 128K on an H100, against 0.415 ms with the
-torch plan (its gather of the lists and scatter_reduce_ alone ~165 us) and 0.218 ms for dense SDPA. This torch code is the
+the lists (timings against the torch plan and dense SDPA: benchmarks/RESULTS.md, "Fused searches (issue 12) and the batched runner"). This torch code is the
 reference and the CPU path; the fused search selects the same positions per row (as a set; scores
 agree to ~1e-7 relative, ties and rounding: the kernel module's docstring). `planner.fused`: None =
 fused for CUDA tensors (the default), True = also on CPU (Triton's interpreter, tests), False = torch.
@@ -90,8 +89,8 @@ from typing import ClassVar, Literal
 import torch
 from pydantic import Field
 
-from indexer._select import selectable_mask
-from indexer.base import MethodParams, Plan, Planner, SparseMethod, budget, register
+from indexer.selection import selectable_mask
+from indexer.base import BudgetParams, Plan, Planner, SparseMethod, register
 from indexer.kernels.select import topk_positions
 
 SCHEDULES: dict[str, tuple[float, int]] = {  # name -> (keep ratio rho, search period P)
@@ -104,7 +103,7 @@ _ENTRIES_PER_CHUNK = 1 << 24  # gathered list entries per search chunk of query 
 _SCORES_PER_CHUNK = 1 << 26  # dense score buffer entries per search chunk (256 MiB of fp32)
 
 
-class CSAttnParams(MethodParams):
+class CSAttnParams(BudgetParams):
     # build (persisted; part of the index identity)
     m: int = Field(8, ge=1, le=256, description="subspaces; must divide head_dim")
     n_centroids: int = Field(64, ge=1, le=4096, description="query centroids per subspace (C)")
@@ -147,15 +146,13 @@ class CSAttnParams(MethodParams):
             return self.rho
         return SCHEDULES[self.schedule][0] if self.schedule else 0.05
 
+    budget_ratio = keep_ratio  # K = `k`, else ceil(keep_ratio · n_ctx) (`BudgetParams.budget`)
+
     @property
     def search_period(self) -> int:
         if self.period is not None:
             return self.period
         return SCHEDULES[self.schedule][1] if self.schedule else 1
-
-    def budget(self, n_ctx: int) -> int:
-        """K, the plan's width: `k`, else ceil(keep_ratio · n_ctx) (`indexer.base.budget`)."""
-        return budget(n_ctx, k=self.k, ratio=self.keep_ratio)
 
 
 # ---------------------------------------------------------------------------------------------

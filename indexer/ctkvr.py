@@ -26,10 +26,10 @@ is attended by the backend anyway (`indexer.base`):
      -inf for evicted / empty ones -> the C' = `probe` [4] best entries per KV head and query token
      -> gather their lists -> candidates = the deduplicated union [KVH, T, C'·ρ] (a scatter into a
      per-row table, no sort; `dedup_positions`), minus positions outside the selectable range
-     (sink, window: `_select.selectable`).
+     (sink, window: `selection.selectable`).
   2. rerank: exact scores over the candidates, pooled over the group as in `indexer/topk.py` -- sum
      over the group's heads of softmax(q·k / sqrt(D)), each head's softmax taken over the
-     candidates *and the frame's rows* (`_select.candidate_mass` with `frame_lse`: without the frame in the denominator
+     candidates *and the frame's rows* (`selection.candidate_mass` with `frame_lse`: without the frame in the denominator
      a head that parks its mass on the sink would outweigh the others). (The paper uses the max
      over the group; the sum is used here so that, when the candidates are every selectable token,
      the plan is exactly the oracle's, `topk`.) Top-ρ' -> `Plan.positions` [KVH, T, K] int32,
@@ -71,18 +71,16 @@ import torch
 import torch.nn.functional as F
 from pydantic import Field
 
-from indexer._select import (
+from indexer.base import BudgetParams, Plan, Planner, PrefillCapture, SparseMethod, register
+from indexer.selection import (
     candidate_mass, dedup_positions, frame_logsumexp, gather_rows, selectable, top_positions,
-)
-from indexer.base import (
-    MethodParams, Plan, Planner, PrefillCapture, SparseMethod, budget, register,
 )
 
 DEFAULT_BUDGET = 512  # ρ' of the paper
 _SCORE_CHUNK = 1 << 24  # scores materialised at once by the build (64 MiB of fp32)
 
 
-class CTkvrParams(MethodParams):
+class CTkvrParams(BudgetParams):
     n_centroids: int | None = Field(
         None, ge=1, le=65536, description="C: last prefill queries kept as centroids; None = min(2048, n // 16)"
     )
@@ -99,13 +97,11 @@ class CTkvrParams(MethodParams):
     )
 
     build_fields = frozenset({"n_centroids", "list_size"})
+    default_k = DEFAULT_BUDGET
 
     def n_centroids_for(self, n: int) -> int:
         c = self.n_centroids if self.n_centroids is not None else min(2048, n // 16)
         return max(1, min(c, n))
-
-    def budget(self, n_ctx: int) -> int:
-        return budget(n_ctx, k=self.k, ratio=self.ratio, default=DEFAULT_BUDGET)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -26,13 +26,13 @@ is attended by the backend anyway, so request keys are never assigned to cluster
      ceil(`scan` [4] x K x C / n) clusters, i.e. about `scan` x K keys scanned (CTkvr's default
      recall set is ~4 x K after deduplication, so the two are compared at a similar scan).
   2. candidates: every key of the probed clusters, expanded from the CSR slices into one padded
-     [KVH, T, W] block (`_select.expand_clusters`). W is static: `_select.probe_width`, the sum of
+     [KVH, T, W] block (`selection.expand_clusters`). W is static: `selection.probe_width`, the sum of
      the nprobe largest clusters of the layer (max over heads), computed once per layer in `open`
      (the only host read of index data; never on the step path), so nothing is ever cut and the
      shape does not depend on which clusters a query probes. Positions the frame attends (sink,
      window) are masked out.
   3. exact rerank over the candidates by group mass (sum over the group of softmax(q·k / sqrt(D)),
-     each head's softmax over the candidates and the frame's rows: `_select.candidate_mass` with
+     each head's softmax over the candidates and the frame's rows: `selection.candidate_mass` with
      `frame_lse`, as CTkvr), top-K -> `Plan.positions` [KVH, T, min(K, W)]
      int32 (-1 = empty slot); K = `k` if set, else ceil(`ratio` [0.05] x n_ctx)
      (`indexer.base.budget`: sized from the context, never from the request's length). With
@@ -58,8 +58,8 @@ import numpy as np
 import torch
 from pydantic import Field
 
-from indexer._select import candidate_mass, expand_clusters, frame_logsumexp, probe_width, selectable, top_positions
-from indexer.base import MethodParams, Plan, Planner, PrefillCapture, SparseMethod, budget, register
+from indexer.selection import candidate_mass, expand_clusters, frame_logsumexp, probe_width, selectable, top_positions
+from indexer.base import BudgetParams, Plan, Planner, PrefillCapture, SparseMethod, register
 
 
 # Below this many keys one k-means is a few ms of work and OpenMP's thread start/spin costs more than it
@@ -67,7 +67,7 @@ from indexer.base import MethodParams, Plan, Planner, PrefillCapture, SparseMeth
 _FAISS_SERIAL_BELOW = 1 << 16
 
 
-class KIVFParams(MethodParams):
+class KIVFParams(BudgetParams):
     n_clusters: int | None = Field(
         None, ge=1, le=65536, description="C: k-means clusters per layer and KV head; None = 4·round(sqrt(n)) in [16, 4096]"
     )
@@ -85,9 +85,6 @@ class KIVFParams(MethodParams):
     def n_clusters_for(self, n: int) -> int:
         c = self.n_clusters if self.n_clusters is not None else min(4096, max(16, 4 * round(math.sqrt(n))))
         return max(1, min(c, n))
-
-    def budget(self, n_ctx: int) -> int:
-        return budget(n_ctx, k=self.k, ratio=self.ratio)
 
     def probes(self, budget: int, n: int, c: int) -> int:
         p = self.nprobe if self.nprobe is not None else math.ceil(self.scan * budget * c / max(n, 1))

@@ -1,5 +1,9 @@
 """`lfps`: Learn From the Past for Sparse indexing (papers/lfps.txt §4, App. B).
 
+Long because the method is a reconstruction: the paper's equations were lost, so this docstring
+records each RECONSTRUCTED or ADAPTED choice next to the code that makes it (the code itself is
+under 500 lines); the pure table functions are public and tested one by one.
+
 The paper's equations were lost in extraction; this is a reconstruction from its prose. Each choice
 the prose leaves open is marked RECONSTRUCTED, with the reason; each change forced by the decode
 frame or by fixed-shape planning is marked ADAPTED.
@@ -134,8 +138,7 @@ another order), the same bypass decisions, and tables equal up to rounding (tabl
 there, so a value within ~1e-7 of a threshold may change sides; the kernel module's docstring).
 `planner.fused`: None = fused for CUDA tensors (the default), True = also on the CPU through
 Triton's interpreter (tests), False = always torch; `CTXCACHE_FUSED_LFPS=0` keeps every planner on
-torch. Measured on an H100 (one Llama-3.1-8B layer, 128K): plan + attention 0.134-0.147 ms against
-1.46 ms with the torch plan and 0.218 ms for dense SDPA (benchmarks/RESULTS.md).
+torch. Timings against the torch plan and dense SDPA: benchmarks/RESULTS.md, "Fused searches (issue 12) and the batched runner".
 
 Reporting: `stats()` gives the candidate fraction (exact q·k per visible token: candidates + the
 frame; a fully bypassed KV head counts the frame only), the bypassed fraction of query heads, the
@@ -154,14 +157,14 @@ import torch
 import torch.nn.functional as F
 from pydantic import Field
 
-from indexer._select import gather_context, gather_rows
-from indexer.base import MethodParams, Plan, Planner, SparseMethod, budget, frame_bounds, register
+from indexer.selection import gather_context, gather_rows
+from indexer.base import BudgetParams, Plan, Planner, SparseMethod, frame_bounds, register
 
 OFFSETS = (-1, 0, 1, 2)
 NEG_INF = float("-inf")
 
 
-class LFPSParams(MethodParams):
+class LFPSParams(BudgetParams):
     init_steps: int = Field(64, ge=1, le=1 << 16, description="last prefill queries that initialise the tables (build)")
     table_sink: int = Field(4, ge=0, le=4096, description="first positions kept out of the tables and means (build)")
     gamma: float = Field(0.95, gt=0.0, lt=1.0, description="decay of the score tables (build and decode)")
@@ -181,10 +184,6 @@ class LFPSParams(MethodParams):
     )
 
     build_fields = frozenset({"init_steps", "table_sink", "gamma"})
-
-    def budget(self, n_ctx: int) -> int:
-        """K: plan positions per (KV head, token), from the context length."""
-        return budget(n_ctx, k=self.k, ratio=self.ratio)
 
     def candidate_width(self, n_ctx: int) -> int:
         """C: candidate slots per (KV head, token), at least K, at most N."""

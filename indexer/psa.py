@@ -65,9 +65,8 @@ the order, and the stop rule + positions: 4 launches per chunk of query tokens, 
 deterministic (ties: lowest block id first). This torch code is the reference and the CPU path; the
 fused plan selects the same blocks in the same order (up to near-ties of the fp16 criticality: the
 kernel module's docstring). `planner.fused`: None = fused for CUDA tensors (the default), True =
-also on CPU (Triton's interpreter, tests), False = torch. Measured on an H100 (one Llama-3.1-8B
-layer, 128K, max_ratio 0.1): plan + attention 0.081 ms against 0.53 ms with the torch plan
-(benchmarks/RESULTS.md).
+also on CPU (Triton's interpreter, tests), False = torch. Its speed against the torch plan and
+dense attention: benchmarks/RESULTS.md, "Fused searches (issue 12) and the batched runner".
 
 Stats (`stats()`): blocks processed per (layer, KV head, token) step, dense-part blocks included;
 the mean estimated mass P_acc at the stop; the fraction of (KV head, token) steps cut by
@@ -85,7 +84,7 @@ import torch
 import torch.nn.functional as F
 from pydantic import Field
 
-from indexer._select import gather_rows
+from indexer.selection import gather_rows
 from indexer.base import MethodParams, Plan, Planner, SparseMethod, budget, frame_bounds, graph_capturing, register
 
 META_MIN, META_MAX, META_MEAN = 0, 1, 2

@@ -12,17 +12,14 @@ from __future__ import annotations
 import torch
 from pydantic import Field
 
-from indexer._select import bmm_f32, selectable_mask
-from indexer.base import MethodParams, Plan, Planner, SparseMethod, budget, register
+from indexer.selection import bmm_f32, selectable_mask
+from indexer.base import BudgetParams, Plan, Planner, SparseMethod, register
 from indexer.kernels.select import topk_positions
 
 
-class TopKParams(MethodParams):
+class TopKParams(BudgetParams):
     k: int | None = Field(None, ge=1, le=1 << 22, description="context tokens selected per step; overrides ratio")
     ratio: float = Field(0.05, gt=0.0, le=1.0, description="fraction of the context selected per step")
-
-    def budget(self, n_ctx: int) -> int:
-        return budget(n_ctx, k=self.k, ratio=self.ratio)
 
 
 def group_attention_mass(q: torch.Tensor, kv) -> torch.Tensor:

@@ -7,29 +7,14 @@ Layout (`<root>/<model-slug>/<prompt-hash>/`):
     kv/k, kv/v                         [layers, kv_heads, N, head_dim], chunk [1, 1, 4096, d]
     indexes/<method>-<params_hash>/*   each method's arrays, leading dim = layer, chunk per layer
 
-Verified reads: every chunk file ends with the crc32c of its data (zarr's `crc32c` codec, checked
-when the chunk is decoded), and the manifest records each chunk's crc32c too
-(`arrays.<name>.chunk_crc32c`, read from the files at publish, after the read-back). Every read goes
-through `_VerifiedStore`, which compares the crc a chunk file carries with the manifest's as the
-file comes off the disk; the codec then checks the data against that crc. So a chunk swapped for
-another valid chunk (whose own crc is valid), a flipped bit, or a *missing* chunk (which zarr would
-silently read back as the fill value) raises `ArtifactCorrupt` on that read, every time the chunk is
-read (a DRAM tier that evicts reads it again), not once per opened handle.
-
-Why crc32c and not a sha256 per chunk: the crc is already computed by the decode, so the check
-costs a 4-byte compare, where hashing every chunk again doubled the cost of a read from the page
-cache. The threat is damage and mix-ups (bit rot, a bad copy, a chunk of another layer or context),
-which a 32-bit check catches but for a 2^-32 chance per damaged chunk; deliberate forgery is not in
-scope for any per-chunk digest, since whoever can rewrite chunk files can rewrite the manifest next
-to them. Each array's sha256 over its data (`arrays.<name>.sha256`) stays in the manifest: the
-publish read-back checks it, and `verify` uses it for contexts published before chunk checksums
-existed (their reads still fail on a missing chunk).
+Verified reads and what they catch (a missing, swapped or damaged chunk raises `ArtifactCorrupt` on
+every read; `verify` checks a whole context): `storage/integrity.py`, shared with the object store.
 
 bfloat16 has no zarr dtype: it is stored as a uint16 view (its exact bit pattern) and the logical
 dtype is kept in the array attributes and the manifest (`arrays.<name>.dtype`, `stored_dtype` is the
 zarr one); reads give the logical dtype back. The K/V dtype (`kv_dtype`: float32, bfloat16 or
 float16, the service's setting) is also a top-level manifest field, and part of the context's
-prompt hash. The chunk checks below see only bytes, so they cover the uint16 view the same way.
+prompt hash.
 
 Publishing: everything is written under `<slug>/.tmp-<hash>-<uuid>/`, read back and checked
 against the sha256 recorded at write time, then renamed into place (atomic on POSIX). A failed
@@ -45,7 +30,6 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
-import hashlib
 import json
 import os
 import shutil
@@ -55,13 +39,24 @@ import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
-import google_crc32c
 import numpy as np
 import torch
 import zarr
 from zarr.codecs import Crc32cCodec
-from zarr.storage import LocalStore, WrapperStore
+from zarr.storage import LocalStore
 
+from storage.integrity import (  # noqa: F401 - the errors are imported from here by their users
+    ArtifactCorrupt,
+    ArtifactError,
+    ArtifactMissing,
+    VerifiedStore,
+    check_complete,
+    check_metadata,
+    chunk_crcs,
+    record_read_back,
+    sha256,
+    verify_arrays,
+)
 from storage.keys import PromptHash
 
 FORMAT = "ctxcache-context/1"
@@ -69,18 +64,6 @@ KV_CHUNK_TOKENS = 4096
 MANIFEST = "manifest.json"
 MANIFEST_LOCK = ".manifest.lock"
 METADATA_FIELDS = ("display_name", "expires_at")  # what `update_metadata` may change
-
-
-class ArtifactError(Exception):
-    """Base class: something about stored artifacts is wrong."""
-
-
-class ArtifactMissing(ArtifactError):
-    pass
-
-
-class ArtifactCorrupt(ArtifactError):
-    pass
 
 
 # ---------------------------------------------------------------------------------------------
@@ -100,10 +83,6 @@ def _to_torch(a: np.ndarray, logical: str) -> torch.Tensor:
     if logical == "bfloat16":
         return torch.from_numpy(np.ascontiguousarray(a).view(np.int16)).view(torch.bfloat16)
     return torch.from_numpy(np.ascontiguousarray(a))
-
-
-def _sha256(a: np.ndarray) -> str:
-    return hashlib.sha256(np.ascontiguousarray(a).tobytes()).hexdigest()
 
 
 @dataclass
@@ -158,7 +137,7 @@ class ContextStore:
             "stored_dtype": str(a.dtype),
             "chunks": list(chunks),
             "nbytes": int(a.nbytes),
-            "sha256": _sha256(a),
+            "sha256": sha256(a),
         }
 
     def _write_index(self, group: zarr.Group, idx: IndexArrays, arrays_meta: dict) -> dict:
@@ -210,13 +189,8 @@ class ContextStore:
         group = zarr.open_group(path, mode="r")
         for name, meta in arrays_meta.items():
             arr = group[name]
-            _check_complete(arr, name)
-            if _sha256(arr[...]) != meta["sha256"]:
-                raise ArtifactCorrupt(f"{name}: read-back checksum differs from what was written")
-            crcs = _chunk_crcs(path / name)
-            if len(crcs) != arr.nchunks:
-                raise ArtifactCorrupt(f"{name}: {len(crcs)} chunk files for {arr.nchunks} chunks")
-            meta["chunk_crc32c"] = crcs
+            check_complete(arr, name)
+            record_read_back(name, arr, arr[...], meta, chunk_crcs(path / name), "files")
 
     def publish(
         self,
@@ -315,25 +289,14 @@ class ContextStore:
         when there is no manifest, `ArtifactCorrupt` when the manifest itself is unreadable."""
         ctx = self.context_dir(slug, key)
         manifest = self.read_manifest(slug, key)
-        problems: list[str] = []
-        group = None
-        for name, meta in sorted(manifest["arrays"].items()):
-            try:
-                if group is None:
-                    group = zarr.open_group(ctx, mode="r", zarr_format=3)
-                arr = group[name]
-                _check_metadata(arr, name, meta)
-                if "chunk_crc32c" in meta:
-                    problems += _verify_chunk_files(ctx / name, name, meta["chunk_crc32c"])
-                    continue
-                _check_complete(arr, name)
-                if _sha256(arr[...]) != meta["sha256"]:
-                    problems.append(f"{name}: data differs from the sha256 in the manifest")
-            except (KeyError, FileNotFoundError):
-                problems.append(f"{name}: listed in the manifest but missing on disk")
-            except (ArtifactCorrupt, ValueError) as e:
-                problems.append(f"{name}: {e}" if not str(e).startswith(name) else str(e))
-        return problems
+        group: list[zarr.Group] = []  # opened on the first array: a missing folder is a problem, not an error
+
+        def open_array(name: str, meta: dict) -> zarr.Array:
+            if not group:
+                group.append(zarr.open_group(ctx, mode="r", zarr_format=3))
+            return group[0][name]
+
+        return verify_arrays(manifest["arrays"], open_array, lambda name, rel: (ctx / name / rel).read_bytes(), "on disk")
 
     # -- reading --------------------------------------------------------------------------------
 
@@ -399,60 +362,6 @@ class ContextStore:
         return removed
 
 
-def _trailer_crc(chunk: bytes | np.ndarray) -> str:
-    """The crc32c a chunk file carries (its last 4 bytes, as zarr's `crc32c` codec wrote them), hex."""
-    return bytes(chunk[-4:]).hex()
-
-
-def _data_crc(chunk: bytes) -> str:
-    """The crc32c of a chunk file's data, in the byte order the codec writes it, hex."""
-    return np.uint32(google_crc32c.value(chunk[:-4])).tobytes().hex()
-
-
-def _chunk_crcs(array_dir: Path) -> dict[str, str]:
-    """The crc32c of every chunk file of one array, keyed by its path relative to the array
-    ("c/0/1/0/0"); each file's data must match the crc it carries."""
-    out = {}
-    for f in sorted((array_dir / "c").rglob("*")):
-        if f.is_file():
-            chunk, rel = f.read_bytes(), f.relative_to(array_dir).as_posix()
-            if _data_crc(chunk) != _trailer_crc(chunk):
-                raise ArtifactCorrupt(f"{array_dir.name}/{rel}: chunk data does not match its crc32c")
-            out[rel] = _trailer_crc(chunk)
-    return out
-
-
-def _verify_chunk_files(array_dir: Path, name: str, crcs: dict[str, str]) -> list[str]:
-    """Problems with one array's chunk files: missing, carrying another crc than the manifest's (a
-    chunk from elsewhere), or data that does not match its crc (damaged)."""
-    problems = []
-    for rel, want in sorted(crcs.items()):
-        try:
-            chunk = (array_dir / rel).read_bytes()
-        except FileNotFoundError:
-            problems.append(f"{name}/{rel}: chunk missing on disk")
-            continue
-        if _trailer_crc(chunk) != want:
-            problems.append(f"{name}/{rel}: chunk checksum differs from the manifest")
-        elif _data_crc(chunk) != want:
-            problems.append(f"{name}/{rel}: chunk data does not match its crc32c")
-    return problems
-
-
-def _check_metadata(arr: zarr.Array, name: str, meta: dict) -> None:
-    """The array's zarr metadata must describe what the manifest recorded (a swapped zarr.json
-    could otherwise reshape or retype valid chunks)."""
-    if list(arr.shape) != meta["shape"] or list(arr.chunks) != meta["chunks"] or str(arr.dtype) != meta["stored_dtype"]:
-        raise ArtifactCorrupt(f"{name}: zarr metadata (shape {list(arr.shape)}, chunks {list(arr.chunks)}, "
-                              f"dtype {arr.dtype}) differs from the manifest")
-
-
-def _check_complete(arr: zarr.Array, name: str) -> None:
-    have, want = arr.nchunks_initialized, arr.nchunks
-    if have != want:
-        raise ArtifactCorrupt(f"{name}: {want - have} of {want} chunks missing on disk")
-
-
 def _manifest_stamp(ctx: Path) -> tuple[int, int] | None:
     """(inode, mtime ns) of a context's manifest: every rewrite is a rename, so a new inode."""
     try:
@@ -475,42 +384,11 @@ def _write_json_atomic(path: Path, obj: dict) -> None:
         raise
 
 
-class _VerifiedStore(WrapperStore):
-    """A read-only zarr store over one context's folder that checks each chunk as it is read: the
-    file must exist (zarr would return the fill value for a missing one) and, where the manifest
-    has its crc32c, carry that crc (the codec checks the data against it when decoding). Metadata
-    documents (`zarr.json`) pass through; `_check_metadata` compares them with the manifest."""
-
-    def __init__(self, store: LocalStore, arrays: dict[str, dict]):
-        super().__init__(store)
-        self._arrays = arrays
-        self._crcs = {f"{name}/{rel}": crc for name, meta in arrays.items()
-                      for rel, crc in (meta.get("chunk_crc32c") or {}).items()}
-        self._prefixes = tuple(f"{name}/c/" for name in arrays)
-
-    def _with_store(self, store: LocalStore) -> "_VerifiedStore":
-        return type(self)(store, self._arrays)
-
-    async def get(self, key, prototype, byte_range=None):
-        if not key.startswith(self._prefixes):
-            return await self._store.get(key, prototype, byte_range)
-        buf = await self._store.get(key, prototype, None)
-        if buf is None:
-            raise ArtifactCorrupt(f"{key}: chunk missing on disk")
-        want = self._crcs.get(key)
-        if want is not None and _trailer_crc(buf.as_numpy_array()) != want:
-            raise ArtifactCorrupt(f"{key}: chunk checksum differs from the manifest")
-        if byte_range is not None:  # not used by these arrays (no sharding); served after the check
-            return await self._store.get(key, prototype, byte_range)
-        return buf
-
-    async def get_partial_values(self, prototype, key_ranges):
-        return [await self.get(key, prototype, byte_range) for key, byte_range in key_ranges]
-
-
 class ContextArtifacts:
     """Read side of one published context. Arrays are read lazily, one layer at a time; every chunk
-    read from disk is checked against the manifest (`_VerifiedStore`)."""
+    read from disk is checked against the manifest (`VerifiedStore`)."""
+
+    where = "on disk"  # where a missing array is missing (messages)
 
     def __init__(self, path: Path, manifest: dict):
         self.path = path
@@ -547,19 +425,24 @@ class ContextArtifacts:
         """The dtype the K/V are stored in (and read back as)."""
         return self.manifest["arrays"]["kv/k"]["dtype"]
 
+    def _group_of(self, meta: dict) -> zarr.Group:
+        """The zarr group holding an array (`meta`: its manifest entry), opened once. Under the lock."""
+        if self._group is None:
+            store = VerifiedStore(LocalStore(self.path, read_only=True), self.manifest["arrays"])
+            self._group = zarr.open_group(store=store, mode="r", zarr_format=3)
+        return self._group
+
     def _array(self, name: str) -> zarr.Array:
-        if name not in self.manifest["arrays"]:
+        meta = self.manifest["arrays"].get(name)
+        if meta is None:
             raise ArtifactMissing(f"{self.path.name}: no array {name!r} in the manifest")
         with self._lock:
             try:
-                if self._group is None:
-                    store = _VerifiedStore(LocalStore(self.path, read_only=True), self.manifest["arrays"])
-                    self._group = zarr.open_group(store=store, mode="r", zarr_format=3)
-                arr = self._group[name]
+                arr = self._group_of(meta)[name]
             except (KeyError, FileNotFoundError) as e:
-                raise ArtifactCorrupt(f"{name}: listed in the manifest but missing on disk") from e
+                raise ArtifactCorrupt(f"{name}: listed in the manifest but missing {self.where}") from e
             if name not in self._checked:
-                _check_metadata(arr, name, self.manifest["arrays"][name])
+                check_metadata(arr, name, meta)
                 self._checked.add(name)
         return arr
 

@@ -22,7 +22,7 @@ What is guaranteed, and how, without the rename and the flock of a local disk:
   never read. A failed write deletes its build; a crash leaves one nobody references, which
   `gc_temp` deletes once it is older than the threshold. Of two writers of the same context, the
   first manifest wins and the other deletes its build (the local store's rename rule).
-* **Verified reads.** The same `_VerifiedStore` as on disk checks every chunk object against the
+* **Verified reads.** The same `VerifiedStore` as on disk (`storage/integrity.py`) checks every chunk object against the
   crc32c in the manifest as it arrives: a missing, swapped or damaged chunk raises
   `ArtifactCorrupt`, on every read (a tier that evicts reads it again).
 * **No lost manifest update.** `add_indexes` and `update_metadata` replace the manifest with a
@@ -64,7 +64,7 @@ import obstore.exceptions as obx
 import torch
 import zarr
 from obstore.store import S3Store
-from zarr.storage import ObjectStore, WrapperStore
+from zarr.storage import ObjectStore
 
 from storage.artifacts import (
     FORMAT,
@@ -76,13 +76,8 @@ from storage.artifacts import (
     ContextArtifacts,
     ContextStore,
     IndexArrays,
-    _check_complete,
-    _check_metadata,
-    _data_crc,
-    _sha256,
-    _trailer_crc,
-    _VerifiedStore,
 )
+from storage.integrity import RecordingStore, VerifiedStore, record_read_back, verify_arrays
 from storage.keys import PromptHash
 
 BUILD_PREFIXES = ("b-", "i-")  # a context's first write, indexes added later
@@ -108,25 +103,6 @@ def _storage_errors(what: str) -> Iterator[None]:
 
 def _build_id(kind: str) -> str:
     return f"{kind}{uuid.uuid4().hex[:16]}"
-
-
-class _RecordingStore(WrapperStore):
-    """A read-only pass-through that records the crc32c each chunk object carries, keyed by its
-    key in the build ("kv/k/c/0/1/0/0"): the publish read-back then gets each array's data (for
-    its sha256) and its chunks' crcs (for the manifest) in one read of the build."""
-
-    def __init__(self, store, seen: dict[str, str] | None = None):
-        super().__init__(store)
-        self.seen = {} if seen is None else seen
-
-    def _with_store(self, store) -> "_RecordingStore":
-        return type(self)(store, self.seen)
-
-    async def get(self, key, prototype, byte_range=None):
-        buf = await self._store.get(key, prototype, byte_range)
-        if buf is not None and byte_range is None and "/c/" in key:
-            self.seen[key] = _trailer_crc(buf.as_numpy_array())
-        return buf
 
 
 class ObjectContextStore(ContextStore):
@@ -260,7 +236,7 @@ class ObjectContextStore(ContextStore):
     def _read_back(self, path: str, arrays_meta: dict) -> None:
         """Read a build back: every array equal to what was written (sha256), every chunk present;
         record each chunk's crc32c in `arrays_meta` (what every later read is checked against)."""
-        rec = _RecordingStore(self._zarr_store(path, read_only=True))
+        rec = RecordingStore(self._zarr_store(path, read_only=True))
         group = zarr.open_group(store=rec, mode="r", zarr_format=3)
         for name, meta in arrays_meta.items():
             arr = group[name]
@@ -268,13 +244,9 @@ class ObjectContextStore(ContextStore):
                 data = arr[...]
             except ValueError as e:  # a chunk whose data does not match its crc32c
                 raise ArtifactCorrupt(f"{name}: read-back failed: {e}") from e
-            if _sha256(data) != meta["sha256"]:
-                raise ArtifactCorrupt(f"{name}: read-back checksum differs from what was written")
             head = f"{name}/"
             crcs = {k.removeprefix(head): crc for k, crc in rec.seen.items() if k.startswith(head + "c/")}
-            if len(crcs) != arr.nchunks:
-                raise ArtifactCorrupt(f"{name}: {len(crcs)} chunk objects for {arr.nchunks} chunks")
-            meta["chunk_crc32c"] = dict(sorted(crcs.items()))
+            record_read_back(name, arr, data, meta, crcs, "objects")
 
     def _write_build(self, path: str, write: Callable[[zarr.Group], dict]) -> dict:
         """Write one build (`write` fills the group and returns the arrays' metadata), read it back;
@@ -385,45 +357,21 @@ class ObjectContextStore(ContextStore):
         store's checks and messages, chunk objects fetched in parallel); [] when intact."""
         ctx = self._ctx(slug, key)
         manifest = self.read_manifest(slug, key)
-        problems: list[str] = []
-        chunks: list[tuple[str, str, str]] = []  # (array, chunk key relative to it, crc32c wanted)
-        groups: dict[str, zarr.Group] = {}
-        for name, meta in sorted(manifest["arrays"].items()):
-            root = self._root(ctx, meta)
-            try:
-                with _storage_errors("read"):
-                    if root not in groups:
-                        groups[root] = zarr.open_group(store=self._zarr_store(root, read_only=True), mode="r",
-                                                       zarr_format=3)
-                    arr = groups[root][name]
-                    _check_metadata(arr, name, meta)
-                    if "chunk_crc32c" in meta:
-                        chunks += [(name, rel, crc) for rel, crc in meta["chunk_crc32c"].items()]
-                        continue
-                    _check_complete(arr, name)
-                    if _sha256(arr[...]) != meta["sha256"]:
-                        problems.append(f"{name}: data differs from the sha256 in the manifest")
-            except (KeyError, FileNotFoundError):
-                problems.append(f"{name}: listed in the manifest but missing in the object store")
-            except (ArtifactCorrupt, ValueError) as e:
-                problems.append(f"{name}: {e}" if not str(e).startswith(name) else str(e))
+        groups: dict[str, zarr.Group] = {}  # build -> group
 
-        def check(item: tuple[str, str, str]) -> str | None:
-            name, rel, want = item
-            try:
-                with _storage_errors("read"):
-                    chunk = bytes(obstore.get(self.s3, f"{self._root(ctx, manifest['arrays'][name])}/{name}/{rel}").bytes())
-            except FileNotFoundError:
-                return f"{name}/{rel}: chunk missing in the object store"
-            if _trailer_crc(chunk) != want:
-                return f"{name}/{rel}: chunk checksum differs from the manifest"
-            if _data_crc(chunk) != want:
-                return f"{name}/{rel}: chunk data does not match its crc32c"
-            return None
+        def open_array(name: str, meta: dict) -> zarr.Array:
+            root = self._root(ctx, meta)
+            with _storage_errors("read"):
+                if root not in groups:
+                    groups[root] = zarr.open_group(store=self._zarr_store(root, read_only=True), mode="r", zarr_format=3)
+                return groups[root][name]
+
+        def read_chunk(name: str, rel: str) -> bytes:
+            with _storage_errors("read"):
+                return bytes(obstore.get(self.s3, f"{self._root(ctx, manifest['arrays'][name])}/{name}/{rel}").bytes())
 
         with ThreadPoolExecutor(8) as pool:  # one GET per chunk: overlap the round trips
-            problems += [p for p in pool.map(check, sorted(chunks)) if p]
-        return problems
+            return verify_arrays(manifest["arrays"], open_array, read_chunk, "in the object store", pool.map)
 
     # -- reading and listing --------------------------------------------------------------------
 
@@ -488,8 +436,10 @@ class ObjectContextStore(ContextStore):
 
 
 class ObjectContextArtifacts(ContextArtifacts):
-    """Read side of one context in object storage: arrays read lazily through `_VerifiedStore`
+    """Read side of one context in object storage: arrays read lazily through `VerifiedStore`
     (each chunk object checked against the manifest's crc32c as it arrives)."""
+
+    where = "in the object store"
 
     def __init__(self, store: ObjectContextStore, ctx: str, manifest: dict, etag: str | None):
         self.path = PurePosixPath(ctx)
@@ -501,12 +451,16 @@ class ObjectContextArtifacts(ContextArtifacts):
         self._checked: set[str] = set()
         self._lock = threading.Lock()
 
-    def _open_root(self, root: str) -> zarr.Group:
-        """The group of one build, read through `_VerifiedStore` with the manifest's crcs of its arrays."""
-        arrays = {name: meta for name, meta in self.manifest["arrays"].items()
-                  if ObjectContextStore._root(self._ctx, meta) == root}
-        store = _VerifiedStore(self._store._zarr_store(root, read_only=True), arrays)
-        return zarr.open_group(store=store, mode="r", zarr_format=3)
+    def _group_of(self, meta: dict) -> zarr.Group:
+        """The group of the build an array lives in, read through `VerifiedStore` with the
+        manifest's crcs of that build's arrays; opened once per build. Under the lock."""
+        root = ObjectContextStore._root(self._ctx, meta)
+        if root not in self._groups:
+            arrays = {name: m for name, m in self.manifest["arrays"].items()
+                      if ObjectContextStore._root(self._ctx, m) == root}
+            store = VerifiedStore(self._store._zarr_store(root, read_only=True), arrays)
+            self._groups[root] = zarr.open_group(store=store, mode="r", zarr_format=3)
+        return self._groups[root]
 
     def is_current(self) -> bool:
         """Whether this handle still describes what is stored (the manifest's ETag, one HEAD; on a
@@ -529,23 +483,6 @@ class ObjectContextArtifacts(ContextArtifacts):
             return False
         self.manifest, self._etag = manifest, etag
         return True
-
-    def _array(self, name: str) -> zarr.Array:
-        meta = self.manifest["arrays"].get(name)
-        if meta is None:
-            raise ArtifactMissing(f"{self.path.name}: no array {name!r} in the manifest")
-        root = ObjectContextStore._root(self._ctx, meta)
-        with self._lock:
-            try:
-                if root not in self._groups:
-                    self._groups[root] = self._open_root(root)
-                arr = self._groups[root][name]
-            except (KeyError, FileNotFoundError) as e:
-                raise ArtifactCorrupt(f"{name}: listed in the manifest but missing in the object store") from e
-            if name not in self._checked:
-                _check_metadata(arr, name, meta)
-                self._checked.add(name)
-        return arr
 
     def read(self, name: str, layer: int | None = None) -> torch.Tensor:
         with _storage_errors(f"read of {name}"):

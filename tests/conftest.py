@@ -114,7 +114,7 @@ def saap_small_model(lm) -> Path:
 
     settings = settings_from("small")
     h = hashlib.sha256(settings.model_dump_json().encode())
-    for src in ("indexer/_saap_train.py", "indexer/saap.py", "indexer/_saap_corpus.py"):
+    for src in ("indexer/_saap_train.py", "indexer/saap.py", "indexer/saap_model.py", "indexer/_saap_corpus.py"):
         h.update((ROOT / src).read_bytes())
     out = MODEL_CACHE / "saap" / f"small-{h.hexdigest()[:16]}"
     if not (out / "manifest.json").exists():

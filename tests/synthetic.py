@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 from decoder.model import ModelSpec
-from decoder.rope import apply_rope, undo_rope
+from indexer.rope import apply_rope, undo_rope
 from indexer.base import KVView, PrefillCapture
 
 
@@ -73,13 +73,13 @@ def structured_capture(spec: ModelSpec, n: int, device, seed: int = 0, dtype=tor
 
 def write_saap_model(model_dir: Path, spec: ModelSpec, mixture: Mixture, layers: list[int], clusters: int = 64,
                      hidden: int = 128, sample: int = 8192) -> Path:
-    """A SAAP model in `indexer/saap.py`'s format for `spec`, 'trained' on `layers`: k-means
+    """A SAAP model in `indexer/saap_model.py`'s format for `spec`, 'trained' on `layers`: k-means
     (`kmeans_torch`, 10 iterations) on de-RoPE'd keys of the mixture, the classifier at its random
     init (its outputs are arbitrary: this model is for shapes, syncs and timing, not quality)."""
     from safetensors.torch import save_file
 
     from indexer._saap_train import StackedMLP, kmeans_torch
-    from indexer.saap import MANIFEST, MODEL_FORMAT, model_digest, sha256_file, tensors_sha256
+    from indexer.saap_model import MANIFEST, MODEL_FORMAT, model_digest, sha256_file, tensors_sha256
 
     model_dir.mkdir(parents=True, exist_ok=True)
     dev = mixture.device

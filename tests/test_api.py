@@ -168,7 +168,7 @@ PASSKEY_METHODS = [("full", {}, {}), ("topk", {}, {"k": 64}), ("csattn", {}, {})
 @pytest.mark.parametrize("method,build,params", PASSKEY_METHODS)
 def test_passkey_over_rest(client, request, lm, method, build, params):
     from indexer.base import get_method
-    from indexer.saap import default_model_dir
+    from indexer.saap_model import default_model_dir
 
     if method == "saap":  # the trained model where the service looks for it (its data dir)
         where = default_model_dir(lm.spec.fingerprint, client.app.state.runtime.settings.data_dir)

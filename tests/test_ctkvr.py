@@ -286,7 +286,7 @@ def test_recall_on_real_qk(captured_2k, ratio, floor):
 
 
 def test_gather_rows_matches_indexing_on_views():
-    from indexer._select import gather_rows
+    from indexer.selection import gather_rows
 
     g = torch.Generator().manual_seed(11)
     big = torch.randn(3, 100, 8, generator=g)
@@ -298,7 +298,7 @@ def test_gather_rows_matches_indexing_on_views():
 
 
 def test_dedup_keeps_each_position_once():
-    from indexer._select import dedup_positions
+    from indexer.selection import dedup_positions
 
     g = torch.Generator().manual_seed(12)
     pos = torch.randint(-1, 40, (2, 3, 200), generator=g)  # many repeats, empties, both ends of [0, 40)

@@ -23,7 +23,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from indexer._select import selectable_mask
+from indexer.selection import selectable_mask
 from indexer.base import DecodeContext, IndexReader, KVView, get_method
 from indexer.csattn import CSAttnParams, build_layer, search
 

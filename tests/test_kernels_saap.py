@@ -15,12 +15,12 @@ import torch
 
 pytest.importorskip("triton")
 
-from decoder.rope import apply_rope, undo_rope  # noqa: E402
+from indexer.rope import apply_rope, undo_rope  # noqa: E402
 from indexer import kernels  # noqa: E402,F401  (the interpreter fix, before any launch)
-from indexer._select import expand_clusters, probe_width, selectable  # noqa: E402
+from indexer.selection import expand_clusters, probe_width, selectable  # noqa: E402
 from indexer.base import DecodeContext, IndexReader, KVView, get_method  # noqa: E402
 from indexer.kernels import saap as K  # noqa: E402
-from indexer.saap import SaapModel, bucket_scores, csr_partition  # noqa: E402
+from indexer.saap_model import SaapModel, bucket_scores, csr_partition  # noqa: E402
 
 THETA = 10000.0
 DEV = "cuda" if torch.cuda.is_available() else "cpu"

@@ -1,5 +1,5 @@
 """The runner's fused layer ops (`decoder/kernels/layer.py`) against the torch functions they replace
-(`decoder.runner.rms_norm`, `apply_rope`, SiLU·up), and the runner with them against the runner
+(`decoder.layers.rms_norm`, `apply_rope`, SiLU·up), and the runner with them against the runner
 without them. On a machine without CUDA the kernels run through Triton's interpreter (CPU tensors,
 tests/conftest.py); the GPU run of tests/test_runner.py covers them compiled (the runner uses them
 by default on CUDA) against transformers.
@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 layer = pytest.importorskip("decoder.kernels.layer", reason="triton is not installed")
-from decoder.runner import apply_rope, rms_norm, rope_cos_sin  # noqa: E402
+from decoder.layers import apply_rope, rms_norm, rope_cos_sin  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

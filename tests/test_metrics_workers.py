@@ -1,6 +1,6 @@
 """Metrics from every process: a prefill and a decode worker as separate processes, each serving
 Prometheus metrics on its `--metrics-port`, next to the API's `/metrics` (real Redis, isolated
-key prefix). Every name a scrape shows is in README.md's metrics table, and every name there shows."""
+key prefix). Every name a scrape shows is in docs/operations.md's metrics table, and every name there shows."""
 
 from __future__ import annotations
 
@@ -58,8 +58,8 @@ def _scrape(port: int, procs, timeout: float = 60.0) -> str:
 
 
 def _documented() -> set[str]:
-    """The metric names in README.md's table under "### Metrics"."""
-    readme = (ROOT / "README.md").read_text()
+    """The metric names in docs/operations.md's table under "### Metrics"."""
+    readme = (ROOT / "docs" / "operations.md").read_text()
     section = readme.split("### Metrics", 1)[1].split("\n#", 1)[0]
     return set(re.findall(r"^\| `(ctxcache_[a-z_]+)`", section, flags=re.M))
 
@@ -117,7 +117,7 @@ def test_worker_processes_export_metrics(tmp_path, redis_prefix, lm):
     assert _value(api, "ctxcache_completions_total", method="topk", outcome="ok") == before + 1
     assert _value(api, "ctxcache_tier_bytes", worker=wid, tier="dram") == tier[0][1]
 
-    # Grafana-ready and documented: every name shown is in the README's table, and every name there shows
+    # Grafana-ready and documented: every name shown is in docs/operations.md's table, and every name there shows
     documented, shown = _documented(), pre_names | dec_names | api_names
     assert shown - documented == set(), f"undocumented metrics: {shown - documented}"
     assert documented - shown == set(), f"documented but never exported: {documented - shown}"

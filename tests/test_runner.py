@@ -19,7 +19,8 @@ import torch
 from conftest import PASSKEY_QUESTION, passkey_document
 from decoder.backends import get_backend
 from decoder.generate import ContextKV, DecodeStep, generate
-from decoder.runner import Runner, gumbel_noise, graph_safe, sample_tokens
+from decoder.runner import Runner, graph_safe
+from decoder.sampling import gumbel_noise, sample_tokens
 from indexer.base import DecodeContext, IndexReader, Planner, PrefillCapture, get_method
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")

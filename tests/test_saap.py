@@ -19,8 +19,8 @@ from conftest import MODEL_CACHE, natural_document, passkey_document
 from decoder.backends import frame_fraction, frame_mask
 from decoder.fidelity import build_index, selection_recall, teacher_forced_logits, truncate_capture
 from decoder.generate import ContextKV
-from decoder.rope import apply_rope, undo_rope
-from indexer._select import probe_width
+from indexer.rope import apply_rope, undo_rope
+from indexer.selection import probe_width
 from indexer.base import DecodeContext, IndexReader, KVView, frame_bounds, get_method
 from indexer._saap_train import (
     StackedMLP,
@@ -31,7 +31,8 @@ from indexer._saap_train import (
     settings_from,
     train_saap,
 )
-from indexer.saap import MODEL_FORMAT, SaapModel, bucket_scores, default_model_dir, nearest_centroid, sha256_file
+from indexer.saap_model import MODEL_FORMAT, SaapModel, bucket_scores, default_model_dir, sha256_file
+from indexer.selection import nearest_centroid
 
 TRAINED = (1, 2, 3, 4)
 C = 32

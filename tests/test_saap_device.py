@@ -19,7 +19,8 @@ import torch
 
 from indexer import _saap_train as tr
 from indexer._saap_train import TrainSettings, kmeans, kmeans_torch, resolve_device, settings_from, train_saap
-from indexer.saap import SaapModel, bucket_scores, nearest_centroid
+from indexer.saap_model import SaapModel, bucket_scores
+from indexer.selection import nearest_centroid
 
 
 class ByteTokenizer:
@@ -142,7 +143,7 @@ def test_kmeans_torch_is_faiss_kmeans_on_cpu(captured_2k):
     model (3 heads of layers 5 and 20, 2,047 keys each, C = 32) and on Gaussian data the centroids
     equal faiss's bit for bit; on a mixture with near-ties 0.998 of the points keep their bucket,
     inertia within 1.1e-5. Asserted: inertia within 1e-3, >= 99% same bucket."""
-    from decoder.rope import undo_rope
+    from indexer.rope import undo_rope
 
     data = []
     for layer in (5, 20):
@@ -202,7 +203,7 @@ def test_gpu_training_matches_cpu(tmp_path):
     held = lm_cpu
     ids = held.context_ids("A held-out text about caches, queries and keys. " * 40)[:400]
     cap = tr.capture_first_layers(held, ids, 4)
-    from decoder.rope import undo_rope
+    from indexer.rope import undo_rope
 
     pos = torch.arange(len(ids))
     for layer in TINY["layers"]:

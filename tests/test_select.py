@@ -1,11 +1,11 @@
-"""indexer/_select.py: the fixed-width selection helpers the planners share, against brute force."""
+"""indexer/selection.py: the fixed-width selection helpers the planners share, against brute force."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from indexer._select import (
+from indexer.selection import (
     bmm_f32,
     candidate_mass,
     dedup_positions,

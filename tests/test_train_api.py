@@ -14,7 +14,7 @@ from fastapi.testclient import TestClient
 
 from conftest import PASSKEY_QUESTION, passkey_document
 from indexer.base import MethodEnv, get_method
-from indexer.saap import default_model_dir
+from indexer.saap_model import default_model_dir
 from test_api import client, wait_ready  # noqa: F401 - `client` is a fixture (a service on real Redis)
 
 pytestmark = pytest.mark.slow

@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from decoder.backends import AttentionBackend, frame_rows, local_visible, register_backend
-from indexer._select import bmm_f32, gather_rows
+from indexer.selection import bmm_f32, gather_rows
 from indexer.base import KVView, Plan
 
 NEG_INF = float("-inf")

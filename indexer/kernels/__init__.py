@@ -1,4 +1,4 @@
-"""Triton kernels the planners run on a GPU (fused searches: `indexer/_select.py` dispatches to
+"""Triton kernels the planners run on a GPU (fused searches: `indexer/selection.py` dispatches to
 them on CUDA tensors and keeps plain torch for the CPU), plus what every Triton kernel of the
 project needs: `interpreted()` (kernels run through Triton's CPU interpreter, the CI mode set by
 tests/conftest.py) and, in that mode, a fix of the interpreter for NumPy >= 2.4. The attention

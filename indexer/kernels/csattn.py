@@ -31,7 +31,7 @@ Kernels (grids from shapes only; per chunk of query tokens, see below):
    exact and independent of the order in which programs and entries arrive.
 3. `_finalize_kernel`, grid (ceil(N / BLOCK_N), rows): decodes every cell (count of lists, fixed-point
    sum), writes the fp32 score (-inf where no list touched the key or the frame owns the position:
-   `indexer._select.selectable_mask`) and zeroes the cell for the next search.
+   `indexer.selection.selectable_mask`) and zeroes the cell for the next search.
 4. `topk_positions` over the fp32 scores (4 launches of the radix select).
 
 Fixed point (the int64 cells). Per row, the exponent e = F - LB - E with LB = ceil(log2 L) (host
@@ -99,9 +99,7 @@ finalize 32 (4 warps); no spills. The list loads are scalar (Lk = 26214 is not a
 so the rows of `idx` / `score` are not 16-byte aligned): 16 loads per thread per program, cheap
 next to its 8 REDs.
 
-Measured (benchmarks/RESULTS.md, H100, 2026-11-22), 128K, one 8B layer, graph replay: accumulate 24.5 us, finalize
-7.1 us, choose ~3.5 us, the radix select ~21 us; plan + triton attention 0.090 ms (torch plan 0.415 ms,
-SDPA full 0.218 ms); the fused plan selects the same positions as the torch plan (agreement 1.0).
+Measured per kernel and end to end, and the fused plan's agreement with the torch plan: benchmarks/RESULTS.md, "Fused searches (issue 12) and the batched runner".
 
 Workspaces (grow-only, per device, stream and purpose): `_WORKSPACES` holds the list records and
 the fp32 scores, written before they are read in every search (tests poison them); `_ACCUMULATORS`

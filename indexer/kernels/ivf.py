@@ -4,6 +4,9 @@ kernels; the torch code of the planners stays the reference and the CPU path, an
 dispatch here for CUDA tensors (or when a test sets `planner.fused = True`: the kernels then run
 through Triton's interpreter on CPU tensors).
 
+Long because a method's kernels stay together: CTkvr's and KIVF's searches share these launches,
+their wrappers and workspaces, and their cost model below.
+
 CTkvr, one layer and decode step (rows = KVH x T, one per KV head and query token):
 
 1. `_ctkvr_probe_kernel`, grid (ceil((C + F) / BLOCK_C), rows): cosine of each normalised query head

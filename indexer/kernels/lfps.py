@@ -3,6 +3,9 @@ and its table update as a few Triton launches. The torch code of the planner sta
 the CPU path; the planner dispatches here for CUDA tensors (`planner.fused`, as CTkvr does), or on CPU
 tensors through Triton's interpreter when a test sets `planner.fused = True`.
 
+Long because a method's kernels stay together: LFPS's fused search and update are one pipeline of
+launches sharing workspaces, with the cost model and register counts that justify them.
+
 One layer and step; rows = KVH x T (one per KV head and query token), N context positions, G query
 heads per KV head, C = the candidate cap (`max_candidates`·N), K = the plan's budget, W = window:
 
@@ -92,9 +95,8 @@ About 135 MB per layer-step, ~85 us at the bandwidth floor plus ~18 launch gaps.
 candidates dominate (the unavoidable cost of `max_candidates` 0.3: a smaller cap scales it down
 linearly); the two selects are next. Flops: 8 x 39322 x 4 x 128 x 2 = 0.3 Gflop.
 
-Measured (H100, CUDA graph, gpu_decode.py --profile, the previous score kernel): plan + attention
-0.258 ms, of it the score kernel 153.5 us, the rest ~100 us (candidates 14.9, the two selects 42,
-frame 9.1, mass 6.8, moments 6.8, chosen 4.3, mark 1.9; attention 13.9). That kernel walked all N
+The previous score kernel took most of the plan's time (its profile: benchmarks/RESULTS.md,
+"Numbers moved out of module docstrings"). That kernel walked all N
 positions of its chunk in position order (grid (P ~ 66, rows): ~4 programs per SM), 32 per tile:
 a flag load, then the flagged rows' key loads that depend on it, ~10 rows (2.5 KB) per tile. So ~62
 tiles one after another per program, each two dependent DRAM round trips, ~10 KB in flight per SM
@@ -106,9 +108,8 @@ shared) so ~160 KB in flight per SM, and its work is one dot per tile: it should
 with its writes). Expected: ~35-45 us instead of 153.5, plan + attention ~0.14-0.15 ms instead of
 0.258. The CUDA-core fallback (`score_mma=False`, 96 registers at 64 rows) issues ~1.8e7 warp
 instructions (products, 64 shuffles per warp and tile) for the same bytes: ~40-50 us expected.
-Measured (benchmarks/RESULTS.md, H100, 2026-11-22): the score kernel 13.4 us (was 153.5), state 12.9 us; plan + attention
-0.134-0.147 ms at 128K (was 0.258; torch plan 1.46 ms; SDPA full 0.218 ms); `score_mma=False` 0.155 ms;
-same positions as the torch plan (agreement 1.0).
+Measured, the estimate against the device and the same positions as the torch plan: benchmarks/RESULTS.md, "Fused searches (issue 12) and the batched runner"
+(the `score_mma=False` fallback: "Numbers moved out of module docstrings").
 
 Workspaces (grow-only, per device and stream, shared by the layers of a step: everything in them is
 consumed inside one plan): the tile moments, the score / mass buffer [rows, N] fp32, the flags
@@ -123,8 +124,7 @@ Checked without a GPU (Triton 3.6, ahead-of-time compile for sm_90 with the JIT'
 of strides, default knobs, Llama-3.1-8B shapes: G 4, D 128 bf16): no register spills; registers per
 thread (4 warps): frame 95 (80 without bypass), moments 95, candidates 55, mark 10, score 38 (64
 slots, tensor cores, 20 KB shared; 4 tiles at 3 stages: 43, 37 KB, the keys by cp.async; CUDA cores:
-96, or 56 at 32 slots), state 40, mass 40, chosen max 25, chosen sum 32, decay 54, add 42. Not
-measured: the new score and state kernels' speed (the estimate above).
+96, or 56 at 32 slots), state 40, mass 40, chosen max 25, chosen sum 32, decay 54, add 42.
 """
 
 from __future__ import annotations

@@ -1,8 +1,11 @@
 """SAAP's decode-time plan in four Triton launches (`indexer/saap.py` dispatches here for CUDA
 tensors; its torch path is the reference and the CPU path).
 
+Long because a method's kernels stay together: SAAP's four plan launches share their wrappers,
+their configuration and the cost model below.
+
 What one plan computes, for one layer (KVH KV heads, G query heads each, T query tokens; C key
-buckets, f_q with Hd hidden units, ℓ = nprobe, the plan width K = `_select.probe_width`):
+buckets, f_q with Hd hidden units, ℓ = nprobe, the plan width K = `selection.probe_width`):
 
     q' = undo_rope(q, q_pos)                                   de-RoPE'd queries [KVH, G, T, D]
     logits = w2 · relu(scale ⊙ (w1 · q') + shift) + b2 + cs · (centroids · q')     [KVH, G, T, C]
@@ -81,11 +84,11 @@ Precision and ties (what may differ from the torch path):
 * ties: buckets of equal score are ranked by bucket id, lowest first (torch.topk leaves the order
   of ties unspecified); a NaN probability counts as 0.
 * the de-RoPE reads cos/sin rows of the request's positions from a table made at open with
-  `decoder.rope.rope_cos_sin` (float64 angles, rounded to fp32): the same numbers the torch path
+  `indexer.rope.rope_cos_sin` (float64 angles, rounded to fp32): the same numbers the torch path
   computes per call. A query position outside [n_ctx, n_ctx + max_local) is clamped into it
   (`DecodeContext.max_local` bounds a request's tokens).
 * the probed buckets' order is the score order, as `torch.topk(sorted=True)`, so the plan row is
-  the torch path's slot for slot (`_select.expand_clusters` + `selectable`).
+  the torch path's slot for slot (`selection.expand_clusters` + `selectable`).
 """
 
 from __future__ import annotations
@@ -393,7 +396,7 @@ def kernel_weights(w: dict[str, torch.Tensor], dtype: torch.dtype = torch.bfloat
 def rope_table(n_ctx: int, n_pos: int, head_dim: int, theta: float, device) -> tuple[torch.Tensor, torch.Tensor]:
     """cos, sin [n_pos, D] fp32 of positions n_ctx .. n_ctx + n_pos - 1 (`decoder.rope.rope_cos_sin`:
     the numbers the torch path computes per call)."""
-    from decoder.rope import rope_cos_sin
+    from indexer.rope import rope_cos_sin
 
     pos = torch.arange(n_ctx, n_ctx + max(1, n_pos), device=device)
     cos, sin = rope_cos_sin(pos, head_dim, theta, torch.float32)

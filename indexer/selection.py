@@ -2,8 +2,7 @@
 scoring and top-K, duplicate removal, nearest centroids and CSR cluster expansion with a fixed
 width. Pure tensor functions over the decode layout (`indexer.base.KVView`): context rows
 [KVH, N, D], absolute positions, -1 for an empty slot. Every function keeps shapes fixed by its
-arguments and reads nothing back on the host, so a planner built from them is sync-free.
-Not a method (the leading underscore keeps method discovery from importing it as one)."""
+arguments and reads nothing back on the host, so a planner built from them is sync-free."""
 
 from __future__ import annotations
 

@@ -4,6 +4,12 @@ Captured keys/queries are post-RoPE (what attention sees). Methods that cluster 
 position-free vectors (SAAP) de-RoPE them with the positions and rope parameters recorded in the
 manifest. Only the default (unscaled) RoPE is handled here; `validate_configuration` of such a
 method should refuse other rope types.
+
+It lives in the indexer layer because the methods need it and the decoder sits above them. The
+decode runner's own RoPE (`decoder/layers.py`) is a different function on purpose: it takes the
+model's rotary `inv_freq` and `attention_scaling` (scaled rope types) and rounds its angles in
+fp32 exactly as the model's rotary module does, where this one computes default-RoPE angles from
+`theta` in float64.
 """
 
 from __future__ import annotations
