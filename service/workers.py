@@ -667,7 +667,8 @@ class TrainWorker(_LeasedLoop):
         return self.rt.catalog.claim_train(timeout_s=1.0, lease_s=self.rt.settings.job_lease_seconds)
 
     def process(self, job: dict) -> None:
-        from indexer._saap_train import TrainingCancelled, TrainSettings, train_saap
+        from training.loop import TrainingCancelled, train_saap
+        from training.settings import TrainSettings
 
         cat, jid = self.rt.catalog, job["id"]
         rec = cat.get_train(jid)
