@@ -23,10 +23,6 @@ from indexer.base import MethodParams, get_method, method_names
 _FRACTION_OF_N = re.compile(r"^\s*(\d+(?:\.\d+)?|\.\d+)\s*n\s*$")
 
 
-# ---------------------------------------------------------------------------------------------
-# Config
-
-
 class MethodSpec(BaseModel):
     """One method and its parameter grid: every combination of `grid` values, on top of `params`.
 

@@ -18,10 +18,6 @@ from storage.keys import PromptHash
 log = logging.getLogger("ctxcache.eval")
 
 
-# ---------------------------------------------------------------------------------------------
-# Artifacts: the prefill worker's path (build + publish once) and the decode worker's (read via DRAM tier)
-
-
 @dataclass
 class Published:
     key: PromptHash

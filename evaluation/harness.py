@@ -27,6 +27,9 @@ Measurements:
   and a pseudo-token instead of the plan) are counted in `bypass_fraction`.
 * task accuracy (short lengths): RULER-style samples (`evaluation/tasks.py`), greedy
   `generate`, scored by RULER's substring match.
+
+The config and its runs are `evaluation/config.py`; publishing and opening the stored contexts is
+`evaluation/contexts.py`; the outputs (JSON, markdown, plots) are `evaluation/report.py`.
 """
 
 from __future__ import annotations
