@@ -3,7 +3,7 @@
 Per context length (2K and 8K tokens of the deterministic prose document from tests/conftest.py):
 prefill capture, csattn build time (per 1K context tokens), then greedy decode of a question
 through `decoder.generate` (the `torch_ref` backend, a ContextKV over the captured tensors, as
-decoder/fidelity.py does) for `full`, csattn (default scoring), csattn with the paper's
+evaluation/fidelity.py does) for `full`, csattn (default scoring), csattn with the paper's
 reduce-by-key, and csattn with the 0.20-step-8 schedule. Reported: decode tokens/s (median over
 `--repeats` runs), host time in plan / run (attention backend) and per layer-step, the ratio to
 `full` measured in the same run, the fraction of KV attended, how many leading greedy tokens equal
@@ -36,10 +36,10 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
 
 from conftest import MODEL_CACHE, natural_document  # noqa: E402
-from decoder.fidelity import selection_recall, truncate_capture  # noqa: E402
 from decoder.generate import ContextKV, generate  # noqa: E402
 from decoder.model import load_model  # noqa: E402
 from decoder.prefill import prefill  # noqa: E402
+from evaluation.fidelity import selection_recall, truncate_capture  # noqa: E402
 from indexer.base import DecodeContext, IndexReader, PrefillCapture, get_method  # noqa: E402
 from indexer.csattn import CSAttention, CSAttnParams  # noqa: E402
 

@@ -4,7 +4,7 @@ StreamingLLM (`streaming`, lower bound) and dense attention (`full`), on the def
 Measured, per context length (default 2048 and 8000 tokens of the tests' deterministic document,
 `tests/conftest.py::natural_document`), all in one run so ratios compare like with like:
 
-* attention level (`decoder.fidelity.selection_recall`): recall of the exact top-K, fraction of KV
+* attention level (`evaluation.fidelity.selection_recall`): recall of the exact top-K, fraction of KV
   attended, relative L2 error of the attention output, and the mean number of keys each method
   scores exactly (its rerank candidates, counted by wrapping `candidate_mass`) next to the fixed width
   of its rerank block (the slots a fixed-shape plan computes, padding included), over the last
@@ -44,10 +44,10 @@ sys.path.insert(0, str(ROOT))
 
 import indexer.ctkvr as ctkvr_mod  # noqa: E402
 import indexer.kivf as kivf_mod  # noqa: E402
-from decoder.fidelity import build_index, fidelity, selection_recall, teacher_forced_logits, truncate_capture  # noqa: E402
 from decoder.generate import ContextKV, generate  # noqa: E402
 from decoder.model import load_model  # noqa: E402
 from decoder.prefill import prefill  # noqa: E402
+from evaluation.fidelity import build_index, fidelity, selection_recall, teacher_forced_logits, truncate_capture  # noqa: E402
 from indexer.base import DecodeContext, Planner, get_method  # noqa: E402
 from tests.conftest import MODEL_CACHE, natural_document  # noqa: E402
 

@@ -3,7 +3,7 @@ the lower bound) and dense attention (`full`), on the default model, CPU, all in
 compare like with like. `--methods` picks the rows of every section (default `psa lfps`; `full`, the
 reference, always runs; add `streaming topk` for the baselines).
 
-* `recall`, attention level, ~2K document (`decoder.fidelity.selection_recall`, every layer, the
+* `recall`, attention level, ~2K document (`evaluation.fidelity.selection_recall`, every layer, the
   last `--n-queries` tokens as decode queries): recall of the exact top-5% and top-10%, fraction of
   KV attended, relative L2 error of the attention output. PSA and LFPS rows add what a replay of the
   same queries against a dense softmax shows (`replay_extras`). PSA: blocks per step, P_acc at the
@@ -47,10 +47,10 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from decoder.backends import frame_mask, get_backend  # noqa: E402
-from decoder.fidelity import build_index, fidelity, selection_recall, teacher_forced_logits, truncate_capture  # noqa: E402
 from decoder.generate import ContextKV, generate  # noqa: E402
 from decoder.model import load_model  # noqa: E402
 from decoder.prefill import prefill  # noqa: E402
+from evaluation.fidelity import build_index, fidelity, selection_recall, teacher_forced_logits, truncate_capture  # noqa: E402
 from indexer.base import DecodeContext, KVView, get_method  # noqa: E402
 from tests.conftest import MODEL_CACHE, PASSKEY_QUESTION, natural_document, passkey_document  # noqa: E402
 

@@ -14,8 +14,8 @@ Measured in one run (1 torch thread by default: on 2 shared cores it is the fast
 * on a held-out ~2K-token document (`tests/conftest.py::natural_document`, not in the corpus):
   - bucket level, every SAAP layer: attention mass beyond the dense part captured by the
     classifier's top-ℓ buckets vs centroid probing at the same selectivity
-    (`indexer._saap_train.bucket_mass_eval`), per layer and averaged;
-  - attention level (`decoder.fidelity.selection_recall`, last 16 tokens as queries, all 30
+    (`training.bucket_mass.bucket_mass_eval`), per layer and averaged;
+  - attention level (`evaluation.fidelity.selection_recall`, last 16 tokens as queries, all 30
     layers): recall of the exact top-5%, KV touched, relative L2 error of the attention output;
   - model level: the 64 tokens after the context fed teacher-forced, top-1 agreement and
     KL(full || method) (`teacher_forced_logits` + `fidelity`);
@@ -50,14 +50,19 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from decoder.fidelity import build_index, fidelity, selection_recall, teacher_forced_logits, truncate_capture  # noqa: E402
 from decoder.generate import ContextKV, generate  # noqa: E402
 from decoder.model import load_model  # noqa: E402
 from decoder.prefill import prefill  # noqa: E402
 from indexer.rope import undo_rope  # noqa: E402
-from indexer import _saap_train as tr  # noqa: E402
+from evaluation.fidelity import build_index, fidelity, selection_recall, teacher_forced_logits, truncate_capture  # noqa: E402
 from indexer.base import DecodeContext, get_method  # noqa: E402
+from indexer.clustering import kmeans  # noqa: E402
 from indexer.saap_model import SaapModel  # noqa: E402
+from training import loop  # noqa: E402
+from training.bucket_mass import bucket_mass_eval  # noqa: E402
+from training.capture import capture_first_layers  # noqa: E402
+from training.corpus import builtin_corpus  # noqa: E402
+from training.settings import PAPER, settings_from  # noqa: E402
 from tests.conftest import MODEL_CACHE, PASSKEY_QUESTION, natural_document, passkey_document  # noqa: E402
 
 QUESTION = "Summarize what the engineer and the scheduler did, in detail."
@@ -76,12 +81,12 @@ def machine() -> dict:
 
 
 # the `small` preset before the fix: the paper's f_q (plain MLP) and Eq. 1 (per-query targets)
-PAPER_SMALL = {**tr.PAPER, "doc_tokens": 1024, "min_distance": 128}
+PAPER_SMALL = {**PAPER, "doc_tokens": 1024, "min_distance": 128}
 
 
 def bench_train_small(lm, out: Path, **overrides) -> dict:
     t0 = time.perf_counter()
-    path = tr.train_saap(lm, tr.settings_from("small", **overrides), out_dir=out, progress=True)
+    path = loop.train_saap(lm, settings_from("small", **overrides), out_dir=out, progress=True)
     wall = time.perf_counter() - t0
     m = json.loads((path / "manifest.json").read_text())
     layers = m["layers"].values()
@@ -97,15 +102,14 @@ def bench_train_small(lm, out: Path, **overrides) -> dict:
 
 def bench_full_estimate(lm, steps_timed: int) -> dict:
     """Time the pieces of the `full` preset at their real sizes and extrapolate (an estimate)."""
-    s = tr.settings_from("full")
+    s = settings_from("full")
     spec = lm.spec
     n = min(s.doc_tokens, spec.max_positions)
-    from indexer._saap_corpus import builtin_corpus
 
     text = builtin_corpus(1, int(n * 0.75) + 50, seed=777)[0][1]
     ids = lm.context_ids(text)[:n]
     t0 = time.perf_counter()
-    cap = tr.capture_first_layers(lm, ids, 2)
+    cap = capture_first_layers(lm, ids, 2)
     capture_2l = time.perf_counter() - t0
     q, k = cap.q[1].float(), cap.k[1].float()
     pos = torch.arange(len(ids))
@@ -114,19 +118,19 @@ def bench_full_estimate(lm, steps_timed: int) -> dict:
     g = torch.Generator().manual_seed(0)
     x = torch.cat([kd[0, 1:] + 0.01 * torch.randn(kd.shape[1] - 1, kd.shape[2], generator=g) for _ in range(s.n_docs)])
     t0 = time.perf_counter()
-    tr.kmeans(x, s.clusters, s.kmeans_iters, 0)
+    kmeans(x, s.clusters, s.kmeans_iters, 0)
     kmeans_1 = time.perf_counter() - t0
-    cent = torch.stack([tr.kmeans(kd[h, 1:], s.clusters, 2, h) for h in range(spec.num_kv_heads)])  # any centroids
+    cent = torch.stack([kmeans(kd[h, 1:], s.clusters, 2, h) for h in range(spec.num_kv_heads)])  # any centroids
     timed = s.model_copy(update={"steps": steps_timed})
     # 40 windows' targets (40 x 8K positions x 3 heads x 1024 buckets, fp32: ~4 GB) exceed
     # `_TABLE_BYTES`, so the full preset computes each step's targets for its batch: time that path
-    table_bytes, tr._TABLE_BYTES = tr._TABLE_BYTES, 0
+    table_bytes, loop._TABLE_BYTES = loop._TABLE_BYTES, 0
     try:
         t0 = time.perf_counter()
-        tr._train_layer([q], [k], [kd], [qd], cent, timed, s.min_distance_for(n), spec.group_size, g)
+        loop._train_layer([q], [k], [kd], [qd], cent, timed, s.min_distance_for(n), spec.group_size, g)
         step_s = (time.perf_counter() - t0) / steps_timed
     finally:
-        tr._TABLE_BYTES = table_bytes
+        loop._TABLE_BYTES = table_bytes
     layers = spec.num_layers - 1
     est = {
         "window_tokens": len(ids), "capture_2_layers_s": capture_2l, "kmeans_one_head_s": kmeans_1,
@@ -147,7 +151,7 @@ def bench_buckets(model: SaapModel, cap, ells: list[int], recent: int, label: st
     rows = []
     for ell in ells:
         layers = sorted(model.layers)
-        per = [tr.bucket_mass_eval(model, layer, cap.q[layer], cap.k[layer], qpos, ell, recent) for layer in layers]
+        per = [bucket_mass_eval(model, layer, cap.q[layer], cap.k[layer], qpos, ell, recent) for layer in layers]
         row = {"model": label, "nprobe": ell,
                **{key: statistics.mean(r[key] for r in per) for key in ("classifier", "centroid", "oracle", "selectivity")},
                "layers_classifier_wins": sum(r["classifier"] > r["centroid"] for r in per), "layers": len(per)}

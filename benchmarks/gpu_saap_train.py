@@ -45,7 +45,10 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from indexer.rope import undo_rope  # noqa: E402
-from indexer import _saap_train as tr  # noqa: E402
+from indexer.clustering import kmeans  # noqa: E402
+from training import loop  # noqa: E402
+from training.capture import capture_first_layers, load_layer  # noqa: E402
+from training.settings import TrainSettings, resolve_device, settings_from  # noqa: E402
 from tests.test_saap_device import random_lm  # noqa: E402
 
 SMOLLM2_135M = {"layers": 30, "hidden": 576, "heads": 9, "kv_heads": 3, "head_dim": 64, "intermediate": 1536,
@@ -77,16 +80,16 @@ def machine(dev: torch.device) -> dict:
 
 
 def timed(fn, dev: torch.device):
-    tr._sync(dev)
+    loop._sync(dev)
     t0 = time.perf_counter()
     out = fn()
-    tr._sync(dev)
+    loop._sync(dev)
     return out, time.perf_counter() - t0
 
 
 def run_train(lm, settings, out_dir: Path) -> dict:
     t0 = time.perf_counter()
-    path = tr.train_saap(lm, settings, out_dir=out_dir, keep_cache=True, progress=False,
+    path = loop.train_saap(lm, settings, out_dir=out_dir, keep_cache=True, progress=False,
                          on_progress=lambda ev: print(json.dumps({"t": round(time.perf_counter() - t0, 1), **ev}),
                                                       flush=True))
     m = json.loads((path / "manifest.json").read_text())
@@ -113,7 +116,7 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     t_start = time.perf_counter()
-    dev = tr.resolve_device(args.device)
+    dev = resolve_device(args.device)
     shape = TINY_SHAPE if args.tiny else SMOLLM2_135M
     preset = "small" if args.tiny else "full"
     layers = tuple(int(x) for x in args.layers.split(",")) if not args.tiny else (1, 2)
@@ -125,12 +128,12 @@ def main() -> None:
     t0 = time.perf_counter()
     lm = random_lm(**shape, device=str(dev))
     res["model_build_s"] = time.perf_counter() - t0
-    full = tr.settings_from(preset, device=str(dev))
+    full = settings_from(preset, device=str(dev))
     overrides = {"n_docs": 4, "doc_tokens": 512} if args.tiny else {}
 
     # 1. the timed run: capture of every window through max(layers) + 1 layers, then each layer
     s1 = full.model_copy(update={"layers": layers, "steps": args.steps if not args.tiny else 40, **overrides})
-    assert s1.model_dump() == tr.TrainSettings(**s1.model_dump()).model_dump()  # model_copy does not validate
+    assert s1.model_dump() == TrainSettings(**s1.model_dump()).model_dump()  # model_copy does not validate
     res["run"] = run_train(lm, s1, args.out)
     print(json.dumps({"run": res["run"]}), flush=True)
     per_step = [v["steps_s"] / s1.steps for v in res["run"]["layers"].values()]
@@ -151,24 +154,24 @@ def main() -> None:
     # 3. the same pieces on this machine's CPU (and the GPU), on the captured inputs
     spec = lm.spec
     caps = sorted((args.out / ".captures").glob("window_*.safetensors"))
-    q1, k1 = tr._load_layer(caps[0], 1)
+    q1, k1 = load_layer(caps[0], 1)
     n = k1.shape[1]
     pos = torch.arange(n)
     qd1, kd1 = undo_rope(q1, pos, spec.rope_theta), undo_rope(k1, pos, spec.rope_theta)
     cmp: dict = {"cpu_threads": torch.get_num_threads()}
     ids = [(7 + 31 * i) % 256 for i in range(n)]  # any n token ids: the cost does not depend on them
     lm_cpu = random_lm(**shape, device="cpu") if dev.type == "cuda" else lm
-    tr.capture_first_layers(lm, ids[:256], 2)  # warm-up
-    _, cmp["capture_1_window_2_layers_dev_s"] = timed(lambda: tr.capture_first_layers(lm, ids, 2), dev)
-    _, cmp["capture_1_window_2_layers_cpu_s"] = timed(lambda: tr.capture_first_layers(lm_cpu, ids, 2), torch.device("cpu"))
+    capture_first_layers(lm, ids[:256], 2)  # warm-up
+    _, cmp["capture_1_window_2_layers_dev_s"] = timed(lambda: capture_first_layers(lm, ids, 2), dev)
+    _, cmp["capture_1_window_2_layers_cpu_s"] = timed(lambda: capture_first_layers(lm_cpu, ids, 2), torch.device("cpu"))
     del lm_cpu
     xs = []  # de-RoPE'd keys of layer 1, KV head 0, every window, sink left out: what train_saap clusters
     for c in caps:
-        k = tr._load_layer(c, 1)[1]
+        k = load_layer(c, 1)[1]
         xs.append(undo_rope(k, torch.arange(k.shape[1]), spec.rope_theta)[0, s1.sink_exclude:])
     x = torch.cat(xs)
-    cent_dev, cmp["kmeans_one_head_dev_s"] = timed(lambda: tr.kmeans(x.to(dev), s1.clusters, s1.kmeans_iters, 1), dev)
-    cent_cpu, cmp["kmeans_one_head_cpu_faiss_s"] = timed(lambda: tr.kmeans(x, s1.clusters, s1.kmeans_iters, 1),
+    cent_dev, cmp["kmeans_one_head_dev_s"] = timed(lambda: kmeans(x.to(dev), s1.clusters, s1.kmeans_iters, 1), dev)
+    cent_cpu, cmp["kmeans_one_head_cpu_faiss_s"] = timed(lambda: kmeans(x, s1.clusters, s1.kmeans_iters, 1),
                                                           torch.device("cpu"))
     cmp["kmeans_points"] = x.shape[0]
 
@@ -177,25 +180,25 @@ def main() -> None:
         return float(sum(torch.cdist(xs[i:i + 32768], cs).min(1).values.pow(2).sum() for i in range(0, len(xs), 32768)))
 
     cmp["kmeans_inertia_dev"], cmp["kmeans_inertia_cpu_faiss"] = inertia(cent_dev), inertia(cent_cpu)
-    cent = torch.stack([tr.kmeans(kd1[h, 1:], s1.clusters, 2, h) for h in range(spec.num_kv_heads)])  # any centroids
+    cent = torch.stack([kmeans(kd1[h, 1:], s1.clusters, 2, h) for h in range(spec.num_kv_heads)])  # any centroids
     min_dist = s1.min_distance_for(n)
     gen = torch.Generator().manual_seed(0)
-    old = tr._TABLE_BYTES, tr._TABLE_BYTES_CUDA
-    tr._TABLE_BYTES = tr._TABLE_BYTES_CUDA = 0  # the per-step target path, on both devices
+    old = loop._TABLE_BYTES, loop._TABLE_BYTES_CUDA
+    loop._TABLE_BYTES = loop._TABLE_BYTES_CUDA = 0  # the per-step target path, on both devices
     try:
         t: dict = {}
-        tr._train_layer([q1], [k1], [kd1], [qd1], cent, s1.model_copy(update={"steps": args.cpu_steps}), min_dist,
+        loop._train_layer([q1], [k1], [kd1], [qd1], cent, s1.model_copy(update={"steps": args.cpu_steps}), min_dist,
                         spec.group_size, gen, timings=t)
         cmp["step_perstep_targets_cpu_s"] = t["steps_s"] / args.cpu_steps
         on = [v.to(dev) for v in (q1, k1, kd1, qd1, cent)]
         t = {}
-        tr._train_layer([on[0]], [on[1]], [on[2]], [on[3]], on[4], s1.model_copy(update={"steps": 10}), min_dist,
+        loop._train_layer([on[0]], [on[1]], [on[2]], [on[3]], on[4], s1.model_copy(update={"steps": 10}), min_dist,
                         spec.group_size, gen)  # warm-up
-        tr._train_layer([on[0]], [on[1]], [on[2]], [on[3]], on[4], s1.model_copy(update={"steps": args.gpu_perstep_steps}),
+        loop._train_layer([on[0]], [on[1]], [on[2]], [on[3]], on[4], s1.model_copy(update={"steps": args.gpu_perstep_steps}),
                         min_dist, spec.group_size, gen, timings=t)
         cmp["step_perstep_targets_dev_s"] = t["steps_s"] / args.gpu_perstep_steps
     finally:
-        tr._TABLE_BYTES, tr._TABLE_BYTES_CUDA = old
+        loop._TABLE_BYTES, loop._TABLE_BYTES_CUDA = old
     res["compare"] = cmp
     print(json.dumps({"compare": cmp}), flush=True)
 

@@ -1,5 +1,5 @@
 """One pipeline for building and opening a context, used by the workers (`service/workers.py`) and
-by the evaluation harness (`service/evaluation/harness.py`), so both run the same code path.
+by the evaluation harness (`evaluation/harness.py`), so both run the same code path.
 
 * `build_context`: prefill once (capture Q/K/V), build every requested index, publish the context
   atomically (or add the indexes to an already published one).

@@ -164,7 +164,11 @@ def _unit(x: torch.Tensor) -> torch.Tensor:
 
 
 def cosine_kmeans(x: torch.Tensor, c: int, iterations: int, gen: torch.Generator) -> torch.Tensor:
-    """x: [B, n, ds] unit vectors -> [B, C, ds] unit centroids (k-means++ seeds, Lloyd steps)."""
+    """x: [B, n, ds] unit vectors -> [B, C, ds] unit centroids (k-means++ seeds, Lloyd steps).
+
+    Not `indexer/clustering.py`'s k-means (faiss's) with normalised points: k-means++ seeds from a
+    sample, B small problems in one batch, an empty cluster keeps its centroid, every draw from a
+    torch generator (the same on any device); csattn's tables are built with this one only."""
     b, n_all, ds = x.shape
     dev = x.device
     rows = torch.arange(b, device=dev)

@@ -54,17 +54,12 @@ from __future__ import annotations
 
 import math
 
-import numpy as np
 import torch
 from pydantic import Field
 
 from indexer.selection import candidate_mass, expand_clusters, frame_logsumexp, probe_width, selectable, top_positions
 from indexer.base import BudgetParams, Plan, Planner, PrefillCapture, SparseMethod, register
-
-
-# Below this many keys one k-means is a few ms of work and OpenMP's thread start/spin costs more than it
-# saves (measured 2K keys x 45 clusters, 10 iterations, 2 busy cores: 8 ms on 1 thread, 98 ms on 2).
-_FAISS_SERIAL_BELOW = 1 << 16
+from indexer.clustering import kmeans_with_assignment
 
 
 class KIVFParams(BudgetParams):
@@ -96,27 +91,13 @@ class KIVFParams(BudgetParams):
 
 
 def kmeans_ivf(keys: torch.Tensor, c: int, iters: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """keys [N, D] -> (centroids [C, D] fp32, order [N] int32, offsets [C + 1] int32)."""
-    import faiss
-
-    x = np.ascontiguousarray(keys.detach().float().cpu().numpy())
-    n, d = x.shape
-    # faiss warns below 39 points per centroid and subsamples above 256; neither changes the result's meaning
-    km = faiss.Kmeans(d, c, niter=iters, seed=seed, verbose=False, min_points_per_centroid=1, max_points_per_centroid=1 << 30)
-    threads = faiss.omp_get_max_threads()
-    if n < _FAISS_SERIAL_BELOW:
-        faiss.omp_set_num_threads(1)  # scoped: restored below
-    try:
-        km.train(x)
-        _, assign = km.index.search(x, 1)
-    finally:
-        faiss.omp_set_num_threads(threads)
-    assign = torch.from_numpy(assign[:, 0].astype(np.int64))
+    """keys [N, D] -> (centroids [C, D] fp32, order [N] int32, offsets [C + 1] int32), on the CPU."""
+    cent, assign = kmeans_with_assignment(keys.detach().float().cpu(), c, iters, seed)
     order = torch.argsort(assign, stable=True)
     counts = torch.bincount(assign, minlength=c)
     offsets = torch.zeros(c + 1, dtype=torch.int64)
     offsets[1:] = counts.cumsum(0)
-    return torch.from_numpy(km.centroids.copy()), order.to(torch.int32), offsets.to(torch.int32)
+    return cent, order.to(torch.int32), offsets.to(torch.int32)
 
 
 def probe_scores(q: torch.Tensor, cent: torch.Tensor) -> torch.Tensor:

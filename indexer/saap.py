@@ -4,7 +4,7 @@ Keys and queries are bucketed by two different functions, both learned offline o
 keys by their nearest k-means centroid (k-means over *de-RoPE'd* keys: RoPE's rotation is what makes
 long-range lookups position-dependent), queries by a classifier f_q that predicts, for a de-RoPE'd
 query, how its attention mass spreads over the key buckets. Training lives in
-`indexer/_saap_train.py` (`ctxcache train saap`); this module holds the per-context build and the
+`training/` (`ctxcache train saap`); this module holds the per-context build and the
 decode-time planner.
 
 Trained model: one directory per LLM, its format and loading in `indexer/saap_model.py`.

@@ -19,7 +19,7 @@ Trained model (one directory per LLM, default `<data_dir>/saap/<model fingerprin
     `bn_weight`, `bn_bias` [KVH, Hd], `w2` [KVH, C, Hd], `b2` [KVH, C]
     (Linear -> BatchNorm -> ReLU -> Linear; batch norm is folded into an affine map at load), and
     `centroid_scale` [KVH]: f_q's logits are MLP(q') + centroid_scale · q'·c (format 2; the
-    residual f_q of `_saap_train`, whose scale is 1/sqrt(D); 0 = the paper's plain MLP, which is
+    residual f_q of `training.classifier`, whose scale is 1/sqrt(D); 0 = the paper's plain MLP, which is
     also how a format-1 file, without the tensor, is read).
   * Layer 0 is never trained (full attention, paper §3); a model may also cover only some layers
     (`--layers`, used by the tests): every untrained layer runs full attention.

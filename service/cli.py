@@ -411,7 +411,8 @@ def train_saap(
     training job) exceeds `train_budget_seconds`: the full preset's ~385 h is never started by accident.
     """
     from decoder.model import load_model
-    from indexer._saap_train import resolve_device, settings_from, train_saap as _train
+    from training.loop import train_saap as _train
+    from training.settings import resolve_device, settings_from
 
     _logging()
     s = _settings(data_dir=data_dir, model=model)
@@ -460,7 +461,8 @@ def eval_(
     """Compare sparse methods on the same stored artifacts (fidelity, attention recall, RULER-style tasks)."""
     from pydantic import ValidationError
 
-    from service.evaluation.harness import load_config, run_eval
+    from evaluation.config import load_config
+    from evaluation.harness import run_eval
 
     _logging()
     try:

@@ -92,7 +92,7 @@ def build_cost(spec, method: SparseMethod, params: MethodParams, n_ctx: int) -> 
 
 
 def train_cost(spec, settings) -> Cost:
-    """A SAAP training job (`indexer._saap_train.TrainSettings`) on a CPU: the capture of its
+    """A SAAP training job (`training.settings.TrainSettings`) on a CPU: the capture of its
     windows, a k-means per layer and KV head, and `steps` Adam steps per layer whose cost grows
     with batch x (hidden x (D + C) + doc_tokens x D) (the per-step targets read the window's keys).
     Calibrated on the measured pieces of benchmarks/RESULTS_saap.md ("Training"): one full-size

@@ -667,7 +667,8 @@ class TrainWorker(_LeasedLoop):
         return self.rt.catalog.claim_train(timeout_s=1.0, lease_s=self.rt.settings.job_lease_seconds)
 
     def process(self, job: dict) -> None:
-        from indexer._saap_train import TrainingCancelled, TrainSettings, train_saap
+        from training.loop import TrainingCancelled, train_saap
+        from training.settings import TrainSettings
 
         cat, jid = self.rt.catalog, job["id"]
         rec = cat.get_train(jid)
@@ -687,7 +688,7 @@ class TrainWorker(_LeasedLoop):
         try:
             # a private copy of the weights (0.1 s from the converted cache), never the model object the
             # prefill and decode workers share: the corpus capture runs the model truncated to its first
-            # layers by changing its config (`_saap_train.first_layers`), which would silently cut a
+            # layers by changing its config (`training.capture.first_layers`), which would silently cut a
             # concurrent decode short
             from decoder.model import load_model
 

@@ -110,12 +110,13 @@ def saap_small_model(lm) -> Path:
     a change to either trains again instead of reusing a stale model."""
     import hashlib
 
-    from indexer._saap_train import settings_from, train_saap
+    from training.loop import train_saap
+    from training.settings import settings_from
 
     settings = settings_from("small")
     h = hashlib.sha256(settings.model_dump_json().encode())
-    for src in ("indexer/_saap_train.py", "indexer/saap.py", "indexer/saap_model.py", "indexer/_saap_corpus.py"):
-        h.update((ROOT / src).read_bytes())
+    for src in [*sorted((ROOT / "training").glob("*.py")), ROOT / "indexer/saap.py", ROOT / "indexer/clustering.py"]:
+        h.update(src.read_bytes())
     out = MODEL_CACHE / "saap" / f"small-{h.hexdigest()[:16]}"
     if not (out / "manifest.json").exists():
         n = torch.get_num_threads()

@@ -78,8 +78,9 @@ def write_saap_model(model_dir: Path, spec: ModelSpec, mixture: Mixture, layers:
     init (its outputs are arbitrary: this model is for shapes, syncs and timing, not quality)."""
     from safetensors.torch import save_file
 
-    from indexer._saap_train import StackedMLP, kmeans_torch
+    from indexer.clustering import kmeans_torch
     from indexer.saap_model import MANIFEST, MODEL_FORMAT, model_digest, sha256_file, tensors_sha256
+    from training.classifier import StackedMLP
 
     model_dir.mkdir(parents=True, exist_ok=True)
     dev = mixture.device

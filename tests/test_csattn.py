@@ -19,8 +19,8 @@ from pydantic import ValidationError
 
 from decoder.backends import frame_mask, get_backend
 from decoder.backends.torch_ref import dense_attention
-from decoder.fidelity import fidelity, selection_recall, teacher_forced_logits, truncate_capture
 from decoder.generate import ContextKV
+from evaluation.fidelity import fidelity, selection_recall, teacher_forced_logits, truncate_capture
 from indexer.base import DecodeContext, IndexReader, KVView, get_method
 from indexer.csattn import CSAttention, CSAttnParams, build_layer
 

@@ -13,7 +13,7 @@ import torch
 
 from decoder.backends import get_backend
 from decoder.backends.torch_ref import dense_attention
-from decoder.fidelity import build_index, selection_recall
+from evaluation.fidelity import build_index, selection_recall
 from indexer.base import DecodeContext, IndexReader, KVView, PrefillCapture, frame_bounds, get_method
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")

@@ -1,4 +1,4 @@
-"""`ctxcache eval`: task generators (fast), the attention-level replay against decoder.fidelity, and a
+"""`ctxcache eval`: task generators (fast), the attention-level replay against evaluation.fidelity, and a
 smoke run of the whole harness on the default model (stored artifacts, DRAM tier, decoder)."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import torch
 from typer.testing import CliRunner
 
 from conftest import MODEL_CACHE
-from service.evaluation import tasks as T
+from evaluation import tasks as T
 
 # ---------------------------------------------------------------------------------------------
 # Task generators: a whitespace-word counter stands in for the tokenizer (fast, deterministic).
@@ -114,7 +114,7 @@ def test_natural_haystack_is_offline_prose():
 
 
 def test_config_validation():
-    from service.evaluation.harness import EvalConfig, expand_runs
+    from evaluation.config import EvalConfig, expand_runs
 
     base = {"methods": [{"name": "streaming", "grid": {"window": ["0.05n", 64]}}]}
     runs = expand_runs(EvalConfig.model_validate(base).methods)
@@ -131,12 +131,12 @@ def test_config_validation():
 
 
 # ---------------------------------------------------------------------------------------------
-# Attention-level replay, per head (decoder.fidelity.attention_metrics), against a brute force
+# Attention-level replay, per head (evaluation.fidelity.attention_metrics), against a brute force
 
 
 @pytest.mark.slow
 def test_attention_metrics_against_brute_force(captured_2k):
-    from decoder.fidelity import QueryTrace, attention_metrics, build_index, selection_recall, truncate_capture
+    from evaluation.fidelity import QueryTrace, attention_metrics, build_index, selection_recall, truncate_capture
     from indexer.base import DecodeContext, get_method
 
     cap, spec = captured_2k, captured_2k.spec
@@ -218,7 +218,8 @@ SMOKE = {
 
 @pytest.fixture(scope="module")
 def smoke(tmp_path_factory, lm):
-    from service.evaluation.harness import EvalConfig, run_eval
+    from evaluation.config import EvalConfig
+    from evaluation.harness import run_eval
 
     root = tmp_path_factory.mktemp("eval")
     cfg = EvalConfig.model_validate({**SMOKE, "data_dir": str(root / "data"), "model_cache": str(MODEL_CACHE)})
@@ -229,7 +230,7 @@ def smoke(tmp_path_factory, lm):
 
 @pytest.mark.slow
 def test_smoke_outputs_well_formed(smoke):
-    from service.evaluation.report import PLOTS
+    from evaluation.report import PLOTS
 
     _, out, _ = smoke
     res = json.loads((out / "results.json").read_text())

@@ -17,7 +17,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from decoder.fidelity import build_index, truncate_capture
+from evaluation.fidelity import build_index, truncate_capture
 from indexer.base import DecodeContext, KVView, frame_bounds, get_method
 
 pytest.importorskip("triton", reason="triton is not installed")

@@ -9,7 +9,7 @@ import pydantic
 import pytest
 import torch
 
-from decoder.fidelity import build_index, selection_recall
+from evaluation.fidelity import build_index, selection_recall
 from indexer.selection import expand_clusters, nearest_centroid, probe_width
 from indexer.base import DecodeContext, IndexReader, KVView, PrefillCapture, frame_bounds, get_method
 from indexer.kivf import probe_scores

@@ -28,12 +28,8 @@ LONG_MARKER = "Long because"
 
 # (rule, file) -> who fixes it. Empty once the layout refactor (issue 16) is merged.
 PENDING = {
-    ("imports", "indexer/_saap_train.py"): "moves to training/ (branch layout-train)",
-    ("long", "indexer/_saap_train.py"): "moves to training/ (branch layout-train)",
-    ("long", "service/evaluation/harness.py"): "moves to evaluation/ (branch layout-train)",
     ("long", "service/workers.py"): "split into service/jobs/ (branch layout-jobs)",
     ("long", "storage/catalog.py"): "context records only (branch layout-jobs)",
-    ("long", "indexer/kernels/psa.py"): "the lead's kernel file: a `Long because` line",
     ("long", "service/api/routes/openai.py"): "the lead: split or a `Long because` line",
 }
 

@@ -14,7 +14,7 @@ import torch
 from pydantic import ValidationError
 
 from decoder.backends import frame_fraction, frame_mask, get_backend
-from decoder.fidelity import build_index, selection_recall, truncate_capture
+from evaluation.fidelity import build_index, selection_recall, truncate_capture
 from indexer.base import DecodeContext, IndexReader, KVView, PrefillCapture, get_method
 from indexer.lfps import cap_candidates, expand_candidates, init_tables, initial_candidates, local_rows
 

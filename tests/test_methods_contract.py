@@ -19,7 +19,7 @@ import torch
 
 from conftest import natural_document
 from decoder.backends import frame_mask, get_backend
-from decoder.fidelity import build_index, truncate_capture
+from evaluation.fidelity import build_index, truncate_capture
 from indexer.base import DecodeContext, KVView, frame_bounds, get_method, method_names
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")

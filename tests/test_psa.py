@@ -12,7 +12,7 @@ from pydantic import ValidationError
 
 from decoder.backends import frame_mask, get_backend
 from decoder.backends.torch_ref import dense_attention
-from decoder.fidelity import build_index, selection_recall
+from evaluation.fidelity import build_index, selection_recall
 from indexer.base import DecodeContext, IndexReader, KVView, PrefillCapture, frame_bounds, get_method
 from indexer.psa import META_MAX, META_MEAN, META_MIN, block_criticality, dense_part_blocks, progressive_plan
 

@@ -1,4 +1,4 @@
-"""saap (indexer/saap.py, training in indexer/_saap_train.py) on the default model's real Q/K.
+"""saap (indexer/saap.py, training in training/) on the default model's real Q/K.
 
 One small SAAP model is trained per module run (preset `small`: C = 32, hidden 128, 300 steps, four
 2,048-token windows of the built-in corpus, group-density targets, residual f_q) on layers 1-4 only;
@@ -17,22 +17,18 @@ import torch
 
 from conftest import MODEL_CACHE, natural_document, passkey_document
 from decoder.backends import frame_fraction, frame_mask
-from decoder.fidelity import build_index, selection_recall, teacher_forced_logits, truncate_capture
 from decoder.generate import ContextKV
 from indexer.rope import apply_rope, undo_rope
+from evaluation.fidelity import build_index, selection_recall, teacher_forced_logits, truncate_capture
 from indexer.selection import probe_width
 from indexer.base import DecodeContext, IndexReader, KVView, frame_bounds, get_method
-from indexer._saap_train import (
-    StackedMLP,
-    bucket_mass_eval,
-    capture_first_layers,
-    far_top1,
-    long_range_target,
-    settings_from,
-    train_saap,
-)
 from indexer.saap_model import MODEL_FORMAT, SaapModel, bucket_scores, default_model_dir, sha256_file
 from indexer.selection import nearest_centroid
+from training.bucket_mass import bucket_mass_eval
+from training.capture import capture_first_layers
+from training.classifier import StackedMLP, far_top1, long_range_target
+from training.loop import train_saap
+from training.settings import settings_from
 
 TRAINED = (1, 2, 3, 4)
 C = 32

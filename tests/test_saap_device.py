@@ -1,4 +1,4 @@
-"""SAAP training's device choice (indexer/_saap_train.py: `TrainSettings.device`, `kmeans_torch`).
+"""SAAP training's device choice (training/: `TrainSettings.device`; indexer/clustering.py: `kmeans_torch`).
 
 The CPU tests run in CI; the GPU tests are marked `gpu` (skipped without CUDA, see conftest.py) and
 run on the device tool (benchmarks/gpu_saap_train.py runs them there). The GPU decode test checks the
@@ -17,10 +17,13 @@ import pydantic
 import pytest
 import torch
 
-from indexer import _saap_train as tr
-from indexer._saap_train import TrainSettings, kmeans, kmeans_torch, resolve_device, settings_from, train_saap
+from indexer.clustering import kmeans, kmeans_torch
 from indexer.saap_model import SaapModel, bucket_scores
 from indexer.selection import nearest_centroid
+from training.capture import capture_first_layers
+from training import loop
+from training.loop import train_saap
+from training.settings import TrainSettings, resolve_device, settings_from
 
 
 class ByteTokenizer:
@@ -119,9 +122,9 @@ def test_cpu_training_does_not_depend_on_step_batching_or_the_device_argument(tm
     digests = {}
     for table in (True, False):
         if not table:
-            monkeypatch.setattr(tr, "_TABLE_BYTES", 0)
+            monkeypatch.setattr(loop, "_TABLE_BYTES", 0)
         for plan in (1, 7, 256):
-            monkeypatch.setattr(tr, "_PLAN_STEPS", plan)
+            monkeypatch.setattr(loop, "_PLAN_STEPS", plan)
             out = train_saap(lm, settings_from("small", device="cpu", **TINY), out_dir=tmp_path / f"{table}-{plan}",
                              progress=False)
             m = json.loads((out / "manifest.json").read_text())
@@ -131,7 +134,7 @@ def test_cpu_training_does_not_depend_on_step_batching_or_the_device_argument(tm
         assert len({digests[(table, p)] for p in (1, 7, 256)}) == 1, digests
     # the two target paths agree to float noise, not bit for bit: same settings hash, other bytes
     assert digests[(True, 1)][1] == digests[(False, 1)][1]
-    monkeypatch.setattr(tr, "_PLAN_STEPS", 256)
+    monkeypatch.setattr(loop, "_PLAN_STEPS", 256)
     if not torch.cuda.is_available():  # "auto" is the CPU here (_TABLE_BYTES is still 0: per-step targets)
         out = train_saap(lm, settings_from("small", **TINY), out_dir=tmp_path / "auto", progress=False)
         assert json.loads((out / "manifest.json").read_text())["digest"] == digests[(False, 1)][0]
@@ -202,7 +205,7 @@ def test_gpu_training_matches_cpu(tmp_path):
     a, b = SaapModel.open(cpu), SaapModel.open(gpu)
     held = lm_cpu
     ids = held.context_ids("A held-out text about caches, queries and keys. " * 40)[:400]
-    cap = tr.capture_first_layers(held, ids, 4)
+    cap = capture_first_layers(held, ids, 4)
     from indexer.rope import undo_rope
 
     pos = torch.arange(len(ids))
@@ -232,7 +235,7 @@ def test_gpu_decode_plans_like_cpu_without_host_sync(tmp_path):
     benchmarks/RESULTS_saap.md) measured equal selections in 100% of (step, layer, KV head) and an
     output within 1.7e-07 of the CPU's; the plan/run form has not run on a GPU yet."""
     from decoder.backends import frame_mask, get_backend
-    from decoder.fidelity import truncate_capture
+    from evaluation.fidelity import truncate_capture
     from decoder.prefill import prefill
     from indexer.base import DecodeContext, IndexReader, KVView, get_method
 

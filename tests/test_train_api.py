@@ -174,7 +174,7 @@ def test_train_over_rest_then_register_and_ask(client, lm):
 
     # the safety net behind the id check (a model replaced between the index's build and a request):
     # `open` compares the digest the index recorded with the trained model's, 409 method_unavailable
-    from decoder.fidelity import build_index
+    from evaluation.fidelity import build_index
     from decoder.prefill import prefill
     from indexer.base import DecodeContext, MethodUnavailable
 
@@ -192,14 +192,14 @@ def test_train_over_rest_then_register_and_ask(client, lm):
 
 def test_train_worker_trains_on_its_own_copy_of_the_model(client, monkeypatch):
     """The corpus capture runs the model truncated to its first layers by changing its config
-    (`_saap_train.first_layers`): the train worker must never do that to the model object the
+    (`training.capture.first_layers`): the train worker must never do that to the model object the
     prefill and decode workers share, or a concurrent completion would silently skip layers."""
-    import indexer._saap_train as tr
+    from training import capture, loop
 
     served = client.app.state.runtime.ensure_weights().model
     n_layers = served.config.num_hidden_layers
     seen, depth = [], []
-    orig_train, orig_first = tr.train_saap, tr.first_layers
+    orig_train, orig_first = loop.train_saap, capture.first_layers
 
     def spy_train(lm, *a, **kw):
         seen.append(lm.model)
@@ -211,8 +211,8 @@ def test_train_worker_trains_on_its_own_copy_of_the_model(client, monkeypatch):
             depth.append(served.config.num_hidden_layers)  # the served model, while training truncates its own
             yield
 
-    monkeypatch.setattr(tr, "train_saap", spy_train)
-    monkeypatch.setattr(tr, "first_layers", spy_first)
+    monkeypatch.setattr(loop, "train_saap", spy_train)
+    monkeypatch.setattr(capture, "first_layers", spy_first)
     r = client.post("/v1/methods/saap/train", json={**TINY, "layers": [1], "steps": 5})
     assert r.status_code == 202, r.text
     assert wait_job(client, r.json()["id"])["status"] == "done"

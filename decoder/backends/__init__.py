@@ -10,7 +10,7 @@ the plan's context positions, for one layer. It never decides what to attend.
 * `triton`: fused split-K kernels (`decoder/kernels/`), the default on a GPU.
 
 `frame_mask` / `frame_fraction` describe the attended token set without computing attention
-(tests, `decoder/fidelity.py`, decode statistics).
+(tests, `evaluation/fidelity.py`, decode statistics).
 """
 
 from __future__ import annotations

@@ -5,6 +5,10 @@ candidates' keys, cumsum / cummin and their masks). The planner dispatches here 
 interpreter, the tests' mode, False = torch); the torch function stays the reference and the CPU
 path. `CTXCACHE_FUSED_PSA=0` keeps every planner on torch (A/B runs).
 
+Long because the four kernels of one plan share their device helpers, workspace layout and launch
+configuration, and this docstring states the byte budget and the ways the result may differ from
+the torch path, which the tests check.
+
 What one plan computes, per layer and row (KV head, query token): rows = KVH x T; G query heads per
 KV head; nb context blocks of bs tokens, K = B_max = ceil(max_ratio · nb) candidates:
 
@@ -63,16 +67,12 @@ Bytes per plan at a Llama-3.1-8B layer (KVH 8, G 4, D 128, bf16 K, fp16 metadata
 
 Flops are small (crit 8 x 4096 x 16 x 256 x 2 = 268 Mflop on tensor cores, padded to 16 query
 rows; sums 8 x 13120 x 16 x 128 x 2 = 430 Mflop; the ranks 8 x 410² compares). The select kernel
-runs one program per row (8 SMs at T = 1), the stop kernel 13 per row (each runs the row's scan and
-stores a share of its plan row): the select's ~25-30 bisection steps over 4096
-keys in registers (one block reduction each), its score pass (16K exp per row) and its compaction
-are the serial part. Expected: ~25-35 us per layer-step at 128K including four graph-replayed
-launch gaps, ~10-15 us at 32K (meta and candidates 4x fewer), against the torch plan's ~250-400 us
-(0.464 ms plan + attention at 128K, 0.334 ms at 32K, measured on the H100 before this module).
-Measured (benchmarks/RESULTS.md, H100, 2026-11-22), 128K, graph replay: sums 16.8 us, select 15.2, stop 10.3, crit 9.3; plan +
-triton attention 0.080 ms (torch plan 0.517 ms; SDPA full 0.218 ms), 32K 0.043 ms, 512K 0.238 ms;
-same positions as the torch plan (agreement 1.0). The one-program-per-row select and stop are
-what a faster version would spread over more programs.
+runs one program per row (8 SMs at T = 1), the stop kernel several per row (each runs the row's
+scan and stores a share of its plan row): the select's ~25-30 bisection steps (one block reduction
+each), its score pass (16K exp per row) and its compaction are the serial part; when a row's keys
+fit one tile of registers (`regs_select`: nb <= 4096 at the 8B shape) they stay there from the
+score to the emit, without the scratch round trips. Speed, the kernel profile of a step and what
+bounds it: benchmarks/RESULTS.md ("Fused searches", "psa's select in registers").
 
 Results against the torch path (what may differ):
 * Criticality: the same formulas; on a GPU the dot takes the metadata's dtype (fp16 operands, q
@@ -83,8 +83,8 @@ Results against the torch path (what may differ):
   whose group scores are within ~0.1 % (the same as two cuBLAS versions would); elsewhere the scores
   differ by fp32 rounding (~1e-7 relative: the softmax normalisation is combined from per-tile
   states, 1/Z is multiplied, the group sum is a tree). Computing both in fp32 instead was measured
-  on the H100 (2026-11-22): the plan + attention step at 128K went from 0.081 to 0.149 ms (FMAs
-  instead of MMAs) and near-ties still swapped, so the fp16 GEMM stays.
+  and rejected (benchmarks/RESULTS.md: twice the time, FMAs instead of MMAs, and near-ties still
+  swapped), so the fp16 GEMM stays.
 * Order and ties: blocks best first, equal scores lowest block id first (a stable descending sort),
   also at the K-th place. The torch path's `torch.sort` leaves the order of ties unspecified; the
   tests give it a stable sort.
@@ -701,7 +701,7 @@ def progressive_plan(
             x, ps, pc, scr, cand, ckey, ncand,
             tcc, nb, n, s_end, window, n_sb, bs, n_bt, bm, scr_row,
             # BLOCK_P <= 64: Triton 3.6 fails to compile the [G_PAD, BLOCK_P] reductions at 128 and 256
-            # for sm_90 (TritonGPUOptimizeThreadLocality; hit at 512K, n_bt = 256, on the H100, 2026-11-22)
+            # for sm_90 (TritonGPUOptimizeThreadLocality; hit at 512K, n_bt = 256, on the H100)
             G=g, G_PAD=_pow2(g), BLOCK_P=max(16, min(64, _pow2(n_bt))),
             BLOCK_C=max(16, min(cfg.score_block, _pow2(nb))),
             BLOCK=min(cfg.select_block, max(16, _pow2(nb))),

@@ -126,7 +126,7 @@ def _query_rows(QPOS, sq_h, sq_g, sq_t, h, rb, T, n_ctx, n_rope, G: tl.constexpr
 @triton.jit
 def _derope_chunk(Q, COS, SIN, q_row, tpos, r_ok, d0: tl.constexpr, D: tl.constexpr, BD: tl.constexpr):
     """[BM, BD] fp32: columns d0 .. d0 + BD of the de-RoPE'd rows (0 from D on), x·cos -
-    rotate_half(x)·sin (`decoder.rope.undo_rope`; rotate_half(x)[d] = -x[d + D/2] below D/2,
+    rotate_half(x)·sin (`indexer.rope.undo_rope`; rotate_half(x)[d] = -x[d + D/2] below D/2,
     x[d - D/2] above)."""
     d = d0 + tl.arange(0, BD)
     d_ok = d < D
@@ -394,7 +394,7 @@ def kernel_weights(w: dict[str, torch.Tensor], dtype: torch.dtype = torch.bfloat
 
 
 def rope_table(n_ctx: int, n_pos: int, head_dim: int, theta: float, device) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin [n_pos, D] fp32 of positions n_ctx .. n_ctx + n_pos - 1 (`decoder.rope.rope_cos_sin`:
+    """cos, sin [n_pos, D] fp32 of positions n_ctx .. n_ctx + n_pos - 1 (`indexer.rope.rope_cos_sin`:
     the numbers the torch path computes per call)."""
     from indexer.rope import rope_cos_sin
 

@@ -80,8 +80,8 @@ def _corpus_digest(rt, name: str | None) -> str:
                         **error_responses(404, 409, *BODY_ERRORS)},
              summary="train a method's per-model component (SAAP), as a job")
 def train(name: str, body: TrainRequest, rt: RuntimeDep, response: Response):
-    from indexer._saap_train import settings_from
-    from indexer.saap import default_model_dir, read_manifest
+    from indexer.saap_model import default_model_dir, read_manifest
+    from training.settings import settings_from
 
     _trainable(name)
     spec = rt.lm.spec

@@ -9,13 +9,13 @@ Per document (a fidelity document or a task sample):
    recomputed.
 2. *decode worker path* (`ContextReader`, as `DecodeWorker._answer`): `ContextStore.open` and
    `decoder.pipeline.open_context` (per-layer arrays through the tiers, the method's planner, the
-   `torch_ref` backend), then `decoder.generate` / `decoder.fidelity.teacher_forced_logits`.
+   `torch_ref` backend), then `decoder.generate` / `evaluation.fidelity.teacher_forced_logits`.
    Both paths are `decoder/pipeline.py`, the code the workers run.
 
 Measurements:
 
 * model level (any length): a continuation of the document is teacher-forced after the stored
-  context with `full` (the reference) and with every method run; `decoder.fidelity.fidelity` gives
+  context with `full` (the reference) and with every method run; `evaluation.fidelity.fidelity` gives
   top-1 agreement and KL(full || method) per position (mean and max reported).
 * attention level (any length): the reference run records every layer's real decode queries and the
   keys/values the continuation appends. Each method run replays the first `queries` of them through a
@@ -25,253 +25,38 @@ Measurements:
   of the exact attention mass the attended set covers, relative L2 error of the attention output vs
   dense, and the fraction of the visible KV attended. LFPS's bypassed heads (which attend the frame
   and a pseudo-token instead of the plan) are counted in `bypass_fraction`.
-* task accuracy (short lengths): RULER-style samples (`service/evaluation/tasks.py`), greedy
+* task accuracy (short lengths): RULER-style samples (`evaluation/tasks.py`), greedy
   `generate`, scored by RULER's substring match.
+
+The config and its runs are `evaluation/config.py`; publishing and opening the stored contexts is
+`evaluation/contexts.py`; the outputs (JSON, markdown, plots) are `evaluation/report.py`.
 """
 
 from __future__ import annotations
 
-import itertools
 import json
 import logging
-import math
 import os
 import platform
-import re
 import subprocess
 import time
-import tomllib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from decoder.backends import frame_fraction
-from decoder.fidelity import QueryTrace, attention_metrics, fidelity, teacher_forced_logits
 from decoder.generate import ContextKV, generate
-from decoder.model import DEFAULT_MODEL
-from decoder.pipeline import ContextTiers, OpenedContext, build_context, open_context
-from indexer.base import MethodParams, Planner, SparseMethod, get_method, method_names
-from service.evaluation import tasks as T
+from evaluation import tasks as T
+from evaluation.config import EvalConfig, Run, expand_runs
+from evaluation.contexts import Artifacts, ContextReader, Published
+from evaluation.fidelity import QueryTrace, attention_metrics, fidelity, teacher_forced_logits
+from indexer.base import MethodParams, Planner, get_method
 from storage.artifacts import ContextStore
-from storage.keys import PromptHash
 
 log = logging.getLogger("ctxcache.eval")
-
-_FRACTION_OF_N = re.compile(r"^\s*(\d+(?:\.\d+)?|\.\d+)\s*n\s*$")
-
-
-# ---------------------------------------------------------------------------------------------
-# Config
-
-
-class MethodSpec(BaseModel):
-    """One method and its parameter grid: every combination of `grid` values, on top of `params`.
-
-    An int parameter may be given relative to the context length as a string "0.05n"
-    (= ceil(0.05 * n_ctx)), e.g. a streaming window matching a 5% budget at every length.
-    """
-
-    model_config = ConfigDict(extra="forbid")
-
-    name: str
-    label: str | None = Field(None, description="label prefix [method name]")
-    params: dict[str, Any] = Field(default_factory=dict)
-    grid: dict[str, list[Any]] = Field(default_factory=dict)
-
-
-class FidelityConfig(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-    lengths: list[int] = Field(default_factory=lambda: [2048], description="stored context lengths (tokens)")
-    positions: int = Field(32, ge=1, le=4096, description="teacher-forced continuation tokens")
-    queries: int = Field(8, ge=0, le=4096, description="continuation steps replayed at the attention level")
-    recall_ratio: float = Field(0.05, gt=0.0, le=1.0, description="K of the exact top-K: ratio of the visible tokens")
-    source: Literal["natural", "noise"] = Field("natural", description="document text: stdlib prose or RULER's noise")
-    seed: int = Field(0, ge=0)
-
-    @model_validator(mode="after")
-    def _check(self):
-        if self.queries > self.positions:
-            raise ValueError("fidelity.queries must be <= fidelity.positions (queries come from the reference run)")
-        if any(n < 16 for n in self.lengths):
-            raise ValueError("fidelity.lengths must be >= 16 tokens")
-        return self
-
-
-class TaskConfig(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-    names: list[str] = Field(default_factory=lambda: ["niah_single_1"])
-    lengths: list[int] = Field(default_factory=lambda: [512])
-    samples: int = Field(2, ge=1, le=1000, description="samples per task and length; depths evenly spaced in [0, 1]")
-    depths: list[float] | None = Field(None, description="explicit needle depths (overrides the even spacing)")
-    seed: int = Field(0, ge=0)
-    answer_prefix: bool = Field(True, description="start the answer with RULER's answer prefix")
-    max_tokens: int | None = Field(None, ge=1, le=4096, description="override each task's generation length")
-
-    @model_validator(mode="after")
-    def _check(self):
-        unknown = [n for n in self.names if n not in T.TASKS]
-        if unknown:
-            raise ValueError(f"unknown tasks {unknown}; known: {', '.join(T.TASKS)}")
-        if self.depths is not None and not all(0.0 <= d <= 1.0 for d in self.depths):
-            raise ValueError("tasks.depths must lie in [0, 1]")
-        return self
-
-    def sample_depths(self) -> list[float]:
-        return list(self.depths) if self.depths is not None else T.sample_depths(self.samples)
-
-
-class EvalConfig(BaseModel):
-    """One evaluation: model, where artifacts live, methods and their grids, what to measure.
-    Relative paths are relative to the working directory."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    name: str = "eval"
-    model: str = Field(DEFAULT_MODEL, description="smollm2-135m, a .gguf file or an HF model directory")
-    data_dir: Path = Field(Path("data/eval"), description="context store (data_dir/contexts), reused across runs")
-    model_cache: Path | None = Field(None, description="where a GGUF model is converted once [data_dir]")
-    torch_threads: int | None = Field(None, ge=1)
-    prefill_chunk_tokens: int = Field(512, ge=16)
-    dram_tier_bytes: int = Field(2 * 1024**3, ge=0)
-    prompt_format: Literal["chat", "raw"] = "chat"
-    methods: list[MethodSpec]
-    fidelity: FidelityConfig | None = None
-    tasks: TaskConfig | None = None
-
-    @model_validator(mode="after")
-    def _check(self):
-        known = method_names()
-        for m in self.methods:
-            if m.name not in known:
-                raise ValueError(f"unknown method {m.name!r}; known: {', '.join(known)}")
-        runs = expand_runs(self.methods)
-        labels = [r.label for r in runs]
-        dup = sorted({x for x in labels if labels.count(x) > 1})
-        if dup:
-            raise ValueError(f"two runs share the label(s) {dup}; give them a distinct `label`")
-        for r in runs:  # reject bad parameters before any work starts
-            r.params_for(1024)
-        return self
-
-
-def load_config(path: Path | str) -> EvalConfig:
-    path = Path(path)
-    raw = path.read_text()
-    data = json.loads(raw) if path.suffix == ".json" else tomllib.loads(raw)
-    return EvalConfig.model_validate(data)
-
-
-@dataclass(frozen=True)
-class Run:
-    """One method with concrete (possibly length-relative) parameters."""
-
-    label: str
-    method: str
-    raw_params: tuple[tuple[str, Any], ...]
-
-    def params_for(self, n_ctx: int) -> MethodParams:
-        method = get_method(self.method)
-        resolved = {}
-        for k, v in self.raw_params:
-            m = _FRACTION_OF_N.match(v) if isinstance(v, str) else None
-            resolved[k] = max(0, math.ceil(float(m.group(1)) * n_ctx)) if m else v
-        try:
-            return method.Params.model_validate(resolved)
-        except ValidationError as e:
-            raise ValueError(f"{self.label}: invalid parameters {resolved}: {e}") from None
-
-
-def expand_runs(specs: list[MethodSpec]) -> list[Run]:
-    runs = []
-    for spec in specs:
-        keys = sorted(spec.grid)
-        for combo in itertools.product(*(spec.grid[k] for k in keys)) if keys else [()]:
-            chosen = dict(zip(keys, combo))
-            params = {**spec.params, **chosen}
-            tag = ",".join(f"{k}={_fmt(v)}" for k, v in chosen.items())
-            label = (spec.label or spec.name) + (f"[{tag}]" if tag else "")
-            runs.append(Run(label, spec.name, tuple(sorted(params.items()))))
-    return runs
-
-
-def _fmt(v: Any) -> str:
-    return v if isinstance(v, str) else json.dumps(v)
-
-
-# ---------------------------------------------------------------------------------------------
-# Artifacts: the prefill worker's path (build + publish once) and the decode worker's (read via DRAM tier)
-
-
-@dataclass
-class Published:
-    key: PromptHash
-    n_tokens: int
-    reused: bool  # the context was already in the store
-    prefill_s: float  # 0 when nothing had to be prefilled
-    built: dict[str, float]  # index_id -> build seconds (this run)
-    failed: dict[str, str]  # index_id -> error of its build
-
-
-class Artifacts:
-    """Publishes contexts into a ContextStore and opens them for decoding, like the two workers
-    (`decoder/pipeline.py`)."""
-
-    def __init__(self, lm, store: ContextStore, *, tier_bytes: int, chunk_tokens: int, prompt_format: str = "chat"):
-        self.lm = lm
-        self.store = store
-        self.tiers = ContextTiers(tier_bytes)
-        self.chunk_tokens = chunk_tokens
-        self.prompt_format = prompt_format
-
-    def key(self, ids: list[int]) -> PromptHash:
-        spec = self.lm.spec
-        return PromptHash.compute(spec.fingerprint, spec.tokenizer_fingerprint, ids)
-
-    def ensure(self, ids: list[int], wanted: dict[str, tuple[SparseMethod, MethodParams]]) -> Published:
-        """wanted: index_id -> (method, params) of every index-bearing run that can run."""
-        spec = self.lm.spec
-        key = self.key(ids)
-        reused = self.store.exists(spec.slug, key)
-        have = set(self.store.read_manifest(spec.slug, key)["indexes"]) if reused else set()
-        todo = {i: mp for i, mp in wanted.items() if i not in have}
-        if reused and not todo:
-            return Published(key, len(ids), True, 0.0, {}, {})
-        res = build_context(self.lm, self.store, key, ids, todo, chunk_tokens=self.chunk_tokens, keep_going=True,
-                            manifest_extra={"prompt_format": self.prompt_format, "display_name": "ctxcache eval"})
-        for index_id, err in res.failed.items():
-            log.error("building %s failed: %s", index_id, err)
-        return Published(key, len(ids), reused, res.prefill_s, res.built, res.failed)
-
-    def reader(self, key: PromptHash) -> "ContextReader":
-        return ContextReader(self.store.open(self.lm.spec.slug, key), key.hex, self.tiers, spec=self.lm.spec)
-
-
-class ContextReader:
-    """Decode side of one stored context (the DecodeWorker's path: `decoder.pipeline.open_context`)."""
-
-    def __init__(self, art, cid: str, tiers: ContextTiers, spec=None):
-        self.art = art
-        self.spec = spec  # index ids of methods bound to a trained model (SAAP) include its digest
-        self.cid = cid
-        self.tiers = tiers
-        self.n_tokens = art.n_tokens
-
-    def open(self, method: SparseMethod, params: MethodParams, max_local: int = 1024) -> OpenedContext:
-        index_id = method.index_id(params, self.spec) if method.has_index else None
-        return open_context(self.art, self.cid, method, params, index_id, tiers=self.tiers, spec=self.spec,
-                            max_local=max_local)
-
-    def context_kv(self) -> ContextKV:
-        return self.open(get_method("full"), get_method("full").Params()).kv
-
-    def planner(self, method: SparseMethod, params: MethodParams, max_local: int = 1024) -> Planner:
-        return self.open(method, params, max_local).planner
 
 
 # ---------------------------------------------------------------------------------------------
@@ -562,7 +347,7 @@ def machine_info() -> dict:
 
 def run_eval(config: EvalConfig, out_dir: Path | str, lm=None) -> dict:
     """Run a config and write results.json, results.md and the plots into out_dir."""
-    from service.evaluation import report
+    from evaluation import report
 
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
