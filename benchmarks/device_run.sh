@@ -6,7 +6,7 @@
 #   device tool: run(command="bash benchmarks/device_run.sh tests decode before_after",
 #                    carry=[".whl", ".old"])
 #   stages: tests | kerneltests | decode | decodecold | decode512 | before_after | kernels | e2e32 | e2e128 |
-#           e2e128rest | e2eprof | e2elayer | attntests | decodeab | psaab | latency | ncu | psasweep
+#           e2e128rest | e2eprof | e2elayer | attntests | decodeab | psaab | latency | ncu | psasweep | pdlab
 #   (default: tests decode before_after)
 #   .old = the tree before the plan/run redesign (`git archive <commit> decoder indexer storage`), for
 #   the before/after decode comparison.
@@ -90,6 +90,11 @@ for stage in $stages; do
         psa:select_warps=16 psa:select_warps=4 psa:tile_tokens=64 psa:tile_tokens=256 psa:sums_warps=8 \
         psa:stop_parts=32 psa:stop_warps=8 psa:block_b=128 psa:block_b=32 psa:crit_warps=8 psa:pos_block=512 \
         --out "$OUT/psasweep" 2>&1 | tee "$OUT/gpu_decode_psasweep.log" | grep -v "^  \|^    " ;;
+    pdlab)  # programmatic dependent launch on and off (psa's plan kernels and the attention kernels), same run
+      python3 -m pytest -q -p no:cacheprovider -o addopts="" tests/test_kernels_psa.py tests/test_triton_attention.py \
+        2>&1 | tail -3 | tee "$OUT/gpu_pdl_tests.log"
+      python3 benchmarks/gpu_decode.py --lengths 131072 32768 --batches 1 8 --profile --torch-plans --methods psa psa:pdl=0 \
+        --backends triton triton:pdl=0 --out "$OUT/pdlab" 2>&1 | tee "$OUT/gpu_decode_pdlab.log" | grep -v "^  \|^    " ;;
     decode512)
       python3 benchmarks/gpu_decode.py --lengths 524288 --batches 1 --backends triton \
         --methods streaming topk csattn ctkvr lfps psa saap --out "$OUT/512k" 2>&1 | tee "$OUT/gpu_decode_512k.log" \

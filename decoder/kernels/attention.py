@@ -53,8 +53,9 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from indexer.kernels import Workspaces, interpreted  # also makes Triton 3.6's interpreter work with NumPy 2.4
+from indexer.kernels import Workspaces, interpreted, pdl_launch  # also makes Triton 3.6's interpreter work with NumPy 2.4
 
 LOG2E = 1.4426950408889634
 # initial running max: finite, so exp2(m_old - m_new) never computes inf - inf
@@ -87,8 +88,11 @@ def _split_kernel(
     G: tl.constexpr, TB: tl.constexpr, D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HAS_PLAN: tl.constexpr, HAS_LEN: tl.constexpr, HAS_BYPASS: tl.constexpr, HAS_REST: tl.constexpr, DIRECT: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, DOT_FP32: tl.constexpr, NUM_STAGES: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, DOT_FP32: tl.constexpr, NUM_STAGES: tl.constexpr, PDL: tl.constexpr = False,
 ):
+    if PDL:  # `indexer.kernels.pdl_launch`: the previous kernel's writes first
+        gdc_wait()
+        gdc_launch_dependents()
     split = tl.program_id(0)
     qb = tl.program_id(1)
     h = tl.program_id(2).to(tl.int64)
@@ -219,8 +223,11 @@ def _merge_kernel(
     so_h, so_g, so_t,  # out [KVH, G, T, D]
     n_splits, n_qb,
     G: tl.constexpr, TB: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_S: tl.constexpr,
-    HAS_REST: tl.constexpr,
+    HAS_REST: tl.constexpr, PDL: tl.constexpr = False,
 ):
+    if PDL:
+        gdc_wait()
+        gdc_launch_dependents()
     t = tl.program_id(0)
     g = tl.program_id(1)
     h = tl.program_id(2).to(tl.int64)
@@ -274,6 +281,7 @@ class KernelConfig:
     min_chunks_per_split: int = 2  # ... but never fewer chunks than this per program
     splits: int | None = None  # force the split count (tests; capped at the number of chunks)
     max_query_rows: int = 64  # BLOCK_M cap when several tokens share a block
+    pdl: bool = True  # programmatic dependent launch on Hopper and later (`indexer.kernels.pdl_launch`)
 
 
 @dataclass(frozen=True)
@@ -415,6 +423,7 @@ def frame_attention(
     pos = positions if has_plan else q_pos  # a placeholder pointer when unused
     byp = bypass if has_bypass else q_pos
     direct = lp.splits == 1
+    pdl = pdl_launch(dev, cfg.pdl)
     if out is None:
         out = torch.empty(kvh, g, t, d, dtype=dtype, device=dev)
     rl = rest_logit if has_rest else q_pos  # placeholders when unused
@@ -442,7 +451,7 @@ def frame_attention(
         G=g, TB=lp.tokens_per_block, D=d, BLOCK_M=lp.block_m, BLOCK_N=lp.block_n,
         HAS_PLAN=has_plan, HAS_LEN=has_len, HAS_BYPASS=has_bypass, HAS_REST=has_rest, DIRECT=direct,
         DOT_PRECISION="ieee" if dtype == torch.float32 else "tf32",
-        DOT_FP32=interpreted() and dtype == torch.bfloat16, NUM_STAGES=lp.num_stages,
+        DOT_FP32=interpreted() and dtype == torch.bfloat16, NUM_STAGES=lp.num_stages, PDL=bool(pdl), **pdl,
         num_warps=lp.num_warps,
     )
     if not direct:
@@ -452,7 +461,7 @@ def frame_attention(
             out.stride(0), out.stride(1), out.stride(2),
             lp.splits, lp.n_qb,
             G=g, TB=lp.tokens_per_block, D=d, BLOCK_M=lp.block_m, BLOCK_S=MERGE_BLOCK_S,
-            HAS_REST=has_rest,
+            HAS_REST=has_rest, PDL=bool(pdl), **pdl,
             num_warps=4,
         )
     return out

@@ -124,8 +124,9 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from indexer.kernels import Workspaces, interpreted  # also makes Triton 3.6's interpreter work with NumPy 2.4
+from indexer.kernels import Workspaces, interpreted, pdl_launch  # also makes Triton 3.6's interpreter work with NumPy 2.4
 from indexer.kernels.ivf import _exp, _round_as, _top_threshold, _top_threshold_regs  # shared device helpers
 from indexer.psa import ProgressivePlan, dense_part_blocks
 
@@ -186,11 +187,14 @@ def _crit_kernel(
     sq_h, sq_g, sq_t, sm_h, sm_b, sm_r,
     T, nb, n_ctx, s_end, window, n_sb, bs, n_bt, qk_scale,
     G: tl.constexpr, D: tl.constexpr, KIND: tl.constexpr, CDT: tl.constexpr, DOT_FP32: tl.constexpr,
-    BLOCK_Q: tl.constexpr, BLOCK_B: tl.constexpr, PRECISE: tl.constexpr,
+    BLOCK_Q: tl.constexpr, BLOCK_B: tl.constexpr, PRECISE: tl.constexpr, PDL: tl.constexpr = False,
 ):
     """Scaled criticality of BLOCK_B blocks for BLOCK_Q query rows (token, head) of one KV head ->
     X [rows·G, nb] fp32, and per row the softmax state of those blocks that are ranked (not in the
     row's dense part) -> PS [rows·G, n_bt, 2]."""
+    if PDL:  # `indexer.kernels.pdl_launch`: the previous kernel's writes first
+        gdc_wait()
+        gdc_launch_dependents()
     bt = tl.program_id(0)
     j = tl.program_id(1) * BLOCK_Q + tl.arange(0, BLOCK_Q)  # query rows t·G + g of this KV head
     h = tl.program_id(2).to(tl.int64)
@@ -244,7 +248,7 @@ def _select_kernel(
     X, PS, QPOS, SCR, CAND, CKEY, NCAND,
     T, nb, n_ctx, s_end, window, n_sb, bs, n_bt, K, scr_row,
     G: tl.constexpr, G_PAD: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK: tl.constexpr,
-    IN_REGS: tl.constexpr, PRECISE: tl.constexpr,
+    IN_REGS: tl.constexpr, PRECISE: tl.constexpr, PDL: tl.constexpr = False,
 ):
     """One program per row (KV head, token): the group score of every ranked block (sum over the
     group's heads of the softmax over blocks) as an int key (float bits + 1; 0 = dense-part block),
@@ -252,6 +256,9 @@ def _select_kernel(
     CAND / CKEY [rows, K], their count -> NCAND [rows]. IN_REGS (the row's blocks fit one tile of
     BLOCK keys, and the tile has no element that two threads hold): the keys stay in registers from
     the score to the emit, no scratch round trip."""
+    if PDL:  # `indexer.kernels.pdl_launch`: the previous kernel's writes first
+        gdc_wait()
+        gdc_launch_dependents()
     r = tl.program_id(0)
     t = r % T
     ar_g = tl.arange(0, G_PAD)
@@ -350,7 +357,7 @@ def _sums_kernel(
     T, n_ctx, n_loc, nb, K, s_end, window, n_sb, first_w0, F, bs, n_st, qk_scale,
     G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, BS_PAD: tl.constexpr, SLOTS: tl.constexpr,
     BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, LOGIT_DT: tl.constexpr, DOT_FP32: tl.constexpr,
-    PRECISE: tl.constexpr,
+    PRECISE: tl.constexpr, PDL: tl.constexpr = False,
 ):
     """Programs 0 .. n_st - 1 of a row: SLOTS candidate blocks each. A candidate's rank in the
     order (key desc, block id asc) is the count of candidates before it (the row's K keys, from
@@ -358,6 +365,9 @@ def _sums_kernel(
     max) per head) are written to slot `rank` -> SID [rows, K], SMX / SSM [rows·G, K]. Program
     n_st: the same state over the dense part (the row's sink/window blocks, its visible
     request-local keys) -> DMX / DSM [rows·G]."""
+    if PDL:  # `indexer.kernels.pdl_launch`: the previous kernel's writes first
+        gdc_wait()
+        gdc_launch_dependents()
     s = tl.program_id(0)
     r = tl.program_id(1)
     h = (r // T).to(tl.int64)
@@ -438,7 +448,7 @@ def _stop_kernel(
     sp_h, sp_t, sr_h, sr_t, sb_h, sb_t, sm_h, sm_g, sm_t, sl_h, sl_t,
     T, n_ctx, nb, K, s_end, window, n_sb, first_w0, F, bs, microbatch, eps,
     G: tl.constexpr, G_PAD: tl.constexpr, BLOCK: tl.constexpr, BLOCK_P: tl.constexpr, EXACT: tl.constexpr,
-    PRECISE: tl.constexpr,
+    PRECISE: tl.constexpr, PDL: tl.constexpr = False,
 ):
     """Programs (part, row): AS_acc, AS_min, P_acc over the ranked candidates (cumulative, in chunks
     of BLOCK with carries), the first check where every head has P_acc >= eps, and the row's
@@ -447,6 +457,9 @@ def _stop_kernel(
     row runs the same scan (same inputs, same order: the same stop); part 0 writes the row's
     counts, ranked ids and dense part, and the parts share the stores of the ranked blocks' tokens
     (one chunk each at 128K instead of one program's ~13 dependent load-and-store rounds)."""
+    if PDL:  # `indexer.kernels.pdl_launch`: the previous kernel's writes first
+        gdc_wait()
+        gdc_launch_dependents()
     part = tl.program_id(0)
     n_parts = tl.num_programs(0)
     r = tl.program_id(1)
@@ -551,6 +564,7 @@ class PsaConfig:
     score_block: int = 1024  # select: blocks per chunk of the score pass
     select_block: int = 4096  # select: keys the threshold search holds in registers (larger rows: L2 passes)
     select_warps: int = 8
+    pdl: bool = True  # programmatic dependent launch on Hopper and later (`indexer.kernels.pdl_launch`)
     regs_select: bool = True  # select: keep a row's keys in registers when they fit (False: the scratch path)
     regs_scores: int = 16384  # select: most G_PAD x BLOCK scores the in-register path holds
     tile_tokens: int = 128  # sums: key rows per program (whole blocks: 4 of 32)
@@ -676,6 +690,7 @@ def progressive_plan(
 
     on_gpu = dev.type == "cuda"
     precise = not interpreted()
+    pdl = pdl_launch(dev, cfg.pdl)
     cdt = _TL_DTYPES[meta.dtype] if on_gpu else tl.float32  # the torch path's `cdt`
     logit_dt = _TL_DTYPES.get(q.dtype, tl.float32)
     dot_fp32 = interpreted()
@@ -695,7 +710,7 @@ def progressive_plan(
             qc.stride(0), qc.stride(1), qc.stride(2), meta.stride(0), meta.stride(1), meta.stride(2),
             tcc, nb, n, s_end, window, n_sb, bs, n_bt, float(d ** -0.5),
             G=g, D=d, KIND=KINDS[criticality], CDT=cdt, DOT_FP32=dot_fp32, BLOCK_Q=cfg.block_q,
-            BLOCK_B=cfg.block_b, PRECISE=precise, num_warps=cfg.crit_warps,
+            BLOCK_B=cfg.block_b, PRECISE=precise, PDL=bool(pdl), **pdl, num_warps=cfg.crit_warps,
         )
         _select_kernel[(r,)](
             x, ps, pc, scr, cand, ckey, ncand,
@@ -705,7 +720,7 @@ def progressive_plan(
             G=g, G_PAD=_pow2(g), BLOCK_P=max(16, min(64, _pow2(n_bt))),
             BLOCK_C=max(16, min(cfg.score_block, _pow2(nb))),
             BLOCK=min(cfg.select_block, max(16, _pow2(nb))),
-            IN_REGS=in_regs, PRECISE=precise, num_warps=cfg.select_warps,
+            IN_REGS=in_regs, PRECISE=precise, PDL=bool(pdl), **pdl, num_warps=cfg.select_warps,
         )
         _sums_kernel[(n_st + 1, r)](
             qc, ctx_k, loc_k, pc, cand, ckey, ncand, sid, smx, ssm, dmx, dsm,
@@ -714,7 +729,7 @@ def progressive_plan(
             tcc, n, loc_k.shape[1], nb, bm, s_end, window, n_sb, first_w0, f, bs, n_st, float(d ** -0.5),
             G=g, G_PAD=g_pad, D=d, BS_PAD=bs_pad, SLOTS=slots, BLOCK_R=min(cfg.rank_block, max(16, _pow2(bm))),
             BLOCK_N=cfg.dense_block, LOGIT_DT=logit_dt, DOT_FP32=dot_fp32, PRECISE=precise,
-            num_warps=cfg.sums_warps,
+            PDL=bool(pdl), **pdl, num_warps=cfg.sums_warps,
         )
         pos_c, rk_c = positions[:, t0:t1], ranked[:, t0:t1]
         bl_c, us_c, ms_c, cp_c = counts[0, :, t0:t1], counts[1, :, t0:t1], mass[:, :, t0:t1], capped[:, t0:t1]
@@ -725,7 +740,7 @@ def progressive_plan(
             ms_c.stride(0), ms_c.stride(1), ms_c.stride(2), ln_c.stride(0), ln_c.stride(1),
             tcc, n, nb, bm, s_end, window, n_sb, first_w0, f, bs, microbatch, float(eps),
             G=g, G_PAD=_pow2(g), BLOCK=min(cfg.scan_block, max(16, _pow2(bm))), BLOCK_P=cfg.pos_block,
-            EXACT=eps >= 1.0, PRECISE=precise, num_warps=cfg.stop_warps,
+            EXACT=eps >= 1.0, PRECISE=precise, PDL=bool(pdl), **pdl, num_warps=cfg.stop_warps,
         )
     return ProgressivePlan(positions, counts[0], ranked, counts[1], mass, capped.view(torch.bool), lengths)
 
