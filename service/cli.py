@@ -70,9 +70,12 @@ def serve(
 
 def _run_worker(kind: str, redis_url: Optional[str], data_dir: Optional[Path], model: Optional[str],
                 metrics_port: Optional[int] = None, storage_url: Optional[str] = None) -> None:
+    from service.jobs.decode import DecodeWorker
+    from service.jobs.janitor import Janitor
+    from service.jobs.prefill import PrefillWorker
+    from service.jobs.train import TrainWorker
     from service.metrics import serve_worker_metrics
     from service.runtime import Runtime
-    from service.workers import DecodeWorker, Janitor, PrefillWorker, TrainWorker
 
     _logging()
     s = _settings(redis_url=redis_url, data_dir=data_dir, model=model, metrics_port=metrics_port,

@@ -33,7 +33,8 @@ from servers import register_passkey
 from service.app import create_app
 from service.cli import app as cli_app
 from service.runtime import Runtime
-from service.workers import DecodeWorker, PrefillWorker
+from service.jobs.decode import DecodeWorker
+from service.jobs.prefill import PrefillWorker
 from storage.artifacts import MANIFEST, ArtifactMissing, ContextStore, IndexArrays
 from storage.keys import PromptHash
 from storage.objstore import ObjectContextStore, StorageUnavailable
