@@ -18,8 +18,7 @@ def register_context(rt: Runtime, cid: PromptHash, record: dict, token_ids: list
 
 def delete_context(rt: Runtime, cid: PromptHash) -> bool:
     """Remove a context's record and its artifacts. True if anything existed."""
-    raw = rt.catalog.r.hgetall(rt.catalog.k_ctx(cid))
-    slug = (raw.get(b"slug") or b"").decode() or rt.lm.spec.slug
-    rt.catalog.delete(cid)
+    rec = rt.catalog.delete(cid)  # the record as it was, expired or not (None: there was none)
+    slug = (rec or {}).get("slug") or rt.lm.spec.slug
     removed = rt.store.delete(slug, cid)
-    return bool(raw) or removed
+    return rec is not None or removed

@@ -76,6 +76,8 @@ def encode_fields(fields: dict) -> dict:
 
 
 class Catalog:
+    """The context records under one key prefix (see the module docstring)."""
+
     def __init__(self, client: redis.Redis, prefix: str = "ctxcache:"):
         self.r = client
         self.p = prefix
@@ -236,6 +238,7 @@ class Catalog:
         return bool(self.r.exists(self.k_deleted(cid)))
 
     def delete(self, cid: PromptHash) -> dict | None:
+        """Remove the record (leaving a tombstone for a day); returns it as it was, expired or not."""
         rec = self.get(cid) or (decode_hash(self.r.hgetall(self.k_ctx(cid))) or None)
         with self.r.pipeline() as pipe:
             pipe.delete(self.k_ctx(cid), self.k_tokens(cid))
@@ -245,7 +248,8 @@ class Catalog:
             pipe.execute()
         return rec
 
-    def list(self, offset: int = 0, limit: int = 20, model: str | None = None, status: str | None = None) -> tuple[list[dict], int]:
+    def list(self, offset: int = 0, limit: int = 20, model: str | None = None,
+             status: str | None = None) -> tuple[list[dict], int]:
         """Newest first. Returns (page, total matching)."""
         ids = [PromptHash.from_string(i.decode()) for i in self.r.zrevrange(self.k_contexts, 0, -1)]
         recs = []

@@ -123,6 +123,6 @@ def test_killed_decode_worker_is_retried_once_then_fails_fast(tmp_path, redis_pr
             r, _ = out["lost"]
             assert r.status_code == 503 and r.json()["error"]["code"] == "decode_worker_lost", r.text
             assert time.perf_counter() - t_kill < 15
-            assert cat.r.llen(cat.k_decode) == 0 and cat.r.llen(cat.k_decode_active) == 0  # nothing left behind
+            assert rt.queues.depth()["decode"] == 0 and rt.queues.depth()["decode_active"] == 0  # nothing left behind
     finally:
         stop_processes(procs, timeout_s=30)

@@ -38,13 +38,13 @@ class DecodeWorker(Loop):
     joins at the next step and leaves when it is done (continuous batching). One runner per
     attention backend; each request keeps its own planner.
 
-    Requests are leased (`LeasedQueue.claim` on `Runtime.queues.decode`): a heartbeat thread renews the lease of every request
-    the worker holds and the worker's liveness every third of `decode_lease_seconds`, also while a
-    step or a whole serial generation runs, so a busy worker never looks dead and a dead one is
-    noticed within the lease. A request whose client went away (`DecodeStreams.cancel`) stops at its next
-    decode step, or is dropped unstarted. On stop the worker takes no new requests, lets the held
-    ones finish for the grace it was given and then gives them up (no answer, lease dropped), so the
-    API retries them on another worker."""
+    Requests are leased (`Runtime.queues.decode`, a `LeasedQueue`): a heartbeat thread renews the
+    lease of every request the worker holds and the worker's liveness every third of
+    `decode_lease_seconds`, also while a step or a whole serial generation runs, so a busy worker
+    never looks dead and a dead one is noticed within the lease. A request whose client went away
+    (`DecodeStreams.cancel`) stops at its next decode step, or is dropped unstarted. On stop the
+    worker takes no new requests, lets the held ones finish for the grace it was given and then
+    gives them up (no answer, lease dropped), so the API retries them on another worker."""
 
     kind = "decode"
 

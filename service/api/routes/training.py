@@ -101,8 +101,8 @@ def train(name: str, body: TrainRequest, rt: RuntimeDep, response: Response):
         limits.check(limits.train_cost(spec, settings), rt.settings.train_budget_seconds)
     corpus = _corpus_digest(rt, body.corpus)
     settings_json = settings.model_dump(mode="json")
-    jid = TrainJobId(hashlib.sha256(json.dumps({"method": name, "fingerprint": spec.fingerprint, "settings": settings_json,
-                                                "corpus": corpus}, sort_keys=True).encode()).hexdigest())
+    what = {"method": name, "fingerprint": spec.fingerprint, "settings": settings_json, "corpus": corpus}
+    jid = TrainJobId(hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest())
     out = default_model_dir(spec.fingerprint, rt.settings.data_dir)
     existing = read_manifest(out)
     cur = rt.train_jobs.get(jid)
