@@ -341,7 +341,7 @@ def test_two_decode_workers_share_one_bucket(tmp_path, redis_prefix, s3_endpoint
                     decoders[0].stop()
                 _wait_workers(c)
                 answers.append(ask(c, cid, max_tokens=10))
-                assert cid in worker._handles  # this worker opened it from the bucket
+                assert PromptHash(cid) in worker._handles  # this worker opened it from the bucket
             assert all("27182" in a["text"] for a in answers)
             assert answers[0]["token_ids"] == answers[1]["token_ids"]
             assert all(a["stats"]["cache"] == "cold" for a in answers)  # each read it from the bucket itself
