@@ -1,4 +1,4 @@
-"""One pipeline for building and opening a context, used by the workers (`service/workers.py`) and
+"""One pipeline for building and opening a context, used by the workers (`service/jobs/`) and
 by the evaluation harness (`evaluation/harness.py`), so both run the same code path.
 
 * `build_context`: prefill once (capture Q/K/V), build every requested index, publish the context
@@ -25,7 +25,7 @@ from decoder.generate import ContextKV
 from decoder.prefill import prefill
 from indexer.base import DecodeContext, IndexReader, MethodEnv, MethodParams, Planner, SparseMethod
 from storage.artifacts import ContextArtifacts, ContextStore, IndexArrays
-from storage.keys import KV_DTYPES, PromptHash
+from storage.keys import KV_DTYPES, IndexId, PromptHash
 from storage.tier import TensorTier
 
 
@@ -91,7 +91,7 @@ def build_context(
                 raise
             failed[index_id] = f"{type(e).__name__}: {e}"[:500]
             continue
-        builds.append(IndexArrays(method.name, method.version, params.build_params(), index_id.split("-", 1)[1],
+        builds.append(IndexArrays(method.name, method.version, params.build_params(), IndexId.from_string(index_id).params_hash,
                                   {k: v.cpu() for k, v in arrays.items()}, time.perf_counter() - t1))
         if on_index is not None:
             on_index(i + 1, len(todo))

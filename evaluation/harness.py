@@ -2,7 +2,7 @@
 
 Per document (a fidelity document or a task sample):
 
-1. *prefill worker path* (`Artifacts.ensure`, as `service/workers.py::PrefillWorker._build`): prompt
+1. *prefill worker path* (`Artifacts.ensure`, as `service/jobs/prefill.py::PrefillWorker._build`): prompt
    hash over (model, tokenizer, token ids); if the context is not in the store yet, prefill once,
    `method.build` every index the config needs, `ContextStore.publish`; if it is, build only the
    missing indexes (`add_indexes`). A data dir is reused across runs: nothing already published is

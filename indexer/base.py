@@ -56,7 +56,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field
 
 from indexer.registry import get_method, method_names, register  # noqa: F401 - callers import them from here
-from storage.keys import params_hash
+from storage.keys import IndexId, params_hash
 
 
 class MethodUnavailable(ValueError):
@@ -358,4 +358,4 @@ class SparseMethod(ABC):
         """The identity of the index `build` makes from these params: `<name>-<sha256 of version and
         build params>`. A method whose index also depends on something outside the params (SAAP: the
         trained model) adds it when given the model `spec` and `env`; the service always passes them."""
-        return f"{self.name}-{params_hash(self.name, self.version, params.build_params())}"
+        return IndexId(self.name, params_hash(self.name, self.version, params.build_params())).to_string()

@@ -89,7 +89,10 @@ def create_app(settings: Settings | None = None, *, lm=None) -> FastAPI:
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
-        from service.workers import DecodeWorker, Janitor, PrefillWorker, TrainWorker
+        from service.jobs.decode import DecodeWorker
+        from service.jobs.janitor import Janitor
+        from service.jobs.prefill import PrefillWorker
+        from service.jobs.train import TrainWorker
 
         rt = Runtime.create(settings, lm=lm)
         app.state.runtime = rt

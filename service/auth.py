@@ -19,7 +19,7 @@ import hmac
 import json
 from collections.abc import Iterable
 
-from service.api.routes.openai import is_openai_path, openai_error_body
+from service.api.openai_errors import is_openai_path, openai_error_body
 from service.errors import error_body
 
 UNAUTHORIZED = "unauthorized"

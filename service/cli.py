@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import enum
 import json
 import logging
 import os
@@ -19,8 +20,6 @@ import typer
 
 app = typer.Typer(help="ctxcache: register long contexts once, ask many questions with sparse decode.",
                   no_args_is_help=True, add_completion=False)
-worker_app = typer.Typer(help="run a worker process (distributed mode, with --redis-url)", no_args_is_help=True)
-app.add_typer(worker_app, name="worker")
 
 DEFAULT_URL = os.environ.get("CTXCACHE_URL", "http://127.0.0.1:8000")
 UrlOpt = typer.Option(DEFAULT_URL, "--url", help="service address (env CTXCACHE_URL)")
@@ -70,9 +69,12 @@ def serve(
 
 def _run_worker(kind: str, redis_url: Optional[str], data_dir: Optional[Path], model: Optional[str],
                 metrics_port: Optional[int] = None, storage_url: Optional[str] = None) -> None:
+    from service.jobs.decode import DecodeWorker
+    from service.jobs.janitor import Janitor
+    from service.jobs.prefill import PrefillWorker
+    from service.jobs.train import TrainWorker
     from service.metrics import serve_worker_metrics
     from service.runtime import Runtime
-    from service.workers import DecodeWorker, Janitor, PrefillWorker, TrainWorker
 
     _logging()
     s = _settings(redis_url=redis_url, data_dir=data_dir, model=model, metrics_port=metrics_port,
@@ -115,39 +117,26 @@ StorageUrlOpt = typer.Option(None, help="artifacts in object storage: s3://bucke
                                         "process (env CTXCACHE_STORAGE_URL) [data dir]")
 
 
-@worker_app.command("prefill")
-def worker_prefill(
+class WorkerKind(str, enum.Enum):
+    prefill = "prefill"
+    decode = "decode"
+    train = "train"
+
+
+@app.command("worker")
+def worker(
+    kind: WorkerKind = typer.Argument(..., help="prefill: build contexts (prefill, index, persist); decode: answer "
+                                                "questions over stored contexts (GPU if present); train: run offline "
+                                                "training jobs (POST /v1/methods/saap/train), sharing the data dir "
+                                                "with the prefill workers"),
     redis_url: Optional[str] = typer.Option(None, envvar="CTXCACHE_REDIS_URL"),
     data_dir: Optional[Path] = typer.Option(None),
     model: Optional[str] = typer.Option(None),
     metrics_port: Optional[int] = MetricsPortOpt,
     storage_url: Optional[str] = StorageUrlOpt,
 ):
-    """Build contexts: prefill, index, persist."""
-    _run_worker("prefill", redis_url, data_dir, model, metrics_port, storage_url)
-
-
-@worker_app.command("decode")
-def worker_decode(
-    redis_url: Optional[str] = typer.Option(None, envvar="CTXCACHE_REDIS_URL"),
-    data_dir: Optional[Path] = typer.Option(None),
-    model: Optional[str] = typer.Option(None),
-    metrics_port: Optional[int] = MetricsPortOpt,
-    storage_url: Optional[str] = StorageUrlOpt,
-):
-    """Answer questions over stored contexts (GPU if present)."""
-    _run_worker("decode", redis_url, data_dir, model, metrics_port, storage_url)
-
-
-@worker_app.command("train")
-def worker_train(
-    redis_url: Optional[str] = typer.Option(None, envvar="CTXCACHE_REDIS_URL"),
-    data_dir: Optional[Path] = typer.Option(None),
-    model: Optional[str] = typer.Option(None),
-    metrics_port: Optional[int] = MetricsPortOpt,
-):
-    """Run offline training jobs (POST /v1/methods/saap/train); shares the data dir with the prefill workers."""
-    _run_worker("train", redis_url, data_dir, model, metrics_port)
+    """Run a worker process (distributed mode, with --redis-url): its job loop and a janitor."""
+    _run_worker(kind.value, redis_url, data_dir, model, metrics_port, storage_url)
 
 
 # ---- client commands -------------------------------------------------------------------------

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 
 from service.runtime import Runtime
 from storage.artifacts import MANIFEST, ArtifactCorrupt, ArtifactMissing
+from storage.keys import PromptHash
 
 log = logging.getLogger("ctxcache")
 
@@ -32,7 +33,7 @@ def restore_record(rt: Runtime, slug: str, manifest: dict) -> bool:
     """Add a ready record for one published context from its manifest; False if the catalog knows it."""
     from indexer.base import get_method
 
-    cid = manifest["prompt_hash"]
+    cid = PromptHash.from_string(manifest["prompt_hash"])
     methods = {}
     for index_id, entry in manifest.get("indexes", {}).items():
         try:
@@ -64,6 +65,7 @@ def rebuild_catalog(rt: Runtime) -> dict:
 class FsckReport:
     checked: int = 0
     damaged: list[dict] = field(default_factory=list)  # {"id", "slug", "code", "problems", "marked"}
+    keys: list[PromptHash] = field(default_factory=list)  # the damaged contexts' ids, in the same order
 
     @property
     def ok(self) -> int:
@@ -87,8 +89,9 @@ def verify_store(store, report: FsckReport | None = None) -> FsckReport:
         except ArtifactCorrupt as e:
             problems, code = [str(e)], "artifact_corrupt"
         if problems:
-            report.damaged.append({"id": key.hex, "slug": slug, "code": code, "problems": problems[:20],
+            report.damaged.append({"id": key.to_string(), "slug": slug, "code": code, "problems": problems[:20],
                                    "n_problems": len(problems), "marked": False})
+            report.keys.append(key)
     return report
 
 
@@ -104,10 +107,11 @@ def fsck(rt: Runtime, mark: bool = True) -> FsckReport:
             report.damaged.append({"id": rec["id"], "slug": rec.get("slug", ""), "code": "artifact_missing",
                                    "problems": ["the catalog lists it as ready; storage has no artifacts"],
                                    "n_problems": 1, "marked": False})
+            report.keys.append(PromptHash.from_string(rec["id"]))
     if mark:
-        for bad in report.damaged:
+        for key, bad in zip(report.keys, report.damaged):
             msg = f"fsck: {bad['n_problems']} problem(s), first: {bad['problems'][0]}"[:2000]
-            bad["marked"] = rt.catalog.update(bad["id"], status="failed", error_code=bad["code"], error_message=msg)
+            bad["marked"] = rt.catalog.update(key, status="failed", error_code=bad["code"], error_message=msg)
     for bad in report.damaged:
         log.error("fsck: context %s is damaged (%s): %s", bad["id"], bad["code"], "; ".join(bad["problems"][:3]))
     return report

@@ -44,6 +44,25 @@ DECODE_SELECTIVITY = Histogram(
     ["method"], buckets=(0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0))
 
 
+# the API's own events
+REGISTRATIONS = Counter("ctxcache_registrations_total", "context registrations", ["created"])
+COMPLETIONS = Counter("ctxcache_completions_total", "completions", ["method", "outcome"])
+TTFT = Histogram("ctxcache_ttft_seconds", "time to first token", ["cache"])
+
+
+def registered(created: bool) -> None:
+    """Count one context registration (`created`: a build was queued)."""
+    REGISTRATIONS.labels(created=str(created).lower()).inc()
+
+
+def completion_ended(method: str, outcome: str, stats: dict | None = None) -> None:
+    """Count one completion the API answered: `outcome` is `ok`, an error code or `disconnected`;
+    an answered one's `stats` (its `done` event's) give its time to first token."""
+    COMPLETIONS.labels(method, outcome).inc()
+    if stats is not None:
+        TTFT.labels(stats["cache"]).observe(stats["ttft_ms"] / 1000)
+
+
 def job_finished(kind: str, outcome: str) -> None:
     """Count one job a worker finished (`outcome`: done, failed or cancelled)."""
     JOBS.labels(kind, outcome).inc()
@@ -64,14 +83,14 @@ class QueueDepth:
     in each Redis queue, read at scrape time. Every process that exports it reports the same
     queues: aggregate with `max` across instances, not `sum`."""
 
-    def __init__(self, catalog):
-        self.catalog = catalog
+    def __init__(self, queues):
+        self.queues = queues  # service.jobs.queue.Queues
 
     def collect(self):
         fam = GaugeMetricFamily("ctxcache_queue_depth", "jobs in a queue: queued (waiting) or active (held by a "
                                                          "worker)", labels=["kind", "state"])
         try:
-            depth = self.catalog.queue_depth()
+            depth = self.queues.depth()
         except Exception:  # noqa: BLE001 - Redis down: the scrape still answers, without this family's samples
             depth = {}
         for kind in JOB_KINDS:
@@ -116,8 +135,8 @@ def api_collectors(rt) -> CollectorRegistry:
     it publishes with its heartbeat (so the API shows them in embedded and distributed mode alike).
     A fresh registry per scrape, so a test's many apps never register twice in the global one."""
     reg = CollectorRegistry()
-    reg.register(QueueDepth(rt.catalog))
-    reg.register(Tiers(lambda: rt.catalog.worker_info("decode")))
+    reg.register(QueueDepth(rt.queues))
+    reg.register(Tiers(lambda: rt.heartbeats.info("decode")))
     return reg
 
 
@@ -130,7 +149,7 @@ def serve_worker_metrics(rt, loops: Iterable, port: int, host: str) -> None:
     for kind in {lp.kind for lp in loops} & set(JOB_KINDS):  # zeros from the start: rate() needs a first sample
         for outcome in ("done", "failed"):
             JOBS.labels(kind, outcome)
-    REGISTRY.register(QueueDepth(rt.catalog))
+    REGISTRY.register(QueueDepth(rt.queues))
     if decoders:
         REGISTRY.register(Tiers(lambda: {lp.wid: lp.info() for lp in decoders}))
     start_http_server(port, addr=host)

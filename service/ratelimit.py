@@ -37,7 +37,7 @@ from limits.aio.storage import RedisStorage
 from limits.aio.strategies import MovingWindowRateLimiter
 from starlette.routing import compile_path
 
-from service.api.routes.openai import is_openai_path, openai_error_body
+from service.api.openai_errors import is_openai_path, openai_error_body
 from service.auth import key_id
 from service.errors import error_body
 

@@ -1,4 +1,6 @@
-"""Wiring shared by the API and the workers: Redis (embedded or by URL), catalog, store, model."""
+"""Wiring shared by the API and the workers: Redis (embedded or by URL), the catalog of contexts,
+the job queues, decode streams, worker heartbeats and training-job records (`service/jobs/`), the
+store, the model."""
 
 from __future__ import annotations
 
@@ -10,6 +12,10 @@ import redis
 import torch
 
 from service.settings import Settings
+from service.jobs.heartbeats import Heartbeats
+from service.jobs.queue import Queues
+from service.jobs.streams import DecodeStreams
+from service.jobs.train_records import TrainJobs
 from storage.artifacts import ContextStore
 from storage.catalog import Catalog
 from storage.objstore import open_context_store
@@ -77,6 +83,10 @@ class Runtime:
     settings: Settings
     redis: redis.Redis
     catalog: Catalog
+    queues: Queues
+    streams: DecodeStreams
+    heartbeats: Heartbeats
+    train_jobs: TrainJobs
     store: ContextStore
     lm: object  # decoder.model.LoadedModel (tokenizer always; weights once a worker needs them)
     _weights_lock: threading.Lock = field(default_factory=threading.Lock)
@@ -90,7 +100,10 @@ class Runtime:
             lm = load_model(settings.model, settings.data_dir, with_weights=False)
         store = open_context_store(settings.storage_url, settings.contexts_dir,
                                    endpoint_url=settings.storage_endpoint_url, region=settings.storage_region)
-        return cls(settings, client, Catalog(client, settings.key_prefix), store, lm)
+        p = settings.key_prefix
+        queues = Queues.create(client, p)
+        return cls(settings, client, Catalog(client, p), queues, DecodeStreams(client, p), Heartbeats(client, p),
+                   TrainJobs(client, p, queues.train), store, lm)
 
     def ensure_weights(self):
         """Load the model weights once (workers need them; the API only needs the tokenizer)."""

@@ -57,7 +57,7 @@ from storage.integrity import (  # noqa: F401 - the errors are imported from her
     sha256,
     verify_arrays,
 )
-from storage.keys import PromptHash
+from storage.keys import IndexId, PromptHash
 
 FORMAT = "ctxcache-context/1"
 KV_CHUNK_TOKENS = 4096
@@ -98,7 +98,7 @@ class IndexArrays:
 
     @property
     def index_id(self) -> str:
-        return f"{self.method}-{self.params_hash}"
+        return IndexId(self.method, self.params_hash).to_string()
 
 
 class ContextStore:

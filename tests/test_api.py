@@ -216,13 +216,13 @@ def test_new_build_params_rebuild_the_index_of_a_served_context(client):
     # race): an error event with the same code, never a 500
     from indexer.base import get_method
 
-    cat = client.app.state.runtime.catalog
+    rt = client.app.state.runtime
     params = get_method("psa").Params(block_size=64).model_dump()
-    rid = cat.submit_decode({"id": cid, "question_ids": [1, 2, 3], "max_tokens": 2, "temperature": 0.0, "seed": None,
+    rid = rt.queues.decode.submit({"id": cid, "question_ids": [1, 2, 3], "max_tokens": 2, "temperature": 0.0, "seed": None,
                              "method": "psa", "params": params})
     end, events = time.time() + 60, []
     while not events and time.time() < end:
-        events = [e for e in cat.events(rid, "0", 500) if e[1] in ("error", "done")]
+        events = [e for e in rt.streams.events(rid, "0", 500) if e[1] in ("error", "done")]
     assert events and events[0][1] == "error" and events[0][2]["code"] == "method_not_built", events
 
 
@@ -265,11 +265,11 @@ def test_concurrent_registrations_build_once(tmp_path, redis_prefix, lm):
         assert len({r["id"] for r in results}) == 1
         assert sorted(r["created"] for r in results) == [False, False, False, True]
         rt = c.app.state.runtime
-        assert rt.redis.llen(rt.catalog.k_prefill) == 1
+        assert rt.redis.llen(rt.queues.prefill.k_queue) == 1
         # not ready yet: completions are refused with 409, nothing is enqueued for decode
         r = c.post(f"/v1/contexts/{results[0]['id']}/completions", json={"question": "hi"})
         assert r.status_code == 409 and r.json()["error"]["code"] == "context_not_ready"
-        assert rt.redis.llen(rt.catalog.k_decode) == 0
+        assert rt.redis.llen(rt.queues.decode.k_queue) == 0
 
 
 def test_delete_removes_files_and_expiry(client):

@@ -26,7 +26,7 @@ def idle(tmp_path, redis_prefix, lm):
 def _state(c):
     rt = c.app.state.runtime
     keys = sorted(k for k in rt.redis.scan_iter(match=rt.catalog.p + "*") if b":worker:" not in k)  # heartbeats change
-    return keys, rt.redis.llen(rt.catalog.k_prefill)
+    return keys, rt.redis.llen(rt.queues.prefill.k_queue)
 
 
 def _err(r, status, code):
@@ -119,7 +119,7 @@ def test_completion_parameter_validation(tmp_path, redis_prefix, lm):
         assert wait_ready(c, cid)["status"] == "ready"
         url = f"/v1/contexts/{cid}/completions"
         rt = c.app.state.runtime
-        before = rt.redis.llen(rt.catalog.k_decode)
+        before = rt.redis.llen(rt.queues.decode.k_queue)
         _err(c.post(url, json={"question": "q", "method": "nope"}), 422, "unknown_method")
         _err(c.post(url, json={"question": "q", "method": "topk", "params": {"ratio": 0}}), 422, "invalid_parameter")
         _err(c.post(url, json={"question": "q", "method": "topk", "params": {"ratio": 1.5}}), 422, "invalid_parameter")
@@ -130,7 +130,7 @@ def test_completion_parameter_validation(tmp_path, redis_prefix, lm):
         _err(_post_json(c, url, {"question": "q\ud800"}), 422, "validation_error")  # lone surrogate: was a 500
         _err(c.post(url, json={"question": "q", "temperature": 1, "seed": 2**64}), 422, "validation_error")  # was a 500
         _err(c.post(url, json={"question": "q", "temperature": 1, "seed": 2**63}), 422, "validation_error")
-        assert rt.redis.llen(rt.catalog.k_decode) == before
+        assert rt.redis.llen(rt.queues.decode.k_queue) == before
 
 
 def _free_port() -> int:

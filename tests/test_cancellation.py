@@ -31,6 +31,7 @@ import pytest
 import servers
 from conftest import passkey_document
 from service.app import create_app
+from storage.keys import PromptHash
 from test_api import _settings
 
 pytestmark = pytest.mark.slow
@@ -60,12 +61,12 @@ def register(base: str, text: str, timeout: float = 240.0) -> str:
     return cid
 
 
-def cancelled_answer(cat, timeout: float = 20.0) -> dict:
+def cancelled_answer(streams, timeout: float = 20.0) -> dict:
     """The `done` event a worker emits for a request it stopped (nobody reads it: its client is gone)."""
     end = time.time() + timeout
     while time.time() < end:
-        for key in cat.r.scan_iter(match=cat.k_out("*"), count=1000):
-            for _, fields in cat.r.xrange(key):
+        for key in streams.r.scan_iter(match=streams.k_out("*"), count=1000):
+            for _, fields in streams.r.xrange(key):
                 if fields[b"event"] == b"done":
                     data = json.loads(fields[b"data"])
                     if data["finish_reason"] == "cancelled":
@@ -90,7 +91,7 @@ def served(tmp_path, redis_prefix, lm):
 
 def test_disconnect_mid_sse_stops_the_generation(served):
     base, app, cid = served
-    cat = app.state.runtime.catalog
+    rt = app.state.runtime
     seen = 0
     with httpx.Client(base_url=base, timeout=60) as c:
         with c.stream("POST", f"/v1/contexts/{cid}/completions", json={**LONG, "stream": True}) as r:
@@ -101,23 +102,23 @@ def test_disconnect_mid_sse_stops_the_generation(served):
                     if seen == 3:
                         break  # leaving the block closes the connection mid-stream
     t_gone = time.perf_counter()
-    done = cancelled_answer(cat)
+    done = cancelled_answer(rt.streams)
     # stopped within a step or two of the disconnect being noticed, not after 600 tokens
     assert done["usage"]["completion_tokens"] <= 40, done["usage"]
     assert short_request_time(base, cid) < 10.0
     assert time.perf_counter() - t_gone < 15.0
-    assert cat.r.llen(cat.k_decode) == 0 and cat.r.llen(cat.k_decode_active) == 0
+    assert rt.queues.depth()["decode"] == 0 and rt.queues.depth()["decode_active"] == 0
 
 
 def test_disconnect_mid_json_stops_the_generation(served):
     base, app, cid = served
-    cat = app.state.runtime.catalog
+    rt = app.state.runtime
     with pytest.raises(httpx.ReadTimeout):  # the client gives up and closes its connection
         httpx.post(f"{base}/v1/contexts/{cid}/completions", json=LONG, timeout=httpx.Timeout(30, read=3.0))
-    done = cancelled_answer(cat)
+    done = cancelled_answer(rt.streams)
     assert done["usage"]["completion_tokens"] <= 60, done["usage"]  # ~3 s of tokens, not 600
     assert short_request_time(base, cid) < 10.0
-    assert cat.r.llen(cat.k_decode) == 0 and cat.r.llen(cat.k_decode_active) == 0
+    assert rt.queues.depth()["decode"] == 0 and rt.queues.depth()["decode_active"] == 0
 
 
 def test_healthz_fast_with_100_completions_queued(tmp_path, redis_prefix, lm):
@@ -125,10 +126,11 @@ def test_healthz_fast_with_100_completions_queued(tmp_path, redis_prefix, lm):
     stay queued: waiting must hold no threads, and their clients going away empties the queue."""
     settings = _settings(tmp_path, redis_prefix, run_workers=False)
     with live_server(create_app(settings, lm=lm)) as (base, app):
-        cat, spec = app.state.runtime.catalog, lm.spec
+        rt, spec = app.state.runtime, lm.spec
         cid = "ab" * 32
-        cat.add_ready(cid, {"model": spec.name, "slug": spec.slug, "n_tokens": 100, "prompt_format": "chat"}, {}, {})
-        cat.worker_alive("decode", "stand-in", ttl_s=300)
+        rt.catalog.add_ready(PromptHash(cid), {"model": spec.name, "slug": spec.slug, "n_tokens": 100,
+                                               "prompt_format": "chat"}, {}, {})
+        rt.heartbeats.beat("decode", "stand-in", ttl_s=300)
 
         async def main() -> tuple[list[float], float, int]:
             limits = httpx.Limits(max_connections=200)
@@ -137,8 +139,8 @@ def test_healthz_fast_with_100_completions_queued(tmp_path, redis_prefix, lm):
                 tasks = [asyncio.create_task(waiting.post(f"/v1/contexts/{cid}/completions", json=SHORT))
                          for _ in range(100)]
                 end = time.time() + 60
-                while cat.r.llen(cat.k_decode) < 100:
-                    assert time.time() < end and not any(t.done() for t in tasks), cat.r.llen(cat.k_decode)
+                while rt.redis.llen(rt.queues.decode.k_queue) < 100:
+                    assert time.time() < end and not any(t.done() for t in tasks), rt.redis.llen(rt.queues.decode.k_queue)
                     await asyncio.sleep(0.05)
                 times = []
                 for path in ["/healthz"] * 5 + [f"/v1/contexts/{cid}"]:
@@ -151,9 +153,9 @@ def test_healthz_fast_with_100_completions_queued(tmp_path, redis_prefix, lm):
                     t.cancel()
                 await asyncio.gather(*tasks, return_exceptions=True)
                 await waiting.aclose()  # the 100 clients disconnect
-                while cat.r.llen(cat.k_decode) and time.perf_counter() - t0 < 10:
+                while rt.redis.llen(rt.queues.decode.k_queue) and time.perf_counter() - t0 < 10:
                     await asyncio.sleep(0.05)
-                return times, time.perf_counter() - t0, cat.r.llen(cat.k_decode)
+                return times, time.perf_counter() - t0, rt.redis.llen(rt.queues.decode.k_queue)
 
         times, t_empty, left = asyncio.run(main())
         assert max(times[:5]) < 0.1, times
@@ -162,7 +164,7 @@ def test_healthz_fast_with_100_completions_queued(tmp_path, redis_prefix, lm):
 
 
 def test_token_stream_is_incremental_and_joins_to_the_whole_decode(lm):
-    from service.workers import _TokenStream
+    from service.jobs.decode import _TokenStream
 
     class Sink:
         def __init__(self):

@@ -19,6 +19,7 @@ from servers import free_port, live_server
 from service.app import create_app
 from service.cli import app as cli
 from storage.catalog import Catalog
+from storage.keys import PromptHash
 from test_api import _settings
 
 run = CliRunner().invoke
@@ -63,8 +64,8 @@ def test_context_id_prefix(server, tmp_path):
     # a second context sharing the first 8 hex digits: that prefix is now ambiguous, a longer one is not
     twin = cid[:8] + hashlib.sha256(b"twin").hexdigest()[:56]
     assert twin[8:12] != cid[8:12]
-    rec = cat.get(cid)
-    cat.register(twin, {k: rec[k] for k in ("model", "slug", "n_tokens", "prompt_format", "display_name") if k in rec},
+    rec = cat.get(PromptHash(cid))
+    cat.register(PromptHash(twin), {k: rec[k] for k in ("model", "slug", "n_tokens", "prompt_format", "display_name") if k in rec},
                  [1, 2, 3], {}, None)
     res = run(cli, ["status", cid[:8], "--url", url])
     assert res.exit_code == 2 and "ambiguous" in res.output and cid in res.output and twin in res.output, res.output
@@ -81,13 +82,13 @@ def test_context_id_prefix(server, tmp_path):
 
     res = run(cli, ["delete", other[:10], "--url", url])  # delete (and ask) take prefixes too
     assert res.exit_code == 0 and f"deleted {other}" in res.output, res.output
-    assert cat.get(other) is None and cat.get(cid) is not None
+    assert cat.get(PromptHash(other)) is None and cat.get(PromptHash(cid)) is not None
 
 
 def test_bad_param_prints_pydantic_field_errors(server, tmp_path):
     url, cat = server
     cid = _register(url, tmp_path, 33333)
-    cat.update(cid, status="ready")  # parameters are checked before anything reads the context's artifacts
+    cat.update(PromptHash(cid), status="ready")  # parameters are checked before anything reads the context's artifacts
     res = run(cli, ["ask", cid[:8], "q", "-m", "topk", "-p", "k=-5", "--url", url])
     assert res.exit_code == 1, res.output
     assert "error 422 invalid_parameter" in res.output

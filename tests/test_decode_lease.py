@@ -35,7 +35,7 @@ def test_busy_decode_worker_stays_ready_and_accepts_completions(tmp_path, redis_
     longer than the 15 s heartbeat TTL made the only worker look dead."""
     settings = _settings(tmp_path, redis_prefix, decode_lease_seconds=LEASE)
     with live_server(create_app(settings, lm=lm)) as (base, app):
-        cat = app.state.runtime.catalog
+        rt = app.state.runtime
         cid = register(base, passkey_document(4242))
         with httpx.Client(base_url=base, timeout=60) as c:
             with c.stream("POST", f"/v1/contexts/{cid}/completions", json={**LONG, "max_tokens": 1000,
@@ -51,7 +51,7 @@ def test_busy_decode_worker_stays_ready_and_accepts_completions(tmp_path, redis_
                 with pytest.raises(httpx.ReadTimeout):
                     c.post(f"/v1/contexts/{cid}/completions", json={"question": "Hi", "max_tokens": 1},
                            timeout=httpx.Timeout(30, read=2.0))
-                assert cat.live_workers("decode") == 1
+                assert rt.heartbeats.live("decode") == 1
 
 
 def _worker(kind: str, settings, prefix: str) -> subprocess.Popen:
@@ -70,14 +70,14 @@ def _worker_id(proc: subprocess.Popen) -> str:
     raise AssertionError(f"worker exited with {proc.wait()}")
 
 
-def _holder(cat, timeout: float = 60.0) -> tuple[str, str]:
+def _holder(rt, timeout: float = 60.0) -> tuple[str, str]:
     """(request id, worker id) of the decode request being worked on, once it produced a token."""
     end = time.time() + timeout
     while time.time() < end:
-        for key in cat.r.scan_iter(match=cat.k_decode_lease("*"), count=1000):
+        for key in rt.redis.scan_iter(match=rt.queues.decode.k_lease("*"), count=1000):
             rid = key.decode().rsplit(":", 1)[1]
-            if cat.r.xlen(cat.k_out(rid)):
-                return rid, cat.r.get(key).decode()
+            if rt.redis.xlen(rt.streams.k_out(rid)):
+                return rid, rt.redis.get(key).decode()
         time.sleep(0.05)
     raise AssertionError("no decode request got going")
 
@@ -89,7 +89,7 @@ def test_killed_decode_worker_is_retried_once_then_fails_fast(tmp_path, redis_pr
     try:
         wids = {_worker_id(p): p for p in procs[1:]}
         with live_server(create_app(settings, lm=lm)) as (base, app):
-            cat = app.state.runtime.catalog
+            rt = app.state.runtime
             cid = register(base, passkey_document(777))
             ask = {**LONG, "max_tokens": 48}
             out: dict = {}
@@ -102,7 +102,7 @@ def test_killed_decode_worker_is_retried_once_then_fails_fast(tmp_path, redis_pr
             # 1. two workers: the one holding the request dies, the other answers it
             t = threading.Thread(target=post, args=("retried",))
             t.start()
-            rid, wid = _holder(cat)
+            rid, wid = _holder(rt)
             wids.pop(wid).send_signal(signal.SIGKILL)
             t_kill = time.perf_counter()
             t.join(120)
@@ -116,13 +116,13 @@ def test_killed_decode_worker_is_retried_once_then_fails_fast(tmp_path, redis_pr
             # 2. the last worker dies too: nobody to retry on, a fast 503 with a stable code
             t = threading.Thread(target=post, args=("lost",))
             t.start()
-            _holder(cat)
+            _holder(rt)
             next(iter(wids.values())).send_signal(signal.SIGKILL)
             t_kill = time.perf_counter()
             t.join(120)
             r, _ = out["lost"]
             assert r.status_code == 503 and r.json()["error"]["code"] == "decode_worker_lost", r.text
             assert time.perf_counter() - t_kill < 15
-            assert cat.r.llen(cat.k_decode) == 0 and cat.r.llen(cat.k_decode_active) == 0  # nothing left behind
+            assert rt.queues.depth()["decode"] == 0 and rt.queues.depth()["decode_active"] == 0  # nothing left behind
     finally:
         stop_processes(procs, timeout_s=30)

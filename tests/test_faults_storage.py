@@ -51,8 +51,8 @@ def _wait_back(c, cid: str, timeout: float = 120.0) -> dict:
 
 
 def _wait_workers(c, timeout: float = 30.0) -> None:
-    cat, end = c.app.state.runtime.catalog, time.time() + timeout
-    while time.time() < end and not cat.live_workers("decode"):
+    heartbeats, end = c.app.state.runtime.heartbeats, time.time() + timeout
+    while time.time() < end and not heartbeats.live("decode"):
         time.sleep(0.1)
 
 
@@ -97,11 +97,11 @@ def test_delete_during_prefill_still_leaves_nothing(settings, lm):
             return publish(*a, **kw)
 
         store.publish = publish_after_delete
-        cat = c.app.state.runtime.catalog
+        prefill = c.app.state.runtime.queues.prefill
         r = c.post("/v1/contexts", json={"text": passkey_document(27, n_rep=4)})
         cid_box.append(r.json()["id"])
         end = time.time() + 120
-        while time.time() < end and (cat.r.llen(cat.k_prefill) or cat.r.llen(cat.k_prefill_active)):
+        while time.time() < end and any(prefill.depth()):
             time.sleep(0.05)  # the job is done once it left both lists
         assert c.get(f"/v1/contexts/{cid_box[0]}").status_code == 404
         assert not any(store.root.glob(f"*/{cid_box[0]}"))

@@ -27,7 +27,7 @@ from indexer.base import get_method
 from service.app import create_app
 from service.runtime import resolve_kv_dtype
 from service.settings import Settings
-from service.workers import PrefillWorker
+from service.jobs.prefill import PrefillWorker
 from storage.artifacts import ArtifactCorrupt, ContextStore
 from storage.keys import PromptHash
 
@@ -126,12 +126,12 @@ def test_prefill_worker_stores_what_the_id_says(lm):
     manifest, included) and refuses tokens that hash to the id under no dtype."""
     spec, ids = lm.spec, [1, 2, 3, 4]
     for dt in ITEMSIZE:
-        cid = _key(lm, ids, dt).hex
+        cid = _key(lm, ids, dt)
         assert PrefillWorker._kv_dtype(cid, spec, ids, dt) == dt
         assert PrefillWorker._kv_dtype(cid, spec, ids, None) == dt
         assert PrefillWorker._kv_dtype(cid, spec, ids, "float32") == dt  # a wrong record does not win
     with pytest.raises(RuntimeError, match="do not hash to its id"):
-        PrefillWorker._kv_dtype(_key(lm, ids, "bfloat16").hex, spec, [1, 2, 3, 5], "bfloat16")
+        PrefillWorker._kv_dtype(_key(lm, ids, "bfloat16"), spec, [1, 2, 3, 5], "bfloat16")
 
 
 def test_kv_dtype_setting(tmp_path):

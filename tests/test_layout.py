@@ -28,9 +28,6 @@ LONG_MARKER = "Long because"
 
 # (rule, file) -> who fixes it. Empty once the layout refactor (issue 16) is merged.
 PENDING = {
-    ("long", "service/workers.py"): "split into service/jobs/ (branch layout-jobs)",
-    ("long", "storage/catalog.py"): "context records only (branch layout-jobs)",
-    ("long", "service/api/routes/openai.py"): "the lead: split or a `Long because` line",
 }
 
 

@@ -28,7 +28,7 @@ def _n_tokens(lm, text: str) -> int:
 
 def _queues(c) -> tuple[int, int]:
     rt = c.app.state.runtime
-    return rt.redis.llen(rt.catalog.k_decode), len(rt.catalog.list_train())
+    return rt.redis.llen(rt.queues.decode.k_queue), len(rt.train_jobs.list())
 
 
 # ---------------------------------------------------------------------------------------------

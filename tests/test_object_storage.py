@@ -33,7 +33,8 @@ from servers import register_passkey
 from service.app import create_app
 from service.cli import app as cli_app
 from service.runtime import Runtime
-from service.workers import DecodeWorker, PrefillWorker
+from service.jobs.decode import DecodeWorker
+from service.jobs.prefill import PrefillWorker
 from storage.artifacts import MANIFEST, ArtifactMissing, ContextStore, IndexArrays
 from storage.keys import PromptHash
 from storage.objstore import ObjectContextStore, StorageUnavailable
@@ -340,7 +341,7 @@ def test_two_decode_workers_share_one_bucket(tmp_path, redis_prefix, s3_endpoint
                     decoders[0].stop()
                 _wait_workers(c)
                 answers.append(ask(c, cid, max_tokens=10))
-                assert cid in worker._handles  # this worker opened it from the bucket
+                assert PromptHash(cid) in worker._handles  # this worker opened it from the bucket
             assert all("27182" in a["text"] for a in answers)
             assert answers[0]["token_ids"] == answers[1]["token_ids"]
             assert all(a["stats"]["cache"] == "cold" for a in answers)  # each read it from the bucket itself

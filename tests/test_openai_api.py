@@ -13,7 +13,8 @@ import pytest
 import redis
 
 from conftest import PASSKEY_QUESTION, REDIS_URL, passkey_document
-from service.api.routes.openai import ChatMessage, chat_question_ids
+from service.api.openai_schemas import ChatMessage
+from service.api.routes.openai import chat_question_ids
 from service.app import create_app
 from test_api import _settings
 from test_cancellation import live_server, register

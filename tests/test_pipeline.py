@@ -11,7 +11,7 @@ from decoder.generate import generate
 from decoder.pipeline import ContextTiers, build_context, open_context
 from indexer.base import get_method
 from storage.artifacts import ContextStore
-from storage.keys import PromptHash
+from storage.keys import IndexId, PromptHash
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -105,7 +105,7 @@ def test_gpu_tier_keeps_the_context_resident(tmp_path):
 
     arrays = psa.build(cap, params)
     store.publish(key, spec, ids, cap.k, cap.v,
-                  [IndexArrays("psa", psa.version, params.build_params(), index_id.split("-", 1)[1], arrays)], {})
+                  [IndexArrays("psa", psa.version, params.build_params(), IndexId.from_string(index_id).params_hash, arrays)], {})
     art = store.open(spec.slug, key)
     tiers = ContextTiers(1 << 30, 1 << 30, "cuda")
     opened = [open_context(art, key.hex, psa, params, index_id, tiers=tiers, spec=spec) for _ in range(2)]

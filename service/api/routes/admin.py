@@ -46,9 +46,9 @@ def run_fsck(rt: RuntimeDep, request: Request, mark: bool = True):
     registering it again rebuilds it. Decode workers of this process drop what they cached of it."""
     report = fsck(rt, mark=mark)
     if mark:
-        for bad in report.damaged:
+        for key in report.keys:
             for hook in getattr(request.app.state, "on_delete", []):
-                hook(bad["id"])
+                hook(key)
     return report.to_dict()
 
 

@@ -9,15 +9,15 @@ from contextlib import aclosing
 
 from fastapi import APIRouter, Query, Request, Response
 from fastapi.concurrency import run_in_threadpool
-from prometheus_client import Counter, Histogram
 from pydantic import ValidationError
 from sse_starlette.sse import EventSourceResponse
 
 from decoder.backends import backend_names
 from indexer.base import get_method, method_names
 from service.api.decode_client import ERROR_STATUS, DecodeClient, DecodeClientDep, Submission
-from service.api.deps import RuntimeDep
-from service import limits
+from service.api.deps import ContextId, RuntimeDep
+from service import limits, metrics
+from service.contexts import delete_context, register_context
 from service.errors import BODY_ERRORS, ApiError, error_responses
 from service.schemas import (
     CompletionRequest,
@@ -28,15 +28,10 @@ from service.schemas import (
     ContextPatch,
     ContextPublic,
 )
-from service.workers import delete_context
 from storage.artifacts import ArtifactCorrupt, ArtifactMissing
 from storage.keys import PromptHash
 
 router = APIRouter(prefix="/v1/contexts", tags=["contexts"])
-
-REGISTRATIONS = Counter("ctxcache_registrations_total", "context registrations", ["created"])
-COMPLETIONS = Counter("ctxcache_completions_total", "completions", ["method", "outcome"])
-TTFT = Histogram("ctxcache_ttft_seconds", "time to first token", ["cache"])
 
 
 def _public(rec: dict, cls=ContextPublic, **extra) -> ContextPublic:
@@ -51,13 +46,6 @@ def _public(rec: dict, cls=ContextPublic, **extra) -> ContextPublic:
         display_name=rec.get("display_name") or None, created_at=rec.get("created_at") or 0.0,
         updated_at=rec.get("updated_at"), expires_at=rec.get("expires_at"), error=err, **extra,
     )
-
-
-def _context_id(cid: str) -> str:
-    try:
-        return PromptHash.from_string(cid).hex
-    except ValueError:
-        raise ApiError(404, "not_found", f"no context {cid!r} (ids are 64 hex digits)") from None
 
 
 def _validate_params(method, params: dict, where: str):
@@ -137,12 +125,12 @@ def create_context(body: ContextCreate, rt: RuntimeDep, response: Response):
         index_id = method.index_id(params, spec, rt.method_env) if method.has_index else None
         wanted[name] = {"params": params.model_dump(), "index_id": index_id}
     kv_dtype = rt.kv_dtype  # part of the identity: the same text in another KV dtype is another context
-    cid = PromptHash.compute(spec.fingerprint, spec.tokenizer_fingerprint, ids, kv_dtype).hex
+    cid = PromptHash.compute(spec.fingerprint, spec.tokenizer_fingerprint, ids, kv_dtype)
     record = {"model": spec.name, "slug": spec.slug, "n_tokens": len(ids), "kv_dtype": kv_dtype,
               "prompt_format": body.format if body.text is not None else "raw",
               "display_name": body.display_name or ""}
-    reg = rt.catalog.register(cid, record, ids, wanted, body.ttl_seconds)
-    REGISTRATIONS.labels(created=str(reg.created).lower()).inc()
+    reg = register_context(rt, cid, record, ids, wanted, body.ttl_seconds)
+    metrics.registered(reg.created)
     rec = rt.catalog.get(cid) or reg.record
     if rec.get("status") == "ready":
         response.status_code = 200
@@ -162,8 +150,8 @@ def list_contexts(
     return ContextList(data=[_public(r) for r in recs], total=total, offset=offset, limit=limit, next_offset=nxt)
 
 
-def _get(rt, cid: str) -> dict:
-    rec = rt.catalog.get(_context_id(cid))
+def _get(rt, cid: PromptHash) -> dict:
+    rec = rt.catalog.get(cid)
     if rec is None:
         raise ApiError(404, "not_found", f"no context {cid}")
     return rec
@@ -171,13 +159,13 @@ def _get(rt, cid: str) -> dict:
 
 @router.get("/{cid}", response_model=ContextPublic, summary="status, progress, size and timings of a context",
             responses=error_responses(404))
-def get_context(cid: str, rt: RuntimeDep):
+def get_context(cid: ContextId, rt: RuntimeDep):
     return _public(_get(rt, cid))
 
 
 @router.patch("/{cid}", response_model=ContextPublic, summary="change ttl or display name",
               responses=error_responses(404, *BODY_ERRORS))
-def patch_context(cid: str, body: ContextPatch, rt: RuntimeDep):
+def patch_context(cid: ContextId, body: ContextPatch, rt: RuntimeDep):
     """The change goes into the stored manifest first (storage is the source of truth: a catalog rebuilt
     from it keeps the change), then into the catalog. Storage that cannot be written: 503
     `storage_unavailable`, nothing changed."""
@@ -191,21 +179,21 @@ def patch_context(cid: str, body: ContextPatch, rt: RuntimeDep):
         fields["display_name"] = body.display_name
     if not fields:
         return _public(rec)
-    was_published = _write_manifest_metadata(rt, rec, fields)
+    was_published = _write_manifest_metadata(rt, cid, rec, fields)
     if "expires_at" in fields:
-        rt.catalog.set_expiry(rec["id"], fields["expires_at"])
+        rt.catalog.set_expiry(cid, fields["expires_at"])
     if "display_name" in fields:
-        rt.catalog.update(rec["id"], display_name=fields["display_name"])
+        rt.catalog.update(cid, display_name=fields["display_name"])
     if not was_published:  # published meanwhile, possibly from the record as it was before this PATCH
-        _write_manifest_metadata(rt, rec, fields)
+        _write_manifest_metadata(rt, cid, rec, fields)
     return _public(_get(rt, cid))
 
 
-def _write_manifest_metadata(rt, rec: dict, fields: dict) -> bool:
+def _write_manifest_metadata(rt, cid: PromptHash, rec: dict, fields: dict) -> bool:
     """Write `fields` into the context's manifest; False when it is not published yet (the prefill
     worker copies the record's values into the manifest when it publishes)."""
     try:
-        rt.store.update_metadata(rec.get("slug") or rt.lm.spec.slug, PromptHash(rec["id"]), **fields)
+        rt.store.update_metadata(rec.get("slug") or rt.lm.spec.slug, cid, **fields)
     except ArtifactMissing:
         return False
     except ArtifactCorrupt:
@@ -217,11 +205,11 @@ def _write_manifest_metadata(rt, rec: dict, fields: dict) -> bool:
 
 
 @router.delete("/{cid}", status_code=204, summary="remove a context and its artifacts", responses=error_responses(404))
-def delete(cid: str, rt: RuntimeDep, request: Request):
-    rec = _get(rt, cid)
-    delete_context(rt, rec["id"])
+def delete(cid: ContextId, rt: RuntimeDep, request: Request):
+    _get(rt, cid)
+    delete_context(rt, cid)
     for hook in getattr(request.app.state, "on_delete", []):
-        hook(rec["id"])
+        hook(cid)
     return Response(status_code=204)
 
 
@@ -232,7 +220,7 @@ def delete(cid: str, rt: RuntimeDep, request: Request):
     responses={200: {"content": {"text/event-stream": {}}, "description": "JSON, or SSE when stream=true"},
                **error_responses(404, 409, 504, *BODY_ERRORS)},
 )
-async def complete(cid: str, body: CompletionRequest, rt: RuntimeDep, request: Request, dc: DecodeClientDep):
+async def complete(cid: ContextId, body: CompletionRequest, rt: RuntimeDep, request: Request, dc: DecodeClientDep):
     """The checks and the question's tokenizing run in a worker thread (briefly); the wait for the
     answer holds no thread (service/api/decode_client.py). A client that disconnects, JSON or SSE,
     cancels its generation."""
@@ -245,16 +233,15 @@ async def complete(cid: str, body: CompletionRequest, rt: RuntimeDep, request: R
     async with aclosing(dc.events(sub, request, deadline, tokens=False)) as events:
         async for event, data in events:
             if event == "done":
-                COMPLETIONS.labels(method, "ok").inc()
-                TTFT.labels(data["stats"]["cache"]).observe(data["stats"]["ttft_ms"] / 1000)
+                metrics.completion_ended(method, "ok", data["stats"])
                 return CompletionResponse(id=sub.rid, context_id=rec["id"], **data)
-            COMPLETIONS.labels(method, data["code"]).inc()
+            metrics.completion_ended(method, data["code"])
             raise ApiError(ERROR_STATUS.get(data["code"], 500), data["code"], data["message"])
-    COMPLETIONS.labels(method, "disconnected").inc()
+    metrics.completion_ended(method, "disconnected")
     return Response(status_code=499)  # the client is gone (nginx's "client closed request"): nobody reads this
 
 
-def _completion_job(rt, cid: str, body: CompletionRequest,
+def _completion_job(rt, cid: PromptHash, body: CompletionRequest,
                     question_ids: Callable[[dict], list[int]] | None = None) -> tuple[dict, dict]:
     """Check a completion request against its context; returns the context's record and the decode
     job to queue (blocking: catalog reads and the question's tokenizing). `question_ids(record)`:
@@ -290,7 +277,7 @@ def _completion_job(rt, cid: str, body: CompletionRequest,
                                                          f"available: {', '.join(backend_names())}")
     _within_limits(rt, method, params, body.params, rec["n_tokens"], "params", (len(q_ids), body.max_tokens))
     return rec, {
-        "id": rec["id"], "question_ids": q_ids, "max_tokens": body.max_tokens, "temperature": body.temperature,
+        "id": cid, "question_ids": q_ids, "max_tokens": body.max_tokens, "temperature": body.temperature,
         "seed": body.seed, "method": method.name, "params": params.model_dump(), "index_id": index_id,
         "backend": body.backend,
     }
@@ -303,9 +290,8 @@ async def _sse(dc: DecodeClient, sub: Submission, request: Request, cid: str, me
             if event == "token":
                 yield {"event": "token", "data": json.dumps(data)}
             elif event == "done":
-                COMPLETIONS.labels(method, "ok").inc()
-                TTFT.labels(data["stats"]["cache"]).observe(data["stats"]["ttft_ms"] / 1000)
+                metrics.completion_ended(method, "ok", data["stats"])
                 yield {"event": "done", "data": json.dumps({"id": sub.rid, "context_id": cid, **data})}
             else:
-                COMPLETIONS.labels(method, data["code"]).inc()
+                metrics.completion_ended(method, data["code"])
                 yield {"event": "error", "data": json.dumps({"error": data})}

@@ -35,9 +35,9 @@ def readyz(rt: RuntimeDep):
     checks["storage"] = probe() if probe else _storage_check(rt.store.root)
     checks["model"] = {"ok": rt.lm is not None, "name": rt.lm.spec.name, "fingerprint": rt.lm.spec.fingerprint[:16]}
     if checks["redis"]["ok"]:
-        workers = {k: rt.catalog.live_workers(k) for k in ("prefill", "decode")}
+        workers = {k: rt.heartbeats.live(k) for k in ("prefill", "decode")}
         # a train worker is optional (only training jobs need one): reported, not required
-        checks["workers"] = {"ok": all(workers.values()), **workers, "train": rt.catalog.live_workers("train")}
+        checks["workers"] = {"ok": all(workers.values()), **workers, "train": rt.heartbeats.live("train")}
     ok = all(c["ok"] for c in checks.values())
     return JSONResponse({"status": "ready" if ok else "not_ready", "checks": checks}, status_code=200 if ok else 503)
 

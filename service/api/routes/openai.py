@@ -18,266 +18,50 @@ Everything else (the context's state, the sparse method and its params, limits, 
 cancellation on disconnect) is the native completion route's (`contexts._completion_job`,
 `service/api/decode_client.py`). Sampling is greedy or temperature (`top_p` only 1); `stop`
 strings are matched on the streamed text, which is cut before the first match and the generation
-stopped. Errors have OpenAI's shape `{"error": {"message", "type", "param", "code"}}` with our
-stable codes in `code`; the native route's 422s answer 400 here (what OpenAI clients expect).
+stopped. Errors have OpenAI's shape (`service/api/openai_errors.py`); the request and response
+models are in `service/api/openai_schemas.py`.
 """
 
 from __future__ import annotations
 
 import json
-import logging
 import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import aclosing
 from dataclasses import dataclass, field
-from typing import Any, Literal
 
-import redis
 from fastapi import APIRouter, Request
 from fastapi.concurrency import run_in_threadpool
-from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
-from fastapi.routing import APIRoute
-from pydantic import BaseModel, ConfigDict, Field
 from sse_starlette.sse import EventSourceResponse
-from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from decoder.model import QUESTION_SEPARATOR, _SENTINEL
+from service import metrics
 from service.api.decode_client import ERROR_STATUS, DecodeClient, DecodeClientDep, Submission
-from service.api.deps import RuntimeDep
-from service.api.routes.contexts import COMPLETIONS, TTFT, _completion_job
-from service.errors import ApiError, redact_paths
-from service.schemas import SEED_MAX, CompletionRequest, Text
+from service.api.deps import RuntimeDep, context_id
+from service.api.openai_errors import OpenAIError, OpenAIRoute, openai_error_body
+from service.api.openai_schemas import (
+    ChatCompletionCreate,
+    ChatMessage,
+    CompletionCreate,
+    CompletionFields,
+    ModelCard,
+    ModelList,
+    documented_errors,
+)
+from service.api.routes.contexts import _completion_job
+from service.errors import ApiError
+from service.schemas import CompletionRequest
 
-log = logging.getLogger("ctxcache")
-
-OPENAI_PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/models")
 STARTED = int(time.time())  # `created` of the model card
-DEFAULT_MAX_TOKENS = 64  # the native route's default (OpenAI's "until the context is full" could hit over_budget)
-
-
-def is_openai_path(path: str) -> bool:
-    """Whether `path` is one of these routes (their errors take OpenAI's shape)."""
-    return any(path == p or path.startswith(p + "/") for p in OPENAI_PATHS)
-
-
-def openai_error_body(status: int, code: str, message: str, param: str | None = None) -> dict:
-    kind = ("authentication_error" if status == 401 else "permission_error" if status == 403
-            else "server_error" if status >= 500 else "invalid_request_error")
-    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
-
-
-class OpenAIError(ApiError):
-    """An ApiError that names the request field at fault (OpenAI's `param`)."""
-
-    def __init__(self, status: int, code: str, message: str, param: str | None = None):
-        super().__init__(status, code, message)
-        self.param = param
-
-
-def _error_response(request: Request, status: int, code: str, message: str, param: str | None = None) -> JSONResponse:
-    if code == "internal_error":  # a worker's exception text: kept in the server log only
-        log.error("internal error on %s %s: %s", request.method, request.url.path, message)
-        message = "internal error; see the server log"
-    runtime = getattr(request.app.state, "runtime", None)
-    if runtime is not None:
-        message = redact_paths(message, runtime.settings.data_dir)
-    status = 400 if status == 422 else status  # OpenAI answers invalid parameters with 400
-    return JSONResponse(openai_error_body(status, code, message, param), status_code=status)
-
-
-class OpenAIRoute(APIRoute):
-    """A route whose errors take OpenAI's shape (the app's handlers answer in ours)."""
-
-    def get_route_handler(self) -> Callable:
-        handler = super().get_route_handler()
-
-        async def route(request: Request):
-            try:
-                return await handler(request)
-            except OpenAIError as e:
-                return _error_response(request, e.status, e.code, e.message, e.param)
-            except ApiError as e:
-                return _error_response(request, e.status, e.code, e.message)
-            except RequestValidationError as e:
-                errors = e.errors()
-                if any(err.get("type") == "json_invalid" for err in errors):
-                    return _error_response(request, 400, "malformed_json", "request body is not valid JSON")
-                first = errors[0] if errors else {}
-                loc = [str(x) for x in first.get("loc", ()) if x != "body"]
-                return _error_response(request, 400, "validation_error",
-                                       f"{'.'.join(loc) or 'body'}: {first.get('msg', 'invalid')}", ".".join(loc) or None)
-            except StarletteHTTPException as e:
-                return _error_response(request, e.status_code, f"http_{e.status_code}", str(e.detail))
-            except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError) as e:
-                log.warning("redis unavailable: %s", e)
-                return _error_response(request, 503, "dependency_unavailable", "the catalog (Redis) is unreachable; retry shortly")
-
-        return route
-
 
 router = APIRouter(prefix="/v1", tags=["openai"], route_class=OpenAIRoute)
-
-
-# ---- request and response models ---------------------------------------------------------------
-
-
-class ContentPart(BaseModel):
-    type: Literal["text"]
-    text: Text
-
-
-class ChatMessage(BaseModel):
-    role: Literal["system", "developer", "user", "assistant"]
-    content: Text | list[ContentPart]
-    name: str | None = None
-
-    @property
-    def text(self) -> str:
-        return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
-
-
-class StreamOptions(BaseModel):
-    include_usage: bool = False
-
-
-# Parameters OpenAI defines that this service does not implement: accepted only at their neutral
-# value (what a client sends when it does not use them), a clear 400 otherwise, never ignored.
-_NEUTRAL: dict[str, tuple] = {
-    "top_p": (1, 1.0),
-    "frequency_penalty": (0, 0.0),
-    "presence_penalty": (0, 0.0),
-    "logprobs": (False, 0),
-    "top_logprobs": (0,),
-    "logit_bias": ({},),
-    "tools": ([],),
-    "tool_choice": ("none", "auto"),
-    "functions": ([],),
-    "function_call": ("none", "auto"),
-    "response_format": ({"type": "text"},),
-    "echo": (False,),
-    "best_of": (1,),
-    "suffix": ("",),
-}
-
-
-class _Common(BaseModel):
-    """What chat and text completions share: OpenAI's sampling fields and our extensions."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    model: str = Field(description="the served model (GET /v1/models), or `<model>@<context id>` to name the context")
-    context_id: str | None = Field(None, description="extension: the registered context to answer over")
-    method: str = Field("full", description="extension: sparse method (GET /v1/methods)")
-    method_params: dict[str, Any] = Field(default_factory=dict, description="extension: the method's parameters")
-    backend: Literal["torch_ref", "triton", "offload"] | None = Field(None, description="extension: attention backend")
-    max_tokens: int | None = Field(None, ge=1, description=f"tokens to generate at most [{DEFAULT_MAX_TOKENS}]")
-    temperature: float | None = Field(None, ge=0.0, le=2.0, description="0 = greedy [1, as OpenAI]")
-    seed: int | None = Field(None, ge=0, le=SEED_MAX)
-    stop: Text | list[Text] | None = Field(None, description="up to 4 strings; the answer ends before the first")
-    n: int | None = Field(None, description="only 1")
-    stream: bool = False
-    stream_options: StreamOptions | None = None
-    user: str | None = Field(None, description="accepted, unused")
-    metadata: dict[str, str] | None = Field(None, description="accepted, unused")
-    store: bool | None = Field(None, description="accepted, unused (nothing is stored)")
-    top_p: float | None = None
-    frequency_penalty: float | None = None
-    presence_penalty: float | None = None
-    logprobs: bool | int | None = None
-    top_logprobs: int | None = None
-    logit_bias: dict[str, float] | None = None
-
-    def check_supported(self) -> None:
-        if self.n not in (None, 1):
-            raise OpenAIError(400, "unsupported_parameter", "only n=1 is supported", "n")
-        for name, neutral in _NEUTRAL.items():
-            value = getattr(self, name, None)
-            if value is not None and value not in neutral:
-                raise OpenAIError(400, "unsupported_parameter",
-                                  f"{name}={value!r} is not supported by this service (accepted: {neutral[0]!r})", name)
-        stops = self.stops
-        if len(stops) > 4 or any(not s for s in stops):
-            raise OpenAIError(400, "invalid_parameter", "stop: at most 4 non-empty strings", "stop")
-
-    @property
-    def stops(self) -> list[str]:
-        return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
-
-    def new_tokens(self) -> int:
-        return self.max_tokens or DEFAULT_MAX_TOKENS
-
-
-class ChatCompletionCreate(_Common):
-    messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(None, ge=1, description="takes precedence over max_tokens")
-    tools: list[dict] | None = None
-    tool_choice: str | dict | None = None
-    functions: list[dict] | None = None
-    function_call: str | dict | None = None
-    response_format: dict | None = None
-    parallel_tool_calls: bool | None = Field(None, description="accepted, unused (no tools)")
-
-    def new_tokens(self) -> int:
-        return self.max_completion_tokens or self.max_tokens or DEFAULT_MAX_TOKENS
-
-
-class CompletionCreate(_Common):
-    prompt: Text | list[Text] = Field(description="appended after the context as it is (one prompt)")
-    echo: bool | None = None
-    best_of: int | None = None
-    suffix: str | None = None
-
-    @property
-    def text(self) -> str:
-        if isinstance(self.prompt, list):
-            if len(self.prompt) != 1:
-                raise OpenAIError(400, "unsupported_parameter", "one prompt per request", "prompt")
-            return self.prompt[0]
-        return self.prompt
-
-
-class OpenAIErrorDetail(BaseModel):
-    message: str
-    type: str = Field(description="invalid_request_error, authentication_error, server_error")
-    param: str | None = Field(description="the request field at fault, when one is")
-    code: str | None = Field(description="our stable error code (service/errors.py), e.g. not_found, unauthorized")
-
-
-class OpenAIErrorResponse(BaseModel):
-    error: OpenAIErrorDetail
-
-
-_STATUS = {400: "invalid request: schema, unsupported parameter (n, top_p, ...), missing_context, invalid_parameter, "
-                "over_budget, too_long",
-           401: "unauthorized: API keys are set and the request has no valid bearer key",
-           404: "not_found (no such context), model_not_found",
-           409: "context_not_ready, method_not_built, method_unavailable",
-           500: "internal_error (details in the server log)",
-           503: "no_decode_worker, decode_worker_lost, dependency_unavailable (Redis)",
-           504: "decode_timeout"}
-
-
-def _errors(*statuses: int) -> dict:
-    return {s: {"model": OpenAIErrorResponse, "description": _STATUS[s]} for s in sorted({*statuses, 401, 500, 503})}
-
-
-class ModelCard(BaseModel):
-    id: str
-    object: Literal["model"] = "model"
-    created: int
-    owned_by: str = "ctxcache"
-
-
-class ModelList(BaseModel):
-    object: Literal["list"] = "list"
-    data: list[ModelCard]
 
 
 # ---- naming the context, rendering the request -----------------------------------------------
 
 
-def _context_of(rt, body: _Common) -> str:
+def _context_of(rt, body: CompletionFields) -> str:
     """The context id the request names (`context_id`, or `model = <served model>@<id>`)."""
     spec = rt.lm.spec
     name, at, from_model = body.model.partition("@")
@@ -322,13 +106,12 @@ def chat_question_ids(lm, messages: list[ChatMessage], fmt: str) -> list[int]:
     return tok(tail, add_special_tokens=False)["input_ids"]
 
 
-def _native(body: _Common, question: str) -> CompletionRequest:
+def _native(body: CompletionFields, question: str) -> CompletionRequest:
     """The native request that `_completion_job` checks (its question is replaced by the rendered ids)."""
     body.check_supported()
     return CompletionRequest(question=question or " ", max_tokens=body.new_tokens(),
                              temperature=1.0 if body.temperature is None else body.temperature, seed=body.seed,
                              method=body.method, params=body.method_params, backend=body.backend)
-
 
 # ---- answering --------------------------------------------------------------------------------
 
@@ -380,21 +163,20 @@ async def _answer(dc: DecodeClient, sub: Submission, request: Request, deadline:
                 if text:
                     yield text
                 if hit:
-                    COMPLETIONS.labels(method, "ok").inc()
+                    metrics.completion_ended(method, "ok")
                     yield _End("stop", n)
                     return
             elif kind == "done":
-                COMPLETIONS.labels(method, "ok").inc()
-                TTFT.labels(data["stats"]["cache"]).observe(data["stats"]["ttft_ms"] / 1000)
+                metrics.completion_ended(method, "ok", data["stats"])
                 if rest := scanner.flush():
                     yield rest
                 yield _End(_finish(data["finish_reason"]), data["usage"]["completion_tokens"], stats=data["stats"])
                 return
             else:
-                COMPLETIONS.labels(method, data["code"]).inc()
+                metrics.completion_ended(method, data["code"])
                 yield _End(error=data)
                 return
-    COMPLETIONS.labels(method, "disconnected").inc()
+    metrics.completion_ended(method, "disconnected")
 
 
 async def _whole(dc: DecodeClient, sub: Submission, request: Request, deadline: float, stops: list[str],
@@ -412,13 +194,12 @@ async def _whole(dc: DecodeClient, sub: Submission, request: Request, deadline: 
     async with aclosing(dc.events(sub, request, deadline, tokens=False)) as events:
         async for kind, data in events:
             if kind == "done":
-                COMPLETIONS.labels(method, "ok").inc()
-                TTFT.labels(data["stats"]["cache"]).observe(data["stats"]["ttft_ms"] / 1000)
+                metrics.completion_ended(method, "ok", data["stats"])
                 return data["text"], _End(_finish(data["finish_reason"]), data["usage"]["completion_tokens"],
                                           stats=data["stats"])
-            COMPLETIONS.labels(method, data["code"]).inc()
+            metrics.completion_ended(method, data["code"])
             return "", _End(error=data)
-    COMPLETIONS.labels(method, "disconnected").inc()
+    metrics.completion_ended(method, "disconnected")
     return None
 
 
@@ -436,17 +217,18 @@ def _raise(err: dict) -> None:
     raise ApiError(ERROR_STATUS.get(err["code"], 500), err["code"], err["message"])
 
 
-async def _start(rt, dc: DecodeClient, body: _Common, question: str,
+async def _start(rt, dc: DecodeClient, body: CompletionFields, question: str,
                  question_ids: Callable[[dict], list[int]]) -> tuple[dict, dict, Submission, float]:
-    cid = _context_of(rt, body)
-    rec, job = await run_in_threadpool(_completion_job, rt, cid, _native(body, question), question_ids)
+    named = _context_of(rt, body)
+    native = _native(body, question)  # unsupported parameters answer before an unknown context
+    rec, job = await run_in_threadpool(_completion_job, rt, context_id(named), native, question_ids)
     sub = await dc.submit(job)
     return rec, job, sub, time.monotonic() + rt.settings.decode_timeout_seconds
 
 
 @router.post("/chat/completions", summary="OpenAI-compatible chat completion over a registered context",
              responses={200: {"content": {"text/event-stream": {}}, "description": "JSON, or SSE chunks when stream=true"},
-                        **_errors(400, 404, 409, 504)})
+                        **documented_errors(400, 404, 409, 504)})
 async def chat_completions(body: ChatCompletionCreate, rt: RuntimeDep, request: Request, dc: DecodeClientDep):
     last_user = next((m.text for m in reversed(body.messages) if m.role == "user"), "")
     rec, job, sub, deadline = await _start(
@@ -469,7 +251,7 @@ async def chat_completions(body: ChatCompletionCreate, rt: RuntimeDep, request: 
 
 @router.post("/completions", summary="OpenAI-compatible text completion: the prompt continues the context",
              responses={200: {"content": {"text/event-stream": {}}, "description": "JSON, or SSE chunks when stream=true"},
-                        **_errors(400, 404, 409, 504)})
+                        **documented_errors(400, 404, 409, 504)})
 async def completions(body: CompletionCreate, rt: RuntimeDep, request: Request, dc: DecodeClientDep):
     prompt = body.text
     rec, job, sub, deadline = await _start(
@@ -527,13 +309,13 @@ async def _stream(dc, sub, request, deadline, stops, method, meta, obj: str, cho
             return
 
 
-@router.get("/models", response_model=ModelList, summary="the served model", responses=_errors())
+@router.get("/models", response_model=ModelList, summary="the served model", responses=documented_errors())
 def list_models(rt: RuntimeDep):
     return ModelList(data=[ModelCard(id=rt.lm.spec.name, created=STARTED)])
 
 
 @router.get("/models/{model_id:path}", response_model=ModelCard, summary="the served model, by name",
-            responses=_errors(404))
+            responses=documented_errors(404))
 def get_model(model_id: str, rt: RuntimeDep):
     if model_id.partition("@")[0] not in (rt.lm.spec.name, rt.lm.spec.fingerprint):
         raise OpenAIError(404, "model_not_found", f"this service serves model {rt.lm.spec.name!r}, not {model_id!r}", "model")

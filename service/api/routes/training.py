@@ -28,8 +28,9 @@ from service import limits
 from service.api.deps import RuntimeDep
 from service.errors import BODY_ERRORS, ApiError, error_responses
 from service.runtime import resolve_device
+from service.jobs.train_records import TrainConflict
 from service.schemas import TrainJob, TrainJobCreated, TrainRequest
-from storage.catalog import TrainConflict
+from storage.keys import TrainJobId
 
 router = APIRouter(prefix="/v1/methods", tags=["training"])
 
@@ -100,11 +101,11 @@ def train(name: str, body: TrainRequest, rt: RuntimeDep, response: Response):
         limits.check(limits.train_cost(spec, settings), rt.settings.train_budget_seconds)
     corpus = _corpus_digest(rt, body.corpus)
     settings_json = settings.model_dump(mode="json")
-    jid = hashlib.sha256(json.dumps({"method": name, "fingerprint": spec.fingerprint, "settings": settings_json,
-                                     "corpus": corpus}, sort_keys=True).encode()).hexdigest()
+    what = {"method": name, "fingerprint": spec.fingerprint, "settings": settings_json, "corpus": corpus}
+    jid = TrainJobId(hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest())
     out = default_model_dir(spec.fingerprint, rt.settings.data_dir)
     existing = read_manifest(out)
-    cur = rt.catalog.get_train(jid)
+    cur = rt.train_jobs.get(jid)
     if cur is not None and cur["status"] == "done" and existing is not None and existing["digest"] == cur.get("digest"):
         response.status_code = 200
         return _public(cur, TrainJobCreated, created=False)
@@ -115,12 +116,12 @@ def train(name: str, body: TrainRequest, rt: RuntimeDep, response: Response):
                        f"registered again)", {"model_dir": str(out), "digest": existing["digest"]})
     if cur is not None and cur["status"] == "done":
         cur = None  # done, but its model was replaced or removed since: train again
-        rt.catalog.update_train(jid, status="failed", error_code="model_replaced",
-                                error_message="the model this job trained was replaced or removed")
+        rt.train_jobs.update(jid, status="failed", error_code="model_replaced",
+                             error_message="the model this job trained was replaced or removed")
     record = {"method": name, "model": spec.name, "fingerprint": spec.fingerprint, "settings": settings_json,
               "corpus": body.corpus or "", "layers_total": len(settings.layers or range(1, spec.num_layers))}
     try:
-        rec, created = rt.catalog.submit_train(jid, record)
+        rec, created = rt.train_jobs.submit(jid, record)
     except TrainConflict as e:
         raise ApiError(409, "training_in_progress", f"{e}; wait for it (GET /v1/methods/{name}/train/{e.other})",
                        {"job_id": e.other}) from None
@@ -133,21 +134,26 @@ def train(name: str, body: TrainRequest, rt: RuntimeDep, response: Response):
             responses=error_responses(404, 422))
 def list_jobs(name: str, rt: RuntimeDep):
     _trainable(name)
-    return [_public(r) for r in rt.catalog.list_train() if r.get("method") == name]
+    return [_public(r) for r in rt.train_jobs.list() if r.get("method") == name]
 
 
-def _job(rt, name: str, job_id: str) -> dict:
-    rec = rt.catalog.get_train(job_id) if len(job_id) == 64 and all(c in "0123456789abcdef" for c in job_id) else None
+def _job(rt, name: str, job_id: str) -> tuple[TrainJobId, dict]:
+    try:
+        jid = TrainJobId.from_string(job_id)
+    except ValueError:
+        rec = None
+    else:
+        rec = rt.train_jobs.get(jid)
     if rec is None or rec.get("method") != name:
         raise ApiError(404, "not_found", f"no {name} training job {job_id!r}")
-    return rec
+    return jid, rec
 
 
 @router.get("/{name}/train/{job_id}", response_model=TrainJob, summary="a training job's status and progress",
             responses=error_responses(404, 422))
 def get_job(name: str, job_id: str, rt: RuntimeDep):
     _trainable(name)
-    return _public(_job(rt, name, job_id))
+    return _public(_job(rt, name, job_id)[1])
 
 
 @router.delete("/{name}/train/{job_id}", response_model=TrainJob, summary="cancel a queued or running training job",
@@ -160,8 +166,8 @@ def cancel_job(name: str, job_id: str, rt: RuntimeDep, response: Response):
     the same request again resumes from them. Cancelling a cancelled job is a no-op (200); a done or
     failed job answers 409 `job_finished`."""
     _trainable(name)
-    _job(rt, name, job_id)
-    rec = rt.catalog.cancel_train(job_id)
+    jid, _ = _job(rt, name, job_id)
+    rec = rt.train_jobs.cancel(jid)
     if rec["status"] in ("done", "failed"):
         raise ApiError(409, "job_finished", f"training job {job_id} is {rec['status']}: nothing to cancel",
                        {"status": rec["status"]})
