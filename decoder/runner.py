@@ -80,7 +80,7 @@ import torch.nn.functional as F
 from decoder.backends import AttentionBackend, frame_fraction
 from decoder.layers import apply_rope, mlp, rms_norm, rope_cos_sin
 from decoder.sampling import sample_tokens
-from decoder.weights import ModelWeights, fuse_weights, unsupported  # noqa: F401 - the decode job asks runner.unsupported
+from decoder.weights import ModelWeights, fuse_weights
 from indexer.base import KVView, MethodParams, Planner, graph_capturing
 
 

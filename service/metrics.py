@@ -3,7 +3,7 @@ processes (`ctxcache worker ... --metrics-port N`), so one Grafana dashboard rea
 
 Names follow Prometheus' conventions: the `ctxcache_` prefix, the unit in the name (`_seconds`,
 `_bytes`, `_ratio`), `_total` on counters, and a few shared labels (`kind`: prefill, decode or
-train; `method`: the sparse method; `tier`: dram or gpu; `worker`: a worker's id). README.md
+train; `method`: the sparse method; `tier`: dram or gpu; `worker`: a worker's id). docs/operations.md
 ("Metrics") lists every metric.
 
 Two sorts:

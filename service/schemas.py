@@ -230,7 +230,7 @@ class TrainJobCreated(TrainJob):
 
 
 class ErrorDetail(BaseModel):
-    code: str = Field(description="stable error code (README, 'Errors')")
+    code: str = Field(description="stable error code (docs/api.md, 'Errors')")
     message: str = Field(description="what went wrong, for people; server paths relative to the data dir")
     details: Any = Field(None, description="structured extras where there are any (failing fields, limits, ...)")
 

@@ -112,7 +112,7 @@ def unsupported(x: torch.Tensor, head_dim: int | None = None) -> list[str]:
 
 def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float, res: torch.Tensor | None = None):
     """x [S, C] (+ res [S, C]) -> RMSNorm of the sum [S, C]; with res also returns the sum (the new
-    residual stream): (normed, x + res). `decoder.runner.rms_norm` (after `x + res`) in one launch."""
+    residual stream): (normed, x + res). `decoder.layers.rms_norm` (after `x + res`) in one launch."""
     s, c = x.shape
     out = torch.empty_like(x)
     xo = torch.empty_like(x) if res is not None else out
@@ -127,7 +127,7 @@ def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float, res: torch.Tensor | N
 def rope_qk(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, n_heads: int, n_kv_heads: int,
             head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
     """qkv [S, (H + 2 KVH) D] (rows of unit-stride heads), cos/sin [S, D] -> q [S, H, D], k [S, KVH, D]
-    rotated: `decoder.runner.apply_rope` of the q and k parts in one launch (v is not touched)."""
+    rotated: `decoder.layers.apply_rope` of the q and k parts in one launch (v is not touched)."""
     s = qkv.shape[0]
     q = torch.empty(s, n_heads, head_dim, dtype=qkv.dtype, device=qkv.device)
     k = torch.empty(s, n_kv_heads, head_dim, dtype=qkv.dtype, device=qkv.device)

@@ -951,7 +951,7 @@ def kivf_plan(q: torch.Tensor, kv, cent: torch.Tensor, order: torch.Tensor, offs
               sink: int, window: int, k: int, nprobe: int, cfg: IvfConfig | None = None) -> torch.Tensor:
     """kivf's plan (indexer/kivf.py, `_KIVFPlanner.plan`) in 4 launches. q [KVH, G, T, D]; cent
     [KVH, C, D] fp32; order [KVH, N] int32; offsets [KVH, C + 1] int32; width: the static candidate
-    width (`_select.probe_width`). -> positions [KVH, T, min(k, width)] int32."""
+    width (`selection.probe_width`). -> positions [KVH, T, min(k, width)] int32."""
     cfg = cfg or DEFAULT_CONFIG
     kvh, g, t, d = q.shape
     dev = q.device

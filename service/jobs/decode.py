@@ -175,7 +175,7 @@ class DecodeWorker(Loop):
     def _runner_supported(self) -> bool:
         """The batched runner runs Llama-family models only; for others the worker serves serially."""
         if self._runner_reasons is None:
-            from decoder.runner import unsupported
+            from decoder.weights import unsupported
 
             self._runner_reasons = unsupported(self.rt.ensure_weights().model)
             if self._runner_reasons:

@@ -61,7 +61,7 @@ def _storage_check(root) -> dict:
             responses={200: {"content": {"text/plain": {}}, "description": "Prometheus text format"}})
 def metrics(rt: RuntimeDep):
     """This process's counters (and, in embedded mode, its worker threads'), the queue depths and
-    every live decode worker's tiers; names in service/metrics.py and README.md ("Metrics")."""
+    every live decode worker's tiers; names in service/metrics.py and docs/operations.md ("Metrics")."""
     return Response(generate_latest() + generate_latest(api_collectors(rt)), media_type=CONTENT_TYPE_LATEST)
 
 
