@@ -6,7 +6,7 @@
 #   device tool: run(command="bash benchmarks/device_run.sh tests decode before_after",
 #                    carry=[".whl", ".old"])
 #   stages: tests | kerneltests | decode | decodecold | decode512 | before_after | kernels | e2e32 | e2e128 |
-#           e2e128rest | e2eprof | e2elayer | attntests | decodeab | psaab | latency | ncu | psasweep | pdlab
+#           e2e128rest | e2eprof | e2elayer | attntests | decodeab | psaab | latency | ncu | psasweep | pdlab | e2enow
 #   (default: tests decode before_after)
 #   .old = the tree before the plan/run redesign (`git archive <commit> decoder indexer storage`), for
 #   the before/after decode comparison.
@@ -95,6 +95,10 @@ for stage in $stages; do
         2>&1 | tail -3 | tee "$OUT/gpu_pdl_tests.log"
       python3 benchmarks/gpu_decode.py --lengths 131072 32768 --batches 1 8 --profile --torch-plans --methods psa psa:pdl=0 \
         --backends triton triton:pdl=0 --out "$OUT/pdlab" 2>&1 | tee "$OUT/gpu_decode_pdlab.log" | grep -v "^  \|^    " ;;
+    e2enow)  # the runner at 128K with the current kernels: dense against the two best methods, B = 1 and 8
+      python3 benchmarks/gpu_e2e.py --lengths 131072 --batches 1 8 --methods full psa saap --profile \
+        --eager-tokens 0 --hf-tokens 0 --tokens 8 --budget-s 450 --out "$OUT/e2enow" 2>&1 \
+        | tee "$OUT/gpu_e2e_now.log" | tail -16 ;;
     decode512)
       python3 benchmarks/gpu_decode.py --lengths 524288 --batches 1 --backends triton \
         --methods streaming topk csattn ctkvr lfps psa saap --out "$OUT/512k" 2>&1 | tee "$OUT/gpu_decode_512k.log" \
