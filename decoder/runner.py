@@ -246,7 +246,7 @@ class Runner:
         r = self.requests.pop(slot, None)
         if r is None:
             return
-        if self._graph is not None and slot in self._graph.key[0]:
+        if self._graph is not None and slot in self._graph.key:  # the captured batch's slots
             self._graph = None
         r.planner.close()
 

@@ -365,6 +365,11 @@ def test_gpu_graph_replay_equals_eager_equals_transformers(dtype):
         if graphs:  # question chunks, one eager warm-up step, a capture, then replays
             assert status[:3] == ["", "eager: warming up", "captured"] and set(status[3:]) == {"replayed"}, status
             assert runner.captures == 1
+            runner.remove(slots[-1])  # a request of the captured batch ends: the graph goes with it
+            assert runner._graph is None and slots[-1] not in runner.requests
+            for s in slots[:-1]:
+                runner.remove(s)
+            assert not runner.requests
         del runner
     (g_logits, g_toks), (e_logits, _) = runs[True, True], runs[False, True]
     # the requests' attention on parallel side streams computes what it computes on one stream
