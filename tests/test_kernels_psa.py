@@ -37,7 +37,6 @@ TINY = kernels.PsaConfig(block_b=16, block_q=16, score_block=16, select_block=16
                          dense_block=16, scan_block=16, pos_block=64, x_budget=64)
 # the select's keys in registers at the tests' small block counts (one warp: a 64-key tile has no replicas)
 REGS = kernels.PsaConfig(select_warps=1)
-RADIX = kernels.PsaConfig(select_warps=1, radix_select=True)
 SCRATCH = kernels.PsaConfig(regs_select=False)
 
 
@@ -162,7 +161,7 @@ def test_empty_context_plans_nothing():
     assert got.positions.shape == want.positions.shape == (2, 1, 0)
 
 
-@pytest.mark.parametrize("cfg", [None, REGS, RADIX], ids=["scratch-select", "register-select", "radix-select"])
+@pytest.mark.parametrize("cfg", [None, REGS], ids=["scratch-select", "register-select"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_ties_take_the_lowest_block_and_are_deterministic(dtype, cfg, monkeypatch):
     """Integer-valued queries and keys (every dot product exact, in any order) with every block
@@ -194,10 +193,9 @@ def test_ties_take_the_lowest_block_and_are_deterministic(dtype, cfg, monkeypatc
                                            ("center", 2, torch.bfloat16)])
 def test_select_in_registers_equals_the_scratch_path(kind, t, dtype):
     """300 blocks (a 512-key tile: the default 8-warp select keeps the keys in registers) and 40
-    blocks with one warp, the K-th key by bisection and by radix passes: the in-register select
-    picks the same candidates in the same order as the scratch path (bit-equal plans) and as the
-    torch path."""
-    for n, bs, cfg in ((2400, 8, None), (320, 8, REGS), (2400, 8, kernels.PsaConfig(radix_select=True)), (320, 8, RADIX)):
+    blocks with one warp: the in-register select picks the same candidates in the same order as the
+    scratch path (bit-equal plans) and as the torch path."""
+    for n, bs, cfg in ((2400, 8, None), (320, 8, REGS)):
         q, ctx_k, loc_k, q_pos = _inputs(zlib.crc32(f"regs-{kind}-{t}-{n}".encode()), n=n, t=t, m=t + 2, dtype=dtype)
         meta = _meta(ctx_k, bs)
         kw = dict(eps=0.9, microbatch=2, sink=4, window=8, max_blocks=math.ceil(0.2 * meta.shape[1]), criticality=kind)

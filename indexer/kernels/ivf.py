@@ -264,39 +264,11 @@ def _bisect_regs(reg, n, K, lo, hi, c_hi, done):
 
 
 @triton.jit
-def _radix_regs(keys, K):
-    """The K-th largest of the valid keys (> 0, all < 2^31) held in registers, by radix select:
-    four passes of 8 bits from the top, each a masked 256-bin histogram of the keys that share the
-    digits found so far, instead of ~30 bisection reductions -> (thr, take) as `_kth_largest`
-    returns them (thr = that key, take = how many keys equal to it the top-K holds). Needs at
-    least K valid keys."""
-    ar = tl.arange(0, 256)
-    prefix = K * 0
-    rest = K  # the rank, among the keys that share `prefix`, of the key sought (1 = the largest)
-    for i in tl.static_range(4):
-        shift = 24 - 8 * i
-        if i == 0:
-            grp = keys > 0
-        else:
-            grp = (keys > 0) & ((keys >> (shift + 8)) == (prefix >> (shift + 8)))
-        hist = tl.histogram((keys >> shift) & 255, 256, mask=grp)
-        ge = tl.cumsum(hist, 0, reverse=True)  # keys of the group whose digit is >= d
-        d = tl.max(tl.where(ge >= rest, ar, -1), 0)
-        above = tl.sum(tl.where(ar > d, hist, 0), 0)
-        rest = rest - above
-        prefix = prefix | (d << shift)
-    return prefix, rest
-
-
-@triton.jit
-def _top_threshold_regs(keys, n, K, key_min, n_valid, key_hi, RADIX: tl.constexpr = False):
-    """`_top_threshold` over keys held in registers (a row of n <= the block's keys, no scratch);
-    RADIX: by `_radix_regs` instead of the bisection (the same selection)."""
+def _top_threshold_regs(keys, n, K, key_min, n_valid, key_hi):
+    """`_top_threshold` over keys held in registers (a row of n <= the block's keys, no scratch)."""
     if n_valid < K:
         thr = n * 0
         take = K - n_valid
-    elif RADIX:
-        thr, take = _radix_regs(keys, K)
     else:
         thr, take = _bisect_regs(keys, n, K, key_min, key_hi, n * 0, (K >= n_valid).to(tl.int32))
     return thr, take

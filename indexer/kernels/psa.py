@@ -248,7 +248,7 @@ def _select_kernel(
     X, PS, QPOS, SCR, CAND, CKEY, NCAND,
     T, nb, n_ctx, s_end, window, n_sb, bs, n_bt, K, scr_row,
     G: tl.constexpr, G_PAD: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK: tl.constexpr,
-    IN_REGS: tl.constexpr, PRECISE: tl.constexpr, RADIX: tl.constexpr = False, PDL: tl.constexpr = False,
+    IN_REGS: tl.constexpr, PRECISE: tl.constexpr, PDL: tl.constexpr = False,
 ):
     """One program per row (KV head, token): the group score of every ranked block (sum over the
     group's heads of the softmax over blocks) as an int key (float bits + 1; 0 = dense-part block),
@@ -290,7 +290,7 @@ def _select_kernel(
         kreg = tl.where(rk, score.to(tl.int32, bitcast=True) + 1, tl.where(blk < nb, 0, -1))
         n_valid = tl.sum((kreg > 0).to(tl.int32), 0)
         key_min = tl.min(tl.where(kreg > 0, kreg, INT_MAX), 0)
-        thr, take = _top_threshold_regs(kreg, nb, K, key_min, n_valid, tl.max(kreg, 0) + 1, RADIX)
+        thr, take = _top_threshold_regs(kreg, nb, K, key_min, n_valid, tl.max(kreg, 0) + 1)
         eqr = kreg == thr
         eqr_rank = tl.cumsum(eqr.to(tl.int32), 0) - 1
         wr = ((kreg > thr) | (eqr & (eqr_rank < take))) & (kreg > 0)
@@ -567,7 +567,6 @@ class PsaConfig:
     pdl: bool = True  # programmatic dependent launch on Hopper and later (`indexer.kernels.pdl_launch`)
     regs_select: bool = True  # select: keep a row's keys in registers when they fit (False: the scratch path)
     regs_scores: int = 16384  # select: most G_PAD x BLOCK scores the in-register path holds
-    radix_select: bool = False  # select (in registers): the K-th key by radix passes instead of bisection
     tile_tokens: int = 128  # sums: key rows per program (whole blocks: 4 of 32)
     rank_block: int = 512  # sums: candidate keys per compare chunk of the rank
     dense_block: int = 64  # sums: key rows per chunk of the dense part
@@ -721,8 +720,7 @@ def progressive_plan(
             G=g, G_PAD=_pow2(g), BLOCK_P=max(16, min(64, _pow2(n_bt))),
             BLOCK_C=max(16, min(cfg.score_block, _pow2(nb))),
             BLOCK=min(cfg.select_block, max(16, _pow2(nb))),
-            IN_REGS=in_regs, PRECISE=precise, RADIX=cfg.radix_select, PDL=bool(pdl), **pdl,
-            num_warps=cfg.select_warps,
+            IN_REGS=in_regs, PRECISE=precise, PDL=bool(pdl), **pdl, num_warps=cfg.select_warps,
         )
         _sums_kernel[(n_st + 1, r)](
             qc, ctx_k, loc_k, pc, cand, ckey, ncand, sid, smx, ssm, dmx, dsm,
