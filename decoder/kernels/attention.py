@@ -278,7 +278,7 @@ class KernelConfig:
     num_warps: int | None = None  # split kernel; default 4 (8 when BLOCK_M·D > 64·128)
     num_stages: int | None = None  # pipelining of the chunk loop; default 3 (2 when a stage > 32 KiB)
     programs_per_sm: int = 2  # split count aims at programs_per_sm · SMs programs in all
-    min_chunks_per_split: int = 2  # ... but never fewer chunks than this per program
+    min_chunks_per_split: int = 1  # ... but never fewer chunks than this per program (RESULTS.md: 1 vs 2)
     splits: int | None = None  # force the split count (tests; capped at the number of chunks)
     max_query_rows: int = 64  # BLOCK_M cap when several tokens share a block
     pdl: bool = True  # programmatic dependent launch on Hopper and later (`indexer.kernels.pdl_launch`)
