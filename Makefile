@@ -22,6 +22,6 @@ serve: setup
 
 # Needs a Redis server at CTXCACHE_TEST_REDIS_URL (default redis://127.0.0.1:6379/0), which this
 # target does not start (e.g. `redis-server --save '' --appendonly no &`); tests use their own key
-# prefixes. Takes about 13-16 minutes on 2 CPU cores (GPU tests are skipped without a GPU).
+# prefixes. Takes about 16-21 minutes on 2 CPU cores (GPU tests are skipped without a GPU).
 test: setup
 	$(VENV)/bin/python -m pytest -q
