@@ -171,25 +171,29 @@ class Request:
         return self.backend.run(self.q, self.kv, self.plan, self.sink, self.window, D ** -0.5)
 
 
-def backend_for(spec: str):
-    """A registered backend by name, or "triton:knob=value,..." for the triton backend with
-    `KernelConfig` knobs changed (A/B rows in one run, e.g. "triton:fused_merge=0")."""
-    name, _, knobs = spec.partition(":")
-    if not knobs:
-        return get_backend(name)
-    from dataclasses import fields
+def with_knobs(cfg, knobs: str, spec: str):
+    """A copy of the config dataclass `cfg` with "knob=value,..." applied (ints; 0/1 for flags)."""
+    import dataclasses
 
-    from decoder.backends.triton import TritonAttention
-    from decoder.kernels.attention import KernelConfig
-
-    types = {f.name: f.type for f in fields(KernelConfig)}
     kw = {}
     for item in knobs.split(","):
         key, _, val = item.partition("=")
-        if key not in types:
-            raise SystemExit(f"unknown KernelConfig knob {key!r} in backend {spec!r}")
-        kw[key] = bool(int(val)) if "bool" in str(types[key]) else int(val)
-    return TritonAttention(KernelConfig(**kw))
+        if not hasattr(cfg, key):
+            raise SystemExit(f"unknown {type(cfg).__name__} knob {key!r} in {spec!r}")
+        kw[key] = bool(int(val)) if isinstance(getattr(cfg, key), bool) else int(val)
+    return dataclasses.replace(cfg, **kw)
+
+
+def backend_for(spec: str):
+    """A registered backend by name, or "triton:knob=value,..." for the triton backend with
+    `KernelConfig` knobs changed (A/B rows in one run, e.g. "triton:pdl=0")."""
+    name, _, knobs = spec.partition(":")
+    if not knobs:
+        return get_backend(name)
+    from decoder.backends.triton import TritonAttention
+    from decoder.kernels.attention import KernelConfig
+
+    return TritonAttention(with_knobs(KernelConfig(), knobs, spec))
 
 
 def plan_knobs(method: str, knobs: str):
@@ -199,17 +203,10 @@ def plan_knobs(method: str, knobs: str):
         return lambda: None
     if method != "psa":
         raise SystemExit(f"plan knobs are supported for psa only, not {method!r}")
-    import dataclasses
-
     import indexer.kernels.psa as kp
 
     old = kp.DEFAULT_CONFIG
-    kw = {}
-    for item in knobs.split(","):
-        key, _, val = item.partition("=")
-        kind = type(getattr(old, key))
-        kw[key] = bool(int(val)) if kind is bool else kind(val)
-    kp.DEFAULT_CONFIG = dataclasses.replace(old, **kw)
+    kp.DEFAULT_CONFIG = with_knobs(old, knobs, f"{method}:{knobs}")
 
     def restore():
         kp.DEFAULT_CONFIG = old

@@ -53,9 +53,9 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from indexer.kernels import Workspaces, interpreted, pdl_launch  # also makes Triton 3.6's interpreter work with NumPy 2.4
+from indexer.kernels import Workspaces, interpreted  # also makes Triton 3.6's interpreter work with NumPy 2.4
+from indexer.kernels.pdl import pdl_begin, pdl_launch
 
 LOG2E = 1.4426950408889634
 # initial running max: finite, so exp2(m_old - m_new) never computes inf - inf
@@ -90,9 +90,7 @@ def _split_kernel(
     HAS_PLAN: tl.constexpr, HAS_LEN: tl.constexpr, HAS_BYPASS: tl.constexpr, HAS_REST: tl.constexpr, DIRECT: tl.constexpr,
     DOT_PRECISION: tl.constexpr, DOT_FP32: tl.constexpr, NUM_STAGES: tl.constexpr, PDL: tl.constexpr = False,
 ):
-    if PDL:  # `indexer.kernels.pdl_launch`: the previous kernel's writes first
-        gdc_wait()
-        gdc_launch_dependents()
+    pdl_begin(PDL)
     split = tl.program_id(0)
     qb = tl.program_id(1)
     h = tl.program_id(2).to(tl.int64)
@@ -225,9 +223,7 @@ def _merge_kernel(
     G: tl.constexpr, TB: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_S: tl.constexpr,
     HAS_REST: tl.constexpr, PDL: tl.constexpr = False,
 ):
-    if PDL:
-        gdc_wait()
-        gdc_launch_dependents()
+    pdl_begin(PDL)
     t = tl.program_id(0)
     g = tl.program_id(1)
     h = tl.program_id(2).to(tl.int64)
@@ -281,7 +277,7 @@ class KernelConfig:
     min_chunks_per_split: int = 1  # ... but never fewer chunks than this per program (RESULTS.md: 1 vs 2)
     splits: int | None = None  # force the split count (tests; capped at the number of chunks)
     max_query_rows: int = 64  # BLOCK_M cap when several tokens share a block
-    pdl: bool = True  # programmatic dependent launch on Hopper and later (`indexer.kernels.pdl_launch`)
+    pdl: bool = True  # programmatic dependent launch on Hopper and later (`indexer/kernels/pdl.py`)
 
 
 @dataclass(frozen=True)
@@ -344,7 +340,9 @@ def launch_plan(kvh: int, g: int, t: int, d: int, itemsize: int, n_ctx: int, n_l
         splits = max(1, min(cfg.splits, n_chunks))
     else:
         target = cfg.programs_per_sm * sm_count
-        splits = max(1, min(triton.cdiv(target, kvh * n_qb), n_chunks // max(1, cfg.min_chunks_per_split)))
+        # a frame-only step's two half chunks stay in one program (the measured shape of that case)
+        min_chunks = 2 if small else cfg.min_chunks_per_split
+        splits = max(1, min(triton.cdiv(target, kvh * n_qb), n_chunks // max(1, min_chunks)))
     cps = triton.cdiv(n_chunks, splits)
     splits = triton.cdiv(n_chunks, cps)
     num_warps = cfg.num_warps or (8 if block_m * d > 64 * 128 or small else 4)

@@ -20,17 +20,6 @@ def interpreted() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
-def pdl_launch(device: torch.device, enabled: bool = True) -> dict:
-    """Launch options for programmatic dependent launch (PDL, Hopper and later): the kernel may be
-    scheduled while the one before it on the stream finishes, and waits (`griddepcontrol.wait`,
-    the kernel's first instruction on memory: its `PDL` constexpr) until that one's writes are
-    visible. Saves most of the gap between two short kernels, also inside a CUDA graph. Empty
-    (a plain launch) on the interpreter, on older GPUs, or when `enabled` is False (A/B runs)."""
-    if not enabled or device.type != "cuda" or interpreted():
-        return {}
-    return {"launch_pdl": True} if torch.cuda.get_device_capability(device)[0] >= 9 else {}
-
-
 def _interpreter_numpy2_compat() -> None:
     """Triton 3.6's interpreter turns a loop bound given as a runtime int (a shape-(1,) array
     there) into a Python int with `int(array)`, which NumPy >= 2.4 refuses for 1-d arrays

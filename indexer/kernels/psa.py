@@ -124,10 +124,10 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from indexer.kernels import Workspaces, interpreted, pdl_launch  # also makes Triton 3.6's interpreter work with NumPy 2.4
+from indexer.kernels import Workspaces, interpreted  # also makes Triton 3.6's interpreter work with NumPy 2.4
 from indexer.kernels.ivf import _exp, _round_as, _top_threshold, _top_threshold_regs  # shared device helpers
+from indexer.kernels.pdl import pdl_begin, pdl_launch
 from indexer.psa import ProgressivePlan, dense_part_blocks
 
 NEG_BIG: tl.constexpr = tl.constexpr(-1.0e30)  # the max of an empty set: finite, so exp(m - m') is never nan
@@ -192,9 +192,7 @@ def _crit_kernel(
     """Scaled criticality of BLOCK_B blocks for BLOCK_Q query rows (token, head) of one KV head ->
     X [rows·G, nb] fp32, and per row the softmax state of those blocks that are ranked (not in the
     row's dense part) -> PS [rows·G, n_bt, 2]."""
-    if PDL:  # `indexer.kernels.pdl_launch`: the previous kernel's writes first
-        gdc_wait()
-        gdc_launch_dependents()
+    pdl_begin(PDL)
     bt = tl.program_id(0)
     j = tl.program_id(1) * BLOCK_Q + tl.arange(0, BLOCK_Q)  # query rows t·G + g of this KV head
     h = tl.program_id(2).to(tl.int64)
@@ -256,9 +254,7 @@ def _select_kernel(
     CAND / CKEY [rows, K], their count -> NCAND [rows]. IN_REGS (the row's blocks fit one tile of
     BLOCK keys, and the tile has no element that two threads hold): the keys stay in registers from
     the score to the emit, no scratch round trip."""
-    if PDL:  # `indexer.kernels.pdl_launch`: the previous kernel's writes first
-        gdc_wait()
-        gdc_launch_dependents()
+    pdl_begin(PDL)
     r = tl.program_id(0)
     t = r % T
     ar_g = tl.arange(0, G_PAD)
@@ -282,33 +278,20 @@ def _select_kernel(
     inv_z = tl.div_rn(1.0 + 0.0 * z, tl.where(z > 0, z, 1.0))
 
     _, first_w = _window_start(QPOS, t, n_ctx, s_end, window, bs, nb)
+    out = r.to(tl.int64) * K
     if IN_REGS:
         blk = tl.arange(0, BLOCK)
-        rk = (blk < nb) & (blk >= n_sb) & (blk < first_w)
-        x = tl.load(X + hrow[:, None] * nb + blk[None, :], mask=g_ok[:, None] & rk[None, :], other=float("-inf"))
-        score = tl.sum(_exp(x - m_all[:, None], PRECISE) * inv_z[:, None], 0)
-        kreg = tl.where(rk, score.to(tl.int32, bitcast=True) + 1, tl.where(blk < nb, 0, -1))
+        kreg = _group_keys(X, hrow, g_ok, blk, nb, n_sb, first_w, m_all, inv_z, PRECISE)
         n_valid = tl.sum((kreg > 0).to(tl.int32), 0)
         key_min = tl.min(tl.where(kreg > 0, kreg, INT_MAX), 0)
         thr, take = _top_threshold_regs(kreg, nb, K, key_min, n_valid, tl.max(kreg, 0) + 1)
-        eqr = kreg == thr
-        eqr_rank = tl.cumsum(eqr.to(tl.int32), 0) - 1
-        wr = ((kreg > thr) | (eqr & (eqr_rank < take))) & (kreg > 0)
-        at_r = tl.cumsum(wr.to(tl.int32), 0) - 1
-        o_reg = r.to(tl.int64) * K
-        tl.store(CAND + o_reg + at_r, blk, mask=wr)
-        tl.store(CKEY + o_reg + at_r, kreg, mask=wr)
-        tl.store(NCAND + r, tl.sum(wr.to(tl.int32), 0))
+        n_out, _ = _emit_keys(kreg, blk, thr, take, r * 0, r * 0, CAND + out, CKEY + out)
+        tl.store(NCAND + r, n_out)
     else:
         row = SCR + r.to(tl.int64) * scr_row
         for c0 in range(0, nb, BLOCK_C):
             b = c0 + tl.arange(0, BLOCK_C)
-            ranked = (b < nb) & (b >= n_sb) & (b < first_w)
-            x = tl.load(X + hrow[:, None] * nb + b[None, :], mask=g_ok[:, None] & ranked[None, :], other=float("-inf"))
-            p = _exp(x - m_all[:, None], PRECISE) * inv_z[:, None]  # softmax over blocks, per head
-            score = tl.sum(p, 0)
-            key = tl.where(ranked, score.to(tl.int32, bitcast=True) + 1, 0)  # score >= 0: bits keep the order
-            tl.store(row + b, key, mask=b < nb)
+            tl.store(row + b, _group_keys(X, hrow, g_ok, b, nb, n_sb, first_w, m_all, inv_z, PRECISE), mask=b < nb)
         tl.debug_barrier()  # the keys' stores before other threads read them
         # The count and range of the keys from the stored keys, which every thread reads alike. (Where
         # a tile is smaller than the CTA, elements are replicated over threads, and the copies of a
@@ -325,24 +308,38 @@ def _select_kernel(
             key_min = tl.minimum(key_min, tl.min(tl.where(key > 0, key, INT_MAX), 0))
             key_max = tl.maximum(key_max, tl.max(key, 0))
         thr, take = _top_threshold(row, nb, K, key_min, n_valid, key_max + 1, BLOCK)
-
-        ar = tl.arange(0, BLOCK)
         base = r * 0
         eq_base = r * 0
-        out = r.to(tl.int64) * K
         for c0 in range(0, nb, BLOCK):
-            o = c0 + ar
-            inn = o < nb
-            key = tl.load(row + o, mask=inn, other=0)
-            eq = (key == thr) & inn
-            eq_rank = eq_base + tl.cumsum(eq.to(tl.int32), 0) - 1
-            w = ((key > thr) | (eq & (eq_rank < take))) & (key > 0) & inn
-            at = base + tl.cumsum(w.to(tl.int32), 0) - 1
-            tl.store(CAND + out + at, o, mask=w)
-            tl.store(CKEY + out + at, key, mask=w)
-            base += tl.sum(w.to(tl.int32), 0)
-            eq_base += tl.sum(eq.to(tl.int32), 0)
+            o = c0 + tl.arange(0, BLOCK)
+            key = tl.load(row + o, mask=o < nb, other=0)
+            base, eq_base = _emit_keys(key, o, thr, take, base, eq_base, CAND + out, CKEY + out)
         tl.store(NCAND + r, base)
+
+
+@triton.jit
+def _group_keys(X, hrow, g_ok, b, nb, n_sb, first_w, m_all, inv_z, PRECISE: tl.constexpr):
+    """Int keys of blocks b: the group score (sum over the group's heads of the softmax over blocks,
+    from the criticality X and the per-head max / 1/Z) as float bits + 1 (scores are >= 0, so the
+    bits keep the order); 0 for a dense-part block or b >= nb."""
+    ranked = (b < nb) & (b >= n_sb) & (b < first_w)
+    x = tl.load(X + hrow[:, None] * nb + b[None, :], mask=g_ok[:, None] & ranked[None, :], other=float("-inf"))
+    score = tl.sum(_exp(x - m_all[:, None], PRECISE) * inv_z[:, None], 0)
+    return tl.where(ranked, score.to(tl.int32, bitcast=True) + 1, 0)
+
+
+@triton.jit
+def _emit_keys(key, b, thr, take, base, eq_base, CAND, CKEY):
+    """One tile of the selection (thr, take) in block order: keys > thr, and the first `take` keys
+    == thr counted from eq_base (the ties before this tile); block ids and keys to CAND / CKEY from
+    slot `base`. Returns (base, eq_base) after the tile."""
+    eq = key == thr
+    eq_rank = eq_base + tl.cumsum(eq.to(tl.int32), 0) - 1
+    w = ((key > thr) | (eq & (eq_rank < take))) & (key > 0)
+    at = base + tl.cumsum(w.to(tl.int32), 0) - 1
+    tl.store(CAND + at, b, mask=w)
+    tl.store(CKEY + at, key, mask=w)
+    return base + tl.sum(w.to(tl.int32), 0), eq_base + tl.sum(eq.to(tl.int32), 0)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -365,9 +362,7 @@ def _sums_kernel(
     max) per head) are written to slot `rank` -> SID [rows, K], SMX / SSM [rows·G, K]. Program
     n_st: the same state over the dense part (the row's sink/window blocks, its visible
     request-local keys) -> DMX / DSM [rows·G]."""
-    if PDL:  # `indexer.kernels.pdl_launch`: the previous kernel's writes first
-        gdc_wait()
-        gdc_launch_dependents()
+    pdl_begin(PDL)
     s = tl.program_id(0)
     r = tl.program_id(1)
     h = (r // T).to(tl.int64)
@@ -457,9 +452,7 @@ def _stop_kernel(
     row runs the same scan (same inputs, same order: the same stop); part 0 writes the row's
     counts, ranked ids and dense part, and the parts share the stores of the ranked blocks' tokens
     (one chunk each at 128K instead of one program's ~13 dependent load-and-store rounds)."""
-    if PDL:  # `indexer.kernels.pdl_launch`: the previous kernel's writes first
-        gdc_wait()
-        gdc_launch_dependents()
+    pdl_begin(PDL)
     part = tl.program_id(0)
     n_parts = tl.num_programs(0)
     r = tl.program_id(1)
@@ -564,7 +557,7 @@ class PsaConfig:
     score_block: int = 1024  # select: blocks per chunk of the score pass
     select_block: int = 4096  # select: keys the threshold search holds in registers (larger rows: L2 passes)
     select_warps: int = 8
-    pdl: bool = True  # programmatic dependent launch on Hopper and later (`indexer.kernels.pdl_launch`)
+    pdl: bool = True  # programmatic dependent launch on Hopper and later (`indexer/kernels/pdl.py`)
     regs_select: bool = True  # select: keep a row's keys in registers when they fit (False: the scratch path)
     regs_scores: int = 16384  # select: most G_PAD x BLOCK scores the in-register path holds
     tile_tokens: int = 128  # sums: key rows per program (whole blocks: 4 of 32)
