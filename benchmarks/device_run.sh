@@ -6,7 +6,8 @@
 #   device tool: run(command="bash benchmarks/device_run.sh tests decode before_after",
 #                    carry=[".whl", ".old"])
 #   stages: tests | kerneltests | decode | decodecold | decode512 | before_after | kernels | e2e32 | e2e128 |
-#           e2e128rest | e2eprof | e2elayer | attntests | decodeab | psaab | latency | ncu | psasweep | pdlab | e2enow
+#           e2e128rest | e2eprof | e2elayer | attntests | decodeab | psaab | latency | ncu | psasweep | pdlab | e2enow |
+#           offload
 #   (default: tests decode before_after)
 #   .old = the tree before the plan/run redesign (`git archive <commit> decoder indexer storage`), for
 #   the before/after decode comparison.
@@ -52,6 +53,13 @@ for stage in $stages; do
       python3 benchmarks/gpu_decode.py --lengths 131072 32768 --batches 1 --l2 both --profile --backends triton \
         --methods streaming csattn ctkvr lfps psa saap --out "$OUT/cold" 2>&1 | tee "$OUT/gpu_decode_cold.log" \
         | grep -v "^  \|^    " ;;
+    offload)  # the offload backends (context in mapped host memory): their GPU tests, then 128K B = 8 end to end
+      python3 -m pytest -q -p no:cacheprovider -m gpu -o addopts="" tests/test_gpu_decode.py tests/test_runner.py \
+        tests/test_pipeline.py -k "offload or backends or tier" 2>&1 | tee "$OUT/gpu_tests_offload.log" | tail -15
+      python3 benchmarks/gpu_e2e.py --lengths 131072 --batches 8 --methods full csattn saap psa ctkvr \
+        --backends triton offload offload_v --offload-batches 8 --offload-methods csattn saap psa ctkvr \
+        --eager-tokens 0 --hf-tokens 0 --tokens 8 --budget-s 380 --out "$OUT/e2e_offload" 2>&1 \
+        | tee "$OUT/gpu_e2e_offload.log" | grep "^|\|Error\|error" | tail -30 ;;
     e2eprof)  # where a token's time goes: the kernels of one replayed B = 1 step per method
       python3 benchmarks/gpu_e2e.py --lengths 131072 --batches 1 8 --methods full psa saap csattn --profile \
         --eager-tokens 0 --hf-tokens 0 --tokens 8 --budget-s 500 --out "$OUT/e2e_prof" 2>&1 \

@@ -33,6 +33,11 @@ Rows (one per n, batch, runner, method, backend), written to $OUT/gpu_e2e.json a
   planner), one-token steps replayed from a CUDA graph (`graph` says what happened); ms_per_token =
   wall time of one step (every request gets one token), tokens_per_s = B x 1000 / ms_per_token.
 * `runner_eager` (B = 1, --eager-tokens): the same runner with graphs off.
+* backend `offload` (--offload-methods x --offload-batches): the same graph runner with the context's
+  K/V pinned in host memory and read in place by the kernels (`decoder/backends/offload.py`), index
+  arrays on the GPU. The B requests share one host context, as the other rows share one GPU context
+  (eight distinct 128K contexts, 17 GB each, fit neither this GPU nor the device's host memory);
+  each request still reads its own rows over PCIe.
 * floor_ms: bytes one step must read / measured HBM copy bandwidth: the weights (every matrix and
   the lm_head, not the embedding table; 15.0 GB for the 8B shape) + for each request the K/V rows it
   attends (kv_fraction, the fraction of visible rows read, measured on the warm-up step x
@@ -69,6 +74,7 @@ sys.path.insert(0, str(ROOT / "tests"))
 
 from benchmarks._gpu_timing import kernel_profile  # noqa: E402
 from decoder.backends import get_backend  # noqa: E402
+from decoder.backends.offload import mapped  # noqa: E402
 from decoder.generate import ContextKV, generate  # noqa: E402
 from indexer.rope import undo_rope  # noqa: E402
 from decoder.layers import apply_rope, mlp, rms_norm, rope_cos_sin  # noqa: E402
@@ -328,9 +334,27 @@ class Bench:
                "fused_layer": run.layer_kernels is not None, **extra}
         if prof is not None:
             row["profile"] = prof
-        if backend_name == "offload":
-            row["pcie_floor_ms"] = kv_bytes / self.info["h2d_bytes_per_s"] * 1e3
+        host = get_backend(backend_name).host_arrays
+        if host:  # the offload backends: the share of the K/V rows read from host memory, over PCIe
+            row["pcie_floor_ms"] = kv_bytes * len(host) / 2 / self.info["h2d_bytes_per_s"] * 1e3
         self.add(row)
+
+
+def host_context(arrays: dict[str, torch.Tensor], host_arrays: frozenset[str], copies: dict, dev: str) -> ContextKV:
+    """The context (`arrays`: "kv/k", "kv/v" -> [L, KVH, N, D] on the GPU) as an offload backend serves
+    it: the arrays in `host_arrays` pinned in host memory, one allocation per layer (a power of two
+    bytes at 128K, which the pinned allocator does not round up), and mapped into the GPU's kernels;
+    the rest and the index arrays stay on the GPU. `copies` keeps the host copies of this context, so
+    one serves every offload backend."""
+    views = {}
+    for name, src in arrays.items():
+        if name not in host_arrays:
+            views[name] = list(src)
+            continue
+        if name not in copies:
+            copies[name] = [torch.empty(x.shape, dtype=x.dtype, pin_memory=dev == "cuda").copy_(x) for x in src]
+        views[name] = [mapped(h) if dev == "cuda" else h for h in copies[name]]
+    return ContextKV(arrays["kv/k"].shape[2], lambda nm, layer: views[nm][layer])
 
 
 def bandwidths(device: str) -> tuple[float, float]:
@@ -435,7 +459,9 @@ def main() -> None:
             info.setdefault("prefill_s", {})[str(n)] = t_prefill
             positions = torch.arange(n, device=dev)
             ctx = ContextKV(n, lambda name, layer, k=ctx_k, v=ctx_v: (k if name == "kv/k" else v)[layer])
-            host_ctx = None
+            host_ctx: dict[str, ContextKV] = {}  # offload backend -> its view of the host copies
+            host_copy: dict[str, list[torch.Tensor]] = {}  # "kv/k" / "kv/v" -> per-layer pinned copies
+            on_host = [be for be in backends if get_backend(be).host_arrays]
             for name in a.methods:
                 per_layer = reader = None
                 if bench.over_budget():
@@ -444,7 +470,7 @@ def main() -> None:
                 try:
                     if name == "hf":
                         for be in backends:
-                            if be != "offload":
+                            if be not in on_host:
                                 bench.hf(n, ctx, be)
                         continue
                     method, params = method_params(name, Path(tmp) / "saap")
@@ -473,7 +499,7 @@ def main() -> None:
                     reader = None if per_layer is None else IndexReader(lambda nm, l, p=per_layer: p[l][nm],
                                                                         sorted(per_layer[0]))
                     for be in backends:
-                        if be == "offload":
+                        if be in on_host:
                             continue
                         for b in a.batches:
                             if bench.over_budget():
@@ -482,19 +508,14 @@ def main() -> None:
                                 bench.runner(n, ctx, name, method, params, reader, be, b, True, a.tokens, extra, fl)
                             if b == 1 and a.eager_tokens and not bench.over_budget():
                                 bench.runner(n, ctx, name, method, params, reader, be, b, False, a.eager_tokens, extra)
-                    if "offload" in backends and name in a.offload_methods:
-                        if host_ctx is None:
-                            hk, hv = ctx_k.cpu(), ctx_v.cpu()
-                            host_ctx = ContextKV(n, lambda nm, layer, hk=hk, hv=hv: (hk if nm == "kv/k" else hv)[layer])
-                        host_reader = None
-                        if per_layer is not None:
-                            host_layers = [{k: v.cpu() for k, v in p.items()} for p in per_layer[:1 if tile else L]]
-                            host_layers = host_layers * L if tile else host_layers
-                            host_reader = IndexReader(lambda nm, l, p=host_layers: p[l][nm], sorted(per_layer[0]))
+                    for be in on_host if name in a.offload_methods else ():
+                        if be not in host_ctx:
+                            host_ctx[be] = host_context({"kv/k": ctx_k, "kv/v": ctx_v}, get_backend(be).host_arrays,
+                                                        host_copy, dev)
                         for b in a.offload_batches:
                             if not bench.over_budget():
-                                bench.runner(n, host_ctx, name, method, params, host_reader, "offload", b, True,
-                                             a.tokens, extra)
+                                bench.runner(n, host_ctx[be], name, method, params, reader, be, b, True, a.tokens,
+                                             extra)
                 except Exception as e:  # noqa: BLE001 - one method failing must not hide the others' numbers
                     traceback.print_exc()
                     bench.add({"n": n, "batch": None, "runner": "-", "method": name,
@@ -502,7 +523,7 @@ def main() -> None:
                 del per_layer, reader
                 if dev == "cuda":
                     torch.cuda.empty_cache()
-            del ctx_k, ctx_v, q_host, ctx, host_ctx
+            del ctx_k, ctx_v, q_host, ctx, host_ctx, host_copy
             if dev == "cuda":
                 torch.cuda.empty_cache()
     print("\n| n | B | runner | method | backend | ms/token | tokens/s | HBM floor ms | x floor | KV fraction "

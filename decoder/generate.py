@@ -5,7 +5,8 @@ attention hook (`decoder/attention.py`) hands every layer's attention to `Decode
 *plans* (the method's planner picks context positions for this layer and step) and *runs* (an
 attention backend computes exact attention over the frame and the plan, `decoder/backends/`).
 The context's K/V come from the caller's tiers already where the backend reads them (the GPU
-tier on a GPU worker, DRAM in offload mode or on a CPU worker): nothing is copied per step.
+tier on a GPU worker, mapped pinned DRAM in offload mode, DRAM on a CPU worker): nothing is
+copied per step.
 """
 
 from __future__ import annotations
@@ -72,14 +73,6 @@ class DecodeStep:
         self.q_pos: torch.Tensor | None = None  # [T] on the model's device
         self.stats = StepStats(spec.num_layers, device)
 
-    def _planning_view(self, q: torch.Tensor, kv: KVView) -> tuple[torch.Tensor, KVView]:
-        """The planner runs where the context lives: with it in host memory (offload), the query and
-        its positions go to the host (the request-local rows stay where they are)."""
-        if kv.ctx_k.device == q.device:
-            return q, kv
-        dev = kv.ctx_k.device
-        return q.to(dev), KVView(kv.ctx_k, kv.ctx_v, kv.loc_k, kv.loc_v, kv.q_pos.to(dev))
-
     def attend(self, layer: int, query, key, value, scaling) -> torch.Tensor:
         # query [1, H, T, D]; key/value [1, KVH, M, D]: the request's own tokens incl. this step's
         spec = self.spec
@@ -89,15 +82,11 @@ class DecodeStep:
         q = query[0].reshape(kvh, g, t, d)  # q head i*G + j belongs to kv head i (repeat_kv order)
         kv = KVView(ctx_k, ctx_v, key[0], value[0], self.q_pos)
         t0 = time.perf_counter()
-        pq, pkv = self._planning_view(q, kv)
-        plan = self.planner.plan(layer, pq, pkv)
+        plan = self.planner.plan(layer, q, kv)
         t1 = time.perf_counter()
         out = self.backend.run(q, kv, plan, self.sink, self.window, scaling)
         t2 = time.perf_counter()
-        new_k, new_v = key[0, :, -t:], value[0, :, -t:]
-        if pq.device != q.device:
-            new_k, new_v = new_k.to(pq.device), new_v.to(pq.device)
-        self.planner.update(layer, new_k, new_v, pkv.q_pos)
+        self.planner.update(layer, key[0, :, -t:], value[0, :, -t:], self.q_pos)
         self.stats.plan_s += t1 - t0
         self.stats.run_s += t2 - t1
         self.stats.add(layer, frame_fraction(plan, kv, self.sink, self.window))

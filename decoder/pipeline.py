@@ -8,8 +8,9 @@ by the evaluation harness (`evaluation/harness.py`), so both run the same code p
   the method's planner, and the backend. Index ids are computed once by the caller (the API puts
   them into the job) and passed in.
 
-Where arrays live during decode: with a GPU backend, on the GPU (loaded once per context and kept
-by the GPU tier across steps and requests); with `offload` or on a CPU worker, in DRAM.
+Where arrays live during decode: on a GPU worker, on the GPU (loaded once per context and kept by
+the GPU tier across steps and requests), except that `offload` keeps the context's K/V pinned in
+DRAM and the kernels read them in place (`decoder/backends/offload.py`); on a CPU worker, in DRAM.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from dataclasses import dataclass, field
 import torch
 
 from decoder.backends import AttentionBackend, get_backend
+from decoder.backends.offload import mapped
 from decoder.generate import ContextKV
 from decoder.prefill import prefill
 from indexer.base import DecodeContext, IndexReader, MethodEnv, MethodParams, Planner, SparseMethod
@@ -153,14 +155,36 @@ class OpenedContext:
     planner: Planner
     backend: AttentionBackend
     params: MethodParams
-    resident: torch.device  # where the context's K/V and index arrays are read from
+    resident: torch.device  # the device the step reads from (offload: the context's K/V are mapped host memory)
     loads: LoadStats
     load: Callable[[str, int], torch.Tensor]  # (array name, layer) -> tensor, through the tiers
 
+    @property
+    def kv_device(self) -> str:
+        """Where the context's K/V bytes live: "cpu" for host memory (which `offload` maps into the
+        GPU's address space), else the device (`offload_v`: the keys' device, values in host memory)."""
+        host = self.backend.host_arrays
+        if self.resident.type == "cpu" or host >= CONTEXT_ARRAYS:
+            return "cpu"
+        return f"{self.resident} (values: cpu)" if host else str(self.resident)
 
-def _loader(art: ContextArtifacts, cid: str, tiers: ContextTiers, resident: torch.device, loads: LoadStats):
-    def from_dram(name: str, layer: int) -> torch.Tensor:
-        t, hit = tiers.dram.get((cid, name, layer), lambda: art.read(name, layer))
+
+CONTEXT_ARRAYS = frozenset({"kv/k", "kv/v"})
+
+
+def _pinned(t: torch.Tensor) -> torch.Tensor:
+    return t if t.is_pinned() else t.pin_memory()
+
+
+def _loader(art: ContextArtifacts, cid: str, tiers: ContextTiers, resident: torch.device, loads: LoadStats,
+            host_arrays: frozenset[str]):
+    """(name, layer) -> tensor where the step reads it. On a GPU, the arrays named in `host_arrays`
+    (the `offload` backends' context K/V) are pinned in the DRAM tier and handed out as mapped CUDA
+    views; everything else goes through the GPU tier."""
+
+    def from_dram(name: str, layer: int, pin: bool = False) -> torch.Tensor:
+        read = (lambda: _pinned(art.read(name, layer))) if pin else (lambda: art.read(name, layer))
+        t, hit = tiers.dram.get((cid, name, layer), read)
         loads.count("dram", hit)
         return t
 
@@ -171,6 +195,9 @@ def _loader(art: ContextArtifacts, cid: str, tiers: ContextTiers, resident: torc
         t0 = time.perf_counter()
         if resident.type != "cuda" or tiers.gpu is None:
             t = from_dram(name, layer)
+        elif name in host_arrays:
+            # an unpinned copy another backend left in the tier is pinned for this request only
+            t = mapped(_pinned(from_dram(name, layer, pin=True)))
         else:
             t, hit = tiers.gpu.get((cid, name, layer), lambda: from_dram(name, layer).to(resident))
             loads.count("gpu", hit)
@@ -197,9 +224,9 @@ def open_context(
     """The decode side of one request on a stored context. `index_id` is the method's index as the
     API resolved it (None for index-free methods); the caller checked it exists in `art`."""
     be = get_backend(backend) if isinstance(backend, str) else backend
-    resident = torch.device("cpu") if be.context_on_host else tiers.device
+    resident = tiers.device
     loads = LoadStats()
-    load = _loader(art, cid, tiers, resident, loads)
+    load = _loader(art, cid, tiers, resident, loads, be.host_arrays)
     index = None
     if method.has_index:
         prefix = f"indexes/{index_id}/"

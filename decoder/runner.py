@@ -41,8 +41,8 @@ CUDA graph when it can:
   steps) nor allocate persistent state after the request's first one-token step. The rules:
   - capture only when every request of the batch is graph-safe and the previous step ran exactly
     this batch eagerly (so lazily allocated planner state and the grow-only kernel workspaces of
-    each request's stream exist outside the graph's memory pool), no prompt chunk ran in this step,
-    and the backend keeps the context on the device (`offload` plans on the host: eager);
+    each request's stream exist outside the graph's memory pool) and no prompt chunk ran in this
+    step (`offload` captures too: its context is mapped host memory the kernels read in place);
   - replay only the graph of exactly this batch, and only if no eager forward ran since its
     capture (an eager call may grow and so free a kernel workspace the graph points to);
   - otherwise run eagerly (same code) and drop the graph; a failed capture falls back to eager
@@ -203,7 +203,7 @@ class Runner:
         self._graph: _Graph | None = None
         self._failed: dict[tuple, str] = {}  # batch key -> why its capture failed
         self._stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
-        self.parallel = parallel and self.device.type == "cuda" and not backend.context_on_host
+        self.parallel = parallel and self.device.type == "cuda"
         self._side: list[torch.cuda.Stream] = []  # one per batch position (parallel attention)
         self._eager_key: tuple | None = None  # the batch of the last eager one-token step
         self.layer_kernels = _layer_kernels(self.w, self.device, fused_layer)  # None: the torch functions
@@ -315,8 +315,6 @@ class Runner:
         why = None
         if not self.graphs:
             why = "graphs off"
-        elif self.backend.context_on_host:
-            why = f"backend {self.backend.name} plans on the host"
         elif not all(r.safe for r in batch):
             why = "a planner is not graph-safe"
         elif not all(r.warm for r in batch) or prompted or self._eager_key != key:
@@ -447,13 +445,9 @@ class Runner:
         ctx_k, ctx_v = r.ctx_kv[layer]
         qh = q.transpose(0, 1).reshape(kvh, g, t, d)  # q head i*G + j belongs to kv head i
         kv = KVView(ctx_k, ctx_v, loc_k, loc_v, q_pos)
-        pq, pkv = qh, kv
-        if ctx_k.device != qh.device:  # offload: the planner runs where the context lives
-            pq, pkv = qh.to(ctx_k.device), KVView(ctx_k, ctx_v, loc_k, loc_v, q_pos.to(ctx_k.device))
-            new_k, new_v = new_k.to(ctx_k.device), new_v.to(ctx_k.device)
-        plan = r.planner.plan(layer, pq, pkv)
+        plan = r.planner.plan(layer, qh, kv)
         out = self.backend.run(qh, kv, plan, r.sink, r.window, scale)  # [KVH, G, T, D]
-        r.planner.update(layer, new_k, new_v, pkv.q_pos)
+        r.planner.update(layer, new_k, new_v, q_pos)
         if self.track_fraction and not graph_capturing(qh):
             r.touched[layer] += frame_fraction(plan, kv, r.sink, r.window).sum().to(r.touched.device)
         return out.reshape(w.n_heads, t, d).transpose(0, 1).reshape(t, w.n_heads * d)

@@ -64,7 +64,7 @@ Two deliberate departures from the paper:
   requests share nothing.
 * No CPU<->GPU mode of its own (paper §3.4). Keeping the context K/V and the tables in host memory, planning on
   the CPU and shipping only the attended rows is the generic `offload` attention backend
-  (`decoder/backends/offload.py`, `context_on_host`: the pipeline keeps K/V and index arrays in DRAM
+  (`decoder/backends/offload.py`, `host_arrays`: the pipeline keeps K/V in DRAM
   and hands the planner host tensors), for every method. The one-step lookahead (search for step
   t+1 with step t's query while the GPU attends) is dropped: it cost quality (recall of the
   exact top-5% 0.554 vs 0.629, top-1 agreement 0.52 vs 0.83 on SmolLM2; RESULTS_csattn.md); a

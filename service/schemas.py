@@ -143,10 +143,11 @@ class CompletionRequest(BaseModel):
     seed: int | None = Field(None, ge=0, le=SEED_MAX, description="sampling seed (temperature > 0), below 2^63")
     method: str = Field("full", description="sparse method; see GET /v1/methods")
     params: dict[str, Any] = Field(default_factory=dict, description="method parameters for this request")
-    backend: Literal["torch_ref", "triton", "offload"] | None = Field(
+    backend: Literal["torch_ref", "triton", "offload", "offload_v"] | None = Field(
         None, description="attention backend for this request (default: the service's `attention_backend`): torch_ref "
-                          "(plain torch, the reference), triton (fused GPU kernels), offload (context K/V in host "
-                          "memory, only the attended rows go to the GPU)")
+                          "(plain torch, the reference), triton (fused GPU kernels), offload (context K/V in pinned "
+                          "host memory, the GPU's kernels read the attended rows in place), offload_v (only "
+                          "the values in host memory)")
     stream: bool = Field(False, description="server-sent events: `token` events then one `done` event")
 
 

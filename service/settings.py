@@ -64,9 +64,10 @@ class Settings(BaseSettings):
                     "modules, the reference); auto = batched on a GPU, transformers on a CPU")
     decode_batch_size: int = Field(8, ge=1, le=256, description="most requests a batched decode worker steps together")
     attention_backend: str = Field(
-        "auto", pattern="^(auto|torch_ref|triton|offload)$",
+        "auto", pattern="^(auto|torch_ref|triton|offload|offload_v)$",
         description="decode attention backend: auto = triton on a GPU when installed, else torch_ref; offload keeps "
-                    "context K/V in DRAM and ships the attended rows; a completion may name another one")
+                    "the context's K/V in pinned DRAM and the GPU's kernels read the attended rows in place; "
+                    "offload_v keeps only the values there; a completion may name another one")
     prefill_chunk_tokens: int = Field(512, ge=16, le=65536, description="prefill chunk size (memory bound + progress)")
     kv_dtype: str = Field(
         "auto", pattern="^(auto|bfloat16|float16|float32)$",

@@ -39,7 +39,7 @@ def _inputs(seed, kvh=3, g=3, t=4, n=200, m_cap=10, m=6, d=16, k=40, dtype=torch
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
-@pytest.mark.parametrize("backend", ["torch_ref", "offload"])
+@pytest.mark.parametrize("backend", ["torch_ref", "offload", "offload_v"])
 def test_backend_equals_masked_dense(seed, backend):
     q, kv, pos = _inputs(seed)
     plan = Plan(pos)
@@ -49,7 +49,7 @@ def test_backend_equals_masked_dense(seed, backend):
     assert (out.double() - ref).norm() / ref.norm() < 1e-5
 
 
-@pytest.mark.parametrize("backend", ["torch_ref", "offload"])
+@pytest.mark.parametrize("backend", ["torch_ref", "offload", "offload_v"])
 def test_dense_plan_is_causal_dense_attention(backend):
     q, kv, _ = _inputs(5)
     out = get_backend(backend).run(q, kv, Plan.dense(), 4, 8, 0.125)

@@ -91,56 +91,71 @@ def test_decode_steps_make_no_host_sync_and_capture_in_a_graph(name, tmp_path):
     torch.testing.assert_close(out_graph, want, atol=1e-5, rtol=1e-5)
 
 
+def _host_mapped(kv: KVView, host_arrays=frozenset({"kv/k", "kv/v"})) -> KVView:
+    """The same view with the context arrays in `host_arrays` pinned in host memory and read in
+    place (the offload backends)."""
+    from decoder.backends.offload import mapped
+
+    def place(name, t):
+        return mapped(t.cpu().pin_memory()) if name in host_arrays else t
+
+    return KVView(place("kv/k", kv.ctx_k), place("kv/v", kv.ctx_v), kv.loc_k, kv.loc_v, kv.q_pos)
+
+
 @pytest.mark.parametrize("name", backend_names())
 def test_backends_run_without_sync_on_gpu(name):
-    """Every backend but offload (which copies the query to the host by design) runs a sparse and a
-    dense plan without a host sync, and matches torch_ref."""
+    """Every backend runs a sparse and a dense plan without a host sync and matches torch_ref
+    (offload over the context in mapped host memory)."""
     from indexer.base import Plan
 
-    if name == "offload":
-        pytest.skip("offload plans on the host: it syncs for the query by design")
     spec = SPEC
     cap = structured_capture(spec, N_CTX + 2, "cuda", seed=3)
     layer, q, kv = next(iter(_views(cap, spec, 0)))
     pos = torch.randperm(N_CTX, device="cuda")[:64].view(1, 1, 64).expand(spec.num_kv_heads, 1, 64).to(torch.int32)
     ref = get_backend("torch_ref")
     be = get_backend(name)
+    kv_be = _host_mapped(kv, be.host_arrays)
     for plan in (Plan(pos.contiguous()), Plan.dense()):
-        be.run(q, kv, plan, 4, 32, 0.125)  # warm-up (compilation)
+        be.run(q, kv_be, plan, 4, 32, 0.125)  # warm-up (compilation)
         torch.cuda.synchronize()
         torch.cuda.set_sync_debug_mode("error")
         try:
-            out = be.run(q, kv, plan, 4, 32, 0.125)
+            out = be.run(q, kv_be, plan, 4, 32, 0.125)
         finally:
             torch.cuda.set_sync_debug_mode("default")
         torch.testing.assert_close(out, ref.run(q, kv, plan, 4, 32, 0.125), atol=2e-3, rtol=2e-3)
 
 
 @pytest.mark.parametrize("name", method_names())
-def test_offload_mode_plans_on_the_host(name, tmp_path):
-    """The decode runner's offload split (decoder/runner.py `_attend`): the context K/V and the index
-    arrays in host memory, the request's own rows and the query on the GPU; the planner plans on the
-    host (query and positions copied there) and the offload backend attends on the GPU. Over a few
-    steps every method plans without a device mismatch and the output equals torch_ref over the same
-    plan on the host (found on the H100, 2026-11-22: ctkvr's frame mass, topk's and psa's scores read
-    the GPU-resident request rows from host code)."""
+def test_offload_plans_on_the_device_over_mapped_host_memory(name, tmp_path):
+    """Offload mode (decoder/backends/offload.py): the context's K/V in pinned host memory, read in
+    place by the planner and the kernels; index arrays, query and request rows on the GPU. Over a
+    few steps every method plans without a host sync and makes the same plans and outputs as a twin
+    planner over the same context resident on the GPU (the same kernels read the same bytes)."""
     spec = SPEC
-    method, params, cap, reader = _setup(name, tmp_path, device="cpu")
+    method, params, cap, reader = _setup(name, tmp_path)
     sink, window = params.frame(N_CTX)
-    planner = method.open(reader, params, DecodeContext(N_CTX, spec, 16))
-    offload, ref = get_backend("offload"), get_backend("torch_ref")
+    ctx = DecodeContext(N_CTX, spec, 16)
+    host, resident = method.open(reader, params, ctx), method.open(reader, params, ctx)
+    offload = get_backend("offload")
     scale = spec.head_dim ** -0.5
-    cap_gpu = PrefillCapture(cap.q.cuda(), cap.k.cuda(), cap.v.cuda(), cap.positions.cuda(), cap.spec)
+    mapped_layers = {layer: _host_mapped(kv) for layer, _, kv in _views(cap, spec, 0)}
     for s in range(STEPS - 1):
-        for layer, q_gpu, kv_gpu in _views(cap_gpu, spec, s):
-            ctx_k, ctx_v = cap.k[layer, :, :N_CTX], cap.v[layer, :, :N_CTX]  # host
-            q_pos = kv_gpu.q_pos
-            host_view = KVView(ctx_k, ctx_v, kv_gpu.loc_k, kv_gpu.loc_v, q_pos.cpu())  # the planner's view
-            plan = planner.plan(layer, q_gpu.cpu(), host_view)
-            out = offload.run(q_gpu, KVView(ctx_k, ctx_v, kv_gpu.loc_k, kv_gpu.loc_v, q_pos), plan, sink, window, scale)
-            want = ref.run(q_gpu.cpu(), KVView(ctx_k, ctx_v, kv_gpu.loc_k.cpu(), kv_gpu.loc_v.cpu(), q_pos.cpu()),
-                           plan, sink, window, scale)
-            planner.update(layer, kv_gpu.loc_k[:, s:s + 1].cpu(), kv_gpu.loc_v[:, s:s + 1].cpu(), q_pos.cpu())
-            assert out.device.type == "cuda"
-            torch.testing.assert_close(out.cpu(), want, atol=1e-4, rtol=1e-4)
-
+        for layer, q, kv in _views(cap, spec, s):
+            hv = mapped_layers[layer]
+            hv = KVView(hv.ctx_k, hv.ctx_v, kv.loc_k, kv.loc_v, kv.q_pos)
+            if s > 0:  # the first step of each layer may allocate lazily
+                torch.cuda.synchronize()
+                torch.cuda.set_sync_debug_mode("error")
+            try:
+                plan = host.plan(layer, q, hv)
+                out = offload.run(q, hv, plan, sink, window, scale)
+                host.update(layer, kv.loc_k[:, s:s + 1], kv.loc_v[:, s:s + 1], kv.q_pos)
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+            want_plan = resident.plan(layer, q, kv)
+            want = offload.run(q, kv, want_plan, sink, window, scale)  # GPU-resident: runs as triton
+            resident.update(layer, kv.loc_k[:, s:s + 1], kv.loc_v[:, s:s + 1], kv.q_pos)
+            for a, b in ((plan.positions, want_plan.positions), (plan.bypass, want_plan.bypass)):
+                assert (a is None) == (b is None) and (a is None or torch.equal(a, b)), (name, layer, s)
+            torch.testing.assert_close(out, want, atol=1e-5, rtol=1e-5)

@@ -83,14 +83,12 @@ def test_offload_backend_keeps_the_context_on_the_host(stored, lm):
     topk = get_method("topk")
     o = open_context(art, key.hex, topk, topk.Params(), None, tiers=ContextTiers(1 << 30), spec=lm.spec,
                      backend="offload")
-    assert o.backend.context_on_host and o.resident == torch.device("cpu")
+    assert o.backend.host_arrays == {"kv/k", "kv/v"} and o.resident == torch.device("cpu") and o.kv_device == "cpu"
 
 
-@pytest.mark.gpu
-def test_gpu_tier_keeps_the_context_resident(tmp_path):
-    """On a GPU worker the context's K/V and index arrays are copied to the device once: a second
-    request reads them from the GPU tier (no DRAM or disk access), the same device tensors. (A
-    synthetic context: the model's weights do not travel to the GPU machine.)"""
+def _stored_psa_context(tmp_path):
+    """(artifacts, key, psa, params, index_id, spec) of a synthetic 512-token context with a psa
+    index (the model's weights do not travel to the GPU machine)."""
     from synthetic import smollm2_spec, structured_capture
 
     spec = smollm2_spec(layers=4)
@@ -106,7 +104,14 @@ def test_gpu_tier_keeps_the_context_resident(tmp_path):
     arrays = psa.build(cap, params)
     store.publish(key, spec, ids, cap.k, cap.v,
                   [IndexArrays("psa", psa.version, params.build_params(), IndexId.from_string(index_id).params_hash, arrays)], {})
-    art = store.open(spec.slug, key)
+    return store.open(spec.slug, key), key, psa, params, index_id, spec
+
+
+@pytest.mark.gpu
+def test_gpu_tier_keeps_the_context_resident(tmp_path):
+    """On a GPU worker the context's K/V and index arrays are copied to the device once: a second
+    request reads them from the GPU tier (no DRAM or disk access), the same device tensors."""
+    art, key, psa, params, index_id, spec = _stored_psa_context(tmp_path)
     tiers = ContextTiers(1 << 30, 1 << 30, "cuda")
     opened = [open_context(art, key.hex, psa, params, index_id, tiers=tiers, spec=spec) for _ in range(2)]
     k_a, k_b = opened[0].kv.layer(2)[0], opened[1].kv.layer(2)[0]
@@ -114,3 +119,28 @@ def test_gpu_tier_keeps_the_context_resident(tmp_path):
     assert opened[1].loads.hits.get("gpu", 0) == 2 and not opened[1].loads.misses  # K and V of layer 2
     assert opened[1].resident.type == "cuda"
     assert opened[1].load(f"indexes/{index_id}/block_meta", 2).is_cuda  # index arrays: the GPU tier too
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["offload", "offload_v"])
+def test_gpu_offload_maps_the_pinned_dram_copy(tmp_path, backend):
+    """The offload backends on a GPU worker: the context arrays they keep in host memory come back
+    as CUDA views of the DRAM tier's pinned tensors (same bytes, nothing copied, nothing in the GPU
+    tier), the rest (index arrays; offload_v's keys) from the GPU tier; a second request maps the
+    same DRAM copy."""
+    art, key, psa, params, index_id, spec = _stored_psa_context(tmp_path)
+    tiers = ContextTiers(1 << 30, 1 << 30, "cuda")
+    opened = [open_context(art, key.hex, psa, params, index_id, tiers=tiers, spec=spec, backend=backend)
+              for _ in range(2)]
+    host = opened[0].backend.host_arrays
+    for name, t in zip(("kv/k", "kv/v"), opened[0].kv.layer(2)):
+        assert t.is_cuda
+        held, hit = tiers.dram.get((key.hex, name, 2), lambda: pytest.fail("not in the DRAM tier"))
+        if name in host:
+            assert held.is_pinned() and t.data_ptr() == held.data_ptr()
+            torch.testing.assert_close(t.cpu(), art.read(name, 2))
+        else:
+            assert tiers.gpu.get((key.hex, name, 2), lambda: pytest.fail("not in the GPU tier"))[0] is t
+    assert opened[1].kv.layer(2)[1].data_ptr() == opened[0].kv.layer(2)[1].data_ptr()
+    assert opened[0].load(f"indexes/{index_id}/block_meta", 2).is_cuda
+    assert opened[0].kv_device == ("cpu" if backend == "offload" else "cuda:0 (values: cpu)")

@@ -5,8 +5,9 @@ context part of the recent window, every request-local token; `indexer.base.fram
 the plan's context positions, for one layer. It never decides what to attend.
 
 * `torch_ref`: plain torch, float32 arithmetic. The reference every other backend is tested against.
-* `offload`: the context K/V stay in host memory; only the rows a step attends cross PCIe
-  (CSAttention's CPU<->GPU mode, for any method).
+* `offload`: the context K/V stay in host memory and the GPU's kernels read the rows a step
+  attends in place, over PCIe (CSAttention's CPU<->GPU mode, for any method); `offload_v` keeps
+  only the values there (the keys, which planners read, stay on the GPU).
 * `triton`: fused split-K kernels (`decoder/kernels/`), the default on a GPU.
 
 `frame_mask` / `frame_fraction` describe the attended token set without computing attention
@@ -27,8 +28,9 @@ class AttentionBackend(ABC):
     """Exact attention over (frame ∪ plan) for one layer and step."""
 
     name: ClassVar[str]
-    #: True: the pipeline keeps the context's K/V and index arrays in host memory and plans there
-    context_on_host: ClassVar[bool] = False
+    #: the context arrays ("kv/k", "kv/v") the pipeline keeps in pinned host memory on a GPU worker and
+    #: hands out as mapped CUDA views (`decoder.backends.offload`); empty: all on the GPU
+    host_arrays: ClassVar[frozenset[str]] = frozenset()
 
     def validate_configuration(self, spec, device: str | torch.device, dtype: torch.dtype) -> list[str]:
         """Reasons this backend cannot run this model shape / device / dtype (empty = fine)."""

@@ -62,7 +62,7 @@ class CompletionFields(BaseModel):
     context_id: str | None = Field(None, description="extension: the registered context to answer over")
     method: str = Field("full", description="extension: sparse method (GET /v1/methods)")
     method_params: dict[str, Any] = Field(default_factory=dict, description="extension: the method's parameters")
-    backend: Literal["torch_ref", "triton", "offload"] | None = Field(None, description="extension: attention backend")
+    backend: Literal["torch_ref", "triton", "offload", "offload_v"] | None = Field(None, description="extension: attention backend")
     max_tokens: int | None = Field(None, ge=1, description=f"tokens to generate at most [{DEFAULT_MAX_TOKENS}]")
     temperature: float | None = Field(None, ge=0.0, le=2.0, description="0 = greedy [1, as OpenAI]")
     seed: int | None = Field(None, ge=0, le=SEED_MAX)

@@ -367,7 +367,7 @@ class DecodeWorker(Loop):
                 "decode_tokens_per_s": tps,
                 **stats,
                 "device": self.device,
-                "kv_device": str(job.opened.resident),
+                "kv_device": job.opened.kv_device,
                 "method_stats": job.opened.planner.stats(),
             },
         })

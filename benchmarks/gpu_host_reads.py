@@ -1,0 +1,128 @@
+"""Reading a context's K/V from pinned host memory inside GPU kernels (zero-copy over PCIe).
+
+The `offload` backend's premise: a decode step reads a few percent of the context, so the context
+can stay in host memory and the GPU's kernels can read the chosen rows in place (pinned memory is
+mapped into the device's address space), with no host-side gather, no copy stream and no host
+sync, so the step stays graph-capturable. This script measures what that costs on the device
+against the same reads from HBM, in one run:
+
+* `copy_` of a whole pinned tensor to the GPU (the PCIe bandwidth a bulk copy gets);
+* a Triton row gather (rows of KVH x D, scattered and in 32-row blocks) from a mapped host tensor
+  and from a GPU tensor;
+* the attention kernel (`decoder.kernels.attention.frame_attention`) over a 5% plan with the
+  context in host memory and on the GPU, eager and graph-replayed; the outputs must agree.
+
+    python benchmarks/gpu_host_reads.py [--n 131072] [--out DIR]
+
+Writes `host_reads.json` (rows: name, ms, bytes, GB/s) to --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+import triton
+import triton.language as tl
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from _gpu_timing import BF, D, G, KVH, M_LOCAL, Timing  # noqa: E402
+
+from decoder.backends.offload import mapped  # noqa: E402
+from decoder.kernels.attention import frame_attention  # noqa: E402
+
+
+@triton.jit
+def _gather(src, rows, out, n_rows, N: tl.constexpr, D: tl.constexpr, BLOCK: tl.constexpr):
+    h = tl.program_id(1)
+    r = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    ok = r < n_rows
+    pos = tl.load(rows + h * n_rows + r, mask=ok, other=0).to(tl.int64)
+    d = tl.arange(0, D)
+    x = tl.load(src + (h * N + pos)[:, None] * D + d[None, :], mask=ok[:, None])
+    tl.store(out + (h * n_rows + r)[:, None].to(tl.int64) * D + d[None, :], x, mask=ok[:, None])
+
+
+def gather(src, rows, out):
+    kvh, n, d = src.shape
+    _gather[(triton.cdiv(rows.shape[1], 64), kvh)](src, rows, out, rows.shape[1], n, d, 64)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--n", type=int, default=131072)
+    ap.add_argument("--frac", type=float, default=0.05)
+    ap.add_argument("--out", default=os.environ.get("OUT", "benchmarks/out"))
+    a = ap.parse_args()
+    t = Timing("cuda")
+    rows_out = []
+
+    def add(name, ms, nbytes, **kw):
+        rows_out.append({"name": name, "ms": ms, "bytes": nbytes, "GB_per_s": nbytes / ms / 1e6, **kw})
+        print(f"{name:48s} {ms:8.3f} ms  {nbytes / 1e6:8.1f} MB  {nbytes / ms / 1e6:7.1f} GB/s", flush=True)
+
+    n, kvh, d = a.n, KVH, D
+    torch.manual_seed(0)
+    host_k = torch.randn(kvh, n, d, dtype=BF).pin_memory()
+    host_v = torch.randn(kvh, n, d, dtype=BF).pin_memory()
+    dev_k, dev_v = host_k.cuda(), host_v.cuda()
+    map_k, map_v = mapped(host_k), mapped(host_v)
+    assert map_k.device.type == "cuda" and map_k.data_ptr() == host_k.data_ptr()
+    assert torch.equal(map_k.float().sum(-1), dev_k.float().sum(-1)), "mapped view reads other bytes"
+
+    whole = host_k.numel() * 2
+    add("copy_ pinned -> GPU, whole K", t.cuda_ms(lambda: dev_k.copy_(host_k, non_blocking=True), reps=10), whole)
+
+    r = int(n * a.frac)
+    scattered = torch.sort(torch.randperm(n, device="cuda")[:r].expand(kvh, r).contiguous(), dim=-1).values
+    blk = torch.randperm(n // 32, device="cuda")[: r // 32]
+    blocks = torch.sort((blk[:, None] * 32 + torch.arange(32, device="cuda")).reshape(-1)).values
+    blocks = blocks.expand(kvh, -1).contiguous()
+    for label, rows in (("scattered rows", scattered), ("32-row blocks", blocks)):
+        rows = rows.to(torch.int32)
+        out = torch.empty(kvh, rows.shape[1], d, dtype=BF, device="cuda")
+        nbytes = out.numel() * 2
+        gather(dev_k, rows, out)
+        ref = out.clone()
+        gather(map_k, rows, out)
+        assert torch.equal(out, ref)
+        add(f"gather {label}, HBM", t.cuda_ms(lambda: gather(dev_k, rows, out)), nbytes)
+        add(f"gather {label}, host", t.cuda_ms(lambda: gather(map_k, rows, out), reps=20), nbytes)
+
+    for b in (1, 8):
+        tq = 1
+        q = torch.randn(b, kvh, G, tq, d, dtype=BF, device="cuda")
+        loc_k = torch.randn(kvh, M_LOCAL, d, dtype=BF, device="cuda")
+        loc_v = torch.randn_like(loc_k)
+        q_pos = torch.tensor([n + M_LOCAL - 1], device="cuda")
+        for label, rows in (("scattered", scattered), ("blocks", blocks)):
+            pos = rows[:, None, :].to(torch.int32)
+            nbytes = b * 2 * pos.numel() * d * 2
+
+            def att(ck, cv):
+                return [frame_attention(q[i], ck, cv, loc_k, loc_v, q_pos, pos, 4, 256, d ** -0.5) for i in range(b)]
+
+            ref = att(dev_k, dev_v)
+            got = att(map_k, map_v)
+            assert all(torch.equal(x, y) for x, y in zip(ref, got)), "attention over host K/V differs"
+            add(f"attention B={b} {label}, HBM", t.cuda_ms(lambda: att(dev_k, dev_v)), nbytes, batch=b)
+            add(f"attention B={b} {label}, host", t.cuda_ms(lambda: att(map_k, map_v), reps=10), nbytes, batch=b)
+            gms, why = t.graph_ms(lambda: att(map_k, map_v), reps=10)
+            if gms is not None:
+                add(f"attention B={b} {label}, host, graph", gms, nbytes, batch=b)
+            else:
+                print("graph failed:", why)
+    Path(a.out).mkdir(parents=True, exist_ok=True)
+    info = {"device": torch.cuda.get_device_name(), "n": n, "frac": a.frac, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
+    (Path(a.out) / "host_reads.json").write_text(json.dumps({"info": info, "rows": rows_out}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
