@@ -289,8 +289,10 @@ class Bench:
         max_new = tokens + 3 + prof_steps
         local = self.a.question + max_new
         run = Runner(self.lm, be, self.dev, graphs=graphs, track_fraction=True, fused_layer=fused_layer)
-        for q in qs:
-            run.add(ctx, method.open(reader, params, DecodeContext(n, self.lm.spec, local)), params, q, max_new)
+        distinct = self.a.contexts == "distinct" and b > 1
+        for j, q in enumerate(qs):
+            c, rd = rotated(ctx, reader, j, len(self.w.layers)) if distinct else (ctx, reader)
+            run.add(c, method.open(rd, params, DecodeContext(n, self.lm.spec, local)), params, q, max_new)
         t0 = time.perf_counter()
         run.step()  # the questions, one chunk per request
         t_prompt = time.perf_counter() - t0
@@ -331,13 +333,28 @@ class Bench:
                "ms_mean": statistics.fmean(times), "ms_max": max(times), "steps_timed": len(times),
                "kv_fraction": frac, "graph": status, "first_step": first_status, "prompt_ms": t_prompt * 1e3,
                "warmup_ms": t_warm * 1e3, "capture_or_first_ms": t_first * 1e3,
-               "fused_layer": run.layer_kernels is not None, **extra}
+               "fused_layer": run.layer_kernels is not None, "contexts": "distinct" if distinct else "shared",
+               **extra}
         if prof is not None:
             row["profile"] = prof
         host = get_backend(backend_name).host_arrays
         if host:  # the offload backends: the share of the K/V rows read from host memory, over PCIe
             row["pcie_floor_ms"] = kv_bytes * len(host) / 2 / self.info["h2d_bytes_per_s"] * 1e3
         self.add(row)
+
+
+def rotated(ctx: ContextKV, reader: IndexReader | None, j: int, n_layers: int) -> tuple[ContextKV, IndexReader | None]:
+    """Request j's own context: its layer l is layer (l + j) mod L of `ctx`, with that layer's index
+    arrays. Within a layer the B requests then read B different layers' bytes, as B distinct
+    contexts would (no request finds another's rows in the L2), at the same work per request,
+    without B prefills or B copies (eight distinct 128K contexts hold 137 GB of K/V)."""
+    def src(layer: int) -> int:
+        return (layer + j) % n_layers
+
+    c = ContextKV(ctx.n_tokens, lambda nm, layer: ctx.layer(src(layer))[0 if nm == "kv/k" else 1])
+    if reader is None:
+        return c, None
+    return c, IndexReader(lambda nm, layer: reader.layer(nm, src(layer)), reader.names)
 
 
 def host_context(arrays: dict[str, torch.Tensor], host_arrays: frozenset[str], copies: dict, dev: str) -> ContextKV:
@@ -390,9 +407,11 @@ def main() -> None:
                     help="'hf' = transformers eager (generate + full); the rest run in the runner")
     ap.add_argument("--backends", nargs="+", default=None, help="default: triton on CUDA, torch_ref on CPU")
     ap.add_argument("--offload-batches", type=int, nargs="+", default=[8], help="batches of the offload backend's rows")
-    ap.add_argument("--offload-methods", nargs="+", default=["csattn", "ctkvr"],
+    ap.add_argument("--offload-methods", nargs="+", default=["csattn", "saap", "psa", "ctkvr"],
                     help="methods that get offload rows when the offload backend is asked for")
     ap.add_argument("--tokens", type=int, default=16, help="timed one-token steps per row")
+    ap.add_argument("--contexts", choices=["distinct", "shared"], default="distinct",
+                    help="B > 1: each request on its own context (layers rotated, see rotated()) or all on one")
     ap.add_argument("--eager-tokens", type=int, default=4, help="timed steps of the eager runner at B = 1 (0: off)")
     ap.add_argument("--hf-tokens", type=int, default=8)
     ap.add_argument("--question", type=int, default=16)
