@@ -62,13 +62,13 @@ Two deliberate departures from the paper:
   raise the list's minimum). Plans select context positions only, and `update` learns nothing from
   appended keys (it only advances the search period). The persisted tables are read-only and
   requests share nothing.
-* No CPU<->GPU mode of its own (paper §3.4). Keeping the context K/V and the tables in host memory, planning on
-  the CPU and shipping only the attended rows is the generic `offload` attention backend
-  (`decoder/backends/offload.py`, `host_arrays`: the pipeline keeps K/V in DRAM
-  and hands the planner host tensors), for every method. The one-step lookahead (search for step
-  t+1 with step t's query while the GPU attends) is dropped: it cost quality (recall of the
-  exact top-5% 0.554 vs 0.629, top-1 agreement 0.52 vs 0.83 on SmolLM2; RESULTS_csattn.md); a
-  generic plan-ahead for the offload backend may come back later.
+* No CPU<->GPU mode of its own (paper §3.4). Keeping the context K/V in host memory is the generic
+  `offload` attention backend (`decoder/backends/offload.py`), for every method: the K/V stay in
+  pinned DRAM, mapped into the GPU's address space, while the tables, the search and the
+  attention stay on the GPU and read the chosen rows in place. The paper's one-step lookahead
+  (search for step t+1 with step t's query while the GPU attends) is dropped: it cost quality
+  (recall of the exact top-5% 0.554 vs 0.629, top-1 agreement 0.52 vs 0.83 on SmolLM2;
+  RESULTS_csattn.md), and with the search on the GPU there is no host search to hide.
 GPU: the search runs fused (`indexer/kernels/csattn.py`): one launch chooses the centroids and list
 weights, one walks the chosen lists straight from the persisted `idx` / `score` tables (no gathered
 copies) and adds each entry into an int64 fixed-point accumulator per (kv head, token) with integer
