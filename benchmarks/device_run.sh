@@ -7,7 +7,7 @@
 #                    carry=[".whl", ".old"])
 #   stages: tests | kerneltests | decode | decodecold | decode512 | before_after | kernels | e2e32 | e2e128 |
 #           e2e128rest | e2eprof | e2elayer | attntests | decodeab | psaab | latency | ncu | psasweep | pdlab | e2enow |
-#           offload
+#           offload | psa32sweep
 #   (default: tests decode before_after)
 #   .old = the tree before the plan/run redesign (`git archive <commit> decoder indexer storage`), for
 #   the before/after decode comparison.
@@ -98,6 +98,11 @@ for stage in $stages; do
         psa:select_warps=16 psa:select_warps=4 psa:tile_tokens=64 psa:tile_tokens=256 psa:sums_warps=8 \
         psa:stop_parts=32 psa:stop_warps=8 psa:block_b=128 psa:block_b=32 psa:crit_warps=8 psa:pos_block=512 \
         --out "$OUT/psasweep" 2>&1 | tee "$OUT/gpu_decode_psasweep.log" | grep -v "^  \|^    " ;;
+    psa32sweep)  # psa's plan knobs and the attention kernel's split knobs at 32K (the 128K sweep: psasweep)
+      python3 benchmarks/gpu_decode.py --lengths 32768 --batches 1 --backends triton triton:programs_per_sm=1 \
+        triton:programs_per_sm=4 --methods psa psa:select_warps=4 psa:stop_parts=8 psa:stop_parts=4 \
+        psa:tile_tokens=64 psa:block_b=32 psa:score_block=512 psa:crit_warps=2 --out "$OUT/psa32" 2>&1 \
+        | tee "$OUT/gpu_decode_psa32.log" | grep -v "^  \|^    " ;;
     pdlab)  # programmatic dependent launch on and off (psa's plan kernels and the attention kernels), same run
       python3 -m pytest -q -p no:cacheprovider -o addopts="" tests/test_kernels_psa.py tests/test_triton_attention.py \
         2>&1 | tail -3 | tee "$OUT/gpu_pdl_tests.log"
