@@ -7,7 +7,7 @@
 #                    carry=[".whl", ".old"])
 #   stages: tests | kerneltests | decode | decodecold | decode512 | before_after | kernels | e2e32 | e2e128 |
 #           e2e128rest | e2eprof | e2elayer | attntests | decodeab | psaab | latency | ncu | psasweep | pdlab | e2enow |
-#           offload | psa32sweep
+#           offload | psa32sweep | offloadfit
 #   (default: tests decode before_after)
 #   .old = the tree before the plan/run redesign (`git archive <commit> decoder indexer storage`), for
 #   the before/after decode comparison.
@@ -98,6 +98,11 @@ for stage in $stages; do
         psa:select_warps=16 psa:select_warps=4 psa:tile_tokens=64 psa:tile_tokens=256 psa:sums_warps=8 \
         psa:stop_parts=32 psa:stop_warps=8 psa:block_b=128 psa:block_b=32 psa:crit_warps=8 psa:pos_block=512 \
         --out "$OUT/psasweep" 2>&1 | tee "$OUT/gpu_decode_psasweep.log" | grep -v "^  \|^    " ;;
+    offloadfit)  # (H200) 128K, B = 8 on eight context copies: offload_v's rows, and whether dense / all-GPU fit
+      python3 benchmarks/gpu_e2e.py --lengths 131072 --batches 8 --methods full ctkvr psa --backends triton offload_v \
+        --offload-batches 8 --offload-methods ctkvr --offload-contexts copies --fit-check --eager-tokens 0 \
+        --hf-tokens 0 --tokens 8 --budget-s 480 --out "$OUT/e2e_fit" 2>&1 | tee "$OUT/gpu_e2e_fit.log" \
+        | grep "^|\|rror\|fit" | tail -30 ;;
     psa32sweep)  # psa's plan knobs and the attention kernel's split knobs at 32K (the 128K sweep: psasweep)
       python3 benchmarks/gpu_decode.py --lengths 32768 --batches 1 --backends triton triton:programs_per_sm=1 \
         triton:programs_per_sm=4 --methods psa psa:select_warps=4 psa:stop_parts=8 psa:stop_parts=4 \

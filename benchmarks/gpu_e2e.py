@@ -282,16 +282,26 @@ class Bench:
                       "note": None if b == 1 else f"{b} requests served one after another (the decode worker today)"})
 
     def runner(self, n: int, ctx: ContextKV, name: str, method, params, reader, backend_name: str, b: int,
-               graphs: bool, tokens: int, extra: dict, fused_layer: bool | None = None) -> None:
+               graphs: bool, tokens: int, extra: dict, fused_layer: bool | None = None,
+               contexts: str | None = None) -> None:
         be = get_backend(backend_name)
         qs = self.questions(b, n + b)
         prof_steps = 2 if self.a.profile and graphs and b == 1 else 0
         max_new = tokens + 3 + prof_steps
         local = self.a.question + max_new
         run = Runner(self.lm, be, self.dev, graphs=graphs, track_fraction=True, fused_layer=fused_layer)
-        distinct = self.a.contexts == "distinct" and b > 1
+        if contexts is None:
+            contexts = "shared" if b == 1 else self.a.offload_contexts if be.host_arrays else self.a.contexts
         for j, q in enumerate(qs):
-            c, rd = rotated(ctx, reader, j, len(self.w.layers)) if distinct else (ctx, reader)
+            c, rd = (ctx, reader) if contexts == "shared" else rotated(ctx, reader, j, len(self.w.layers))
+            if contexts == "copies":
+                try:
+                    c = own_copy(c, be.host_arrays, len(self.w.layers))
+                except torch.OutOfMemoryError:
+                    del run, c
+                    self.add({"n": n, "batch": b, "runner": "runner_graph", "method": name, "backend": backend_name,
+                              "contexts": contexts, "error": f"does not fit: {j} of {b} context copies placed"})
+                    return
             run.add(c, method.open(rd, params, DecodeContext(n, self.lm.spec, local)), params, q, max_new)
         t0 = time.perf_counter()
         run.step()  # the questions, one chunk per request
@@ -333,7 +343,7 @@ class Bench:
                "ms_mean": statistics.fmean(times), "ms_max": max(times), "steps_timed": len(times),
                "kv_fraction": frac, "graph": status, "first_step": first_status, "prompt_ms": t_prompt * 1e3,
                "warmup_ms": t_warm * 1e3, "capture_or_first_ms": t_first * 1e3,
-               "fused_layer": run.layer_kernels is not None, "contexts": "distinct" if distinct else "shared",
+               "fused_layer": run.layer_kernels is not None, "contexts": contexts,
                **extra}
         if prof is not None:
             row["profile"] = prof
@@ -355,6 +365,24 @@ def rotated(ctx: ContextKV, reader: IndexReader | None, j: int, n_layers: int) -
     if reader is None:
         return c, None
     return c, IndexReader(lambda nm, layer: reader.layer(nm, src(layer)), reader.names)
+
+
+def own_copy(ctx: ContextKV, host_arrays: frozenset[str], n_layers: int) -> ContextKV:
+    """A request's own copy of `ctx` where the backend keeps it: the arrays in `host_arrays` as pinned
+    host copies (mapped), the rest as GPU copies. Raises torch.OutOfMemoryError when the GPU (or
+    the pinned host allocator) cannot hold it: a batch of distinct contexts that does not fit."""
+    layers = []
+    for layer in range(n_layers):
+        pair = []
+        for name, t in zip(("kv/k", "kv/v"), ctx.layer(layer)):
+            if name in host_arrays:
+                h = torch.empty(t.shape, dtype=t.dtype, pin_memory=t.is_cuda)
+                h.copy_(t)
+                pair.append(mapped(h) if t.is_cuda else h)
+            else:
+                pair.append(t.clone())
+        layers.append(pair)
+    return ContextKV(ctx.n_tokens, lambda nm, layer: layers[layer][0 if nm == "kv/k" else 1])
 
 
 def host_context(arrays: dict[str, torch.Tensor], host_arrays: frozenset[str], copies: dict, dev: str) -> ContextKV:
@@ -410,8 +438,13 @@ def main() -> None:
     ap.add_argument("--offload-methods", nargs="+", default=["csattn", "saap", "psa", "ctkvr"],
                     help="methods that get offload rows when the offload backend is asked for")
     ap.add_argument("--tokens", type=int, default=16, help="timed one-token steps per row")
-    ap.add_argument("--contexts", choices=["distinct", "shared"], default="distinct",
-                    help="B > 1: each request on its own context (layers rotated, see rotated()) or all on one")
+    ap.add_argument("--contexts", choices=["distinct", "shared", "copies"], default="distinct",
+                    help="B > 1: each request on its own context (layers rotated, see rotated()), all on one, or "
+                         "each on its own copy of its rotated context (own_copy(): the memory of B distinct contexts)")
+    ap.add_argument("--fit-check", action="store_true",
+                    help="also run each GPU-resident B > 1 row on B context copies (a row, or a does-not-fit row)")
+    ap.add_argument("--offload-contexts", choices=["distinct", "shared", "copies"], default="distinct",
+                    help="--contexts for the offload backends' rows")
     ap.add_argument("--eager-tokens", type=int, default=4, help="timed steps of the eager runner at B = 1 (0: off)")
     ap.add_argument("--hf-tokens", type=int, default=8)
     ap.add_argument("--question", type=int, default=16)
@@ -525,9 +558,17 @@ def main() -> None:
                                 break
                             for fl in ((None, False) if a.layer_ab else (None,)):
                                 bench.runner(n, ctx, name, method, params, reader, be, b, True, a.tokens, extra, fl)
+                            if a.fit_check and b > 1 and not bench.over_budget():  # B copies: do they fit?
+                                bench.runner(n, ctx, name, method, params, reader, be, b, True, a.tokens, extra,
+                                             contexts="copies")
                             if b == 1 and a.eager_tokens and not bench.over_budget():
                                 bench.runner(n, ctx, name, method, params, reader, be, b, False, a.eager_tokens, extra)
                     for be in on_host if name in a.offload_methods else ():
+                        if a.offload_contexts == "copies":  # each request copies its own context from the GPU's
+                            for b in a.offload_batches:
+                                if not bench.over_budget():
+                                    bench.runner(n, ctx, name, method, params, reader, be, b, True, a.tokens, extra)
+                            continue
                         if be not in host_ctx:
                             host_ctx[be] = host_context({"kv/k": ctx_k, "kv/v": ctx_v}, get_backend(be).host_arrays,
                                                         host_copy, dev)
