@@ -197,13 +197,17 @@ def backend_for(spec: str):
 
 
 def plan_knobs(method: str, knobs: str):
-    """ "psa:regs_select=0": the psa fused plan with `PsaConfig` knobs changed while this method's
-    rows run (A/B rows in one run); returns the function that restores the defaults."""
+    """ "psa:regs_select=0", "ctkvr:select_arity=16": the method's fused plan with its kernel config's
+    knobs changed (`PsaConfig`; `IvfConfig` for ctkvr and kivf) while this method's rows run (A/B
+    rows in one run); returns the function that restores the defaults."""
     if not knobs:
         return lambda: None
-    if method != "psa":
-        raise SystemExit(f"plan knobs are supported for psa only, not {method!r}")
-    import indexer.kernels.psa as kp
+    if method == "psa":
+        import indexer.kernels.psa as kp
+    elif method in ("ctkvr", "kivf"):
+        import indexer.kernels.ivf as kp
+    else:
+        raise SystemExit(f"plan knobs are supported for psa, ctkvr and kivf, not {method!r}")
 
     old = kp.DEFAULT_CONFIG
     kp.DEFAULT_CONFIG = with_knobs(old, knobs, f"{method}:{knobs}")
