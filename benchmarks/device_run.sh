@@ -7,7 +7,7 @@
 #                    carry=[".whl", ".old"])
 #   stages: tests | kerneltests | decode | decodecold | decode512 | before_after | kernels | e2e32 | e2e128 |
 #           e2e128rest | e2eprof | e2elayer | attntests | decodeab | psaab | latency | ncu | psasweep | pdlab | e2enow |
-#           offload | psa32sweep | offloadfit | arityab
+#           offload | psa32sweep | offloadfit
 #   (default: tests decode before_after)
 #   .old = the tree before the plan/run redesign (`git archive <commit> decoder indexer storage`), for
 #   the before/after decode comparison.
@@ -103,12 +103,6 @@ for stage in $stages; do
         --offload-batches 8 --offload-methods ctkvr --offload-contexts copies --fit-check --eager-tokens 0 \
         --hf-tokens 0 --tokens 8 --budget-s 480 --out "$OUT/e2e_fit" 2>&1 | tee "$OUT/gpu_e2e_fit.log" \
         | grep "^|\|rror\|fit" | tail -30 ;;
-    arityab)  # the threshold search's arity (2 = bisection) for psa's and ctkvr's selects; their kernel tests first
-      python3 -m pytest -q -p no:cacheprovider -o addopts="" tests/test_kernels_psa.py tests/test_kernels_ivf.py 2>&1 \
-        | tail -3 | tee "$OUT/gpu_arity_tests.log"
-      python3 benchmarks/gpu_decode.py --lengths 131072 32768 --batches 1 --profile --torch-plans --backends triton \
-        --methods psa psa:select_arity=4 psa:select_arity=8 psa:select_arity=16 ctkvr ctkvr:select_arity=4 \
-        ctkvr:select_arity=16 --out "$OUT/arity" 2>&1 | tee "$OUT/gpu_decode_arity.log" | grep -v "^  \|^    " ;;
     psa32sweep)  # psa's plan knobs and the attention kernel's split knobs at 32K (the 128K sweep: psasweep)
       python3 benchmarks/gpu_decode.py --lengths 32768 --batches 1 --backends triton triton:programs_per_sm=1 \
         triton:programs_per_sm=4 --methods psa psa:select_warps=4 psa:stop_parts=8 psa:stop_parts=4 \

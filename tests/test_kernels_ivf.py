@@ -18,8 +18,6 @@ index first, the kernel's rule), since the CPU torch.topk breaks ties in another
 
 from __future__ import annotations
 
-import dataclasses
-
 import zlib
 from types import SimpleNamespace
 
@@ -136,8 +134,6 @@ def test_ctkvr_fused_plan_with_tiny_blocks(monkeypatch):
     its band (ping-pong) and the nested push/plan selection runs over several chunks."""
     for i, case in enumerate(TINY_CASES):
         _run_ctkvr(case, seed=5 + i, cfg=TINY, monkeypatch=monkeypatch)
-    # the same with a 4-ary threshold search (band compaction after fewer, coarser steps)
-    _run_ctkvr(TINY_CASES[0], seed=5, cfg=dataclasses.replace(TINY, select_arity=4), monkeypatch=monkeypatch)
 
 
 def test_ctkvr_duplicates_are_counted_once():
@@ -303,7 +299,7 @@ def test_select_kernel_ties_take_the_lowest_slots(kp, rho):
     t = 1  # every row is a last token's row (T = 1: one row per KV head)
     args = [d(logits), d(pos), d(ml), d(scr), d(out), d(push)]
     ivf._select_kernel[(rows,)](*args, t, u, 1, kp, rho, 3 * u + 2 * kb, G=g, G_PAD=g, BLOCK=block, BLOCK_S=32,
-                                HAS_PUSH=True, PUSH_FIRST=rho >= kp, PRECISE=DEVICE == "cuda", ARITY=4, num_warps=4)
+                                HAS_PUSH=True, PUSH_FIRST=rho >= kp, PRECISE=DEVICE == "cuda", num_warps=4)
     out, push = args[4].cpu(), args[5].cpu()
     for r in range(rows):
         ranked = sorted((int(cls[r, i]), i) for i in range(u) if pos[r, i] >= 0)  # class asc = mass desc, slot asc
@@ -318,7 +314,7 @@ import triton.language as tl  # noqa: E402
 
 
 @triton.jit
-def _threshold_probe(KEYS, SCR, OUT, n, K, BLOCK: tl.constexpr, ARITY: tl.constexpr, IN_REGS: tl.constexpr):
+def _threshold_probe(KEYS, SCR, OUT, n, K, BLOCK: tl.constexpr, IN_REGS: tl.constexpr):
     """Row r: (thr, take) of the top-K of KEYS[r, :n] (ints > 0 valid, 0 empty) -> OUT[r, 0:2], by
     the register search (IN_REGS, n <= BLOCK) or the scratch search with its L2 passes."""
     r = tl.program_id(0)
@@ -336,23 +332,22 @@ def _threshold_probe(KEYS, SCR, OUT, n, K, BLOCK: tl.constexpr, ARITY: tl.conste
     tl.debug_barrier()
     if IN_REGS:
         keys = tl.load(KEYS + r * n + ar, mask=ar < n, other=0)
-        thr, take = ivf._top_threshold_regs(keys, n, K, key_min, n_valid, key_max + 1, ARITY)
+        thr, take = ivf._top_threshold_regs(keys, n, K, key_min, n_valid, key_max + 1)
     else:
-        thr, take = ivf._top_threshold(row, n, K, key_min, n_valid, key_max + 1, BLOCK, ARITY)
+        thr, take = ivf._top_threshold(row, n, K, key_min, n_valid, key_max + 1, BLOCK)
     tl.store(OUT + r * 2, thr)
     tl.store(OUT + r * 2 + 1, take)
 
 
-@pytest.mark.parametrize("arity", [2, 4, 16])
 @pytest.mark.parametrize("in_regs", [True, False], ids=["registers", "scratch"])
-def test_threshold_search_selects_the_top_k_at_any_arity(arity, in_regs):
-    """The k-ary threshold search (`ivf._kth_largest`, `_bisect_regs`) selects exactly the K largest
-    keys, ties taken lowest index first, at every arity: rows with many ties (keys from 5 values),
-    with keys spread over 30 bits, with empty slots, with fewer valid keys than K, and with K at an
-    exact split (the K-th and K+1-th keys differ)."""
+def test_threshold_search_selects_the_top_k(in_regs):
+    """The threshold search (`ivf._kth_largest` with its compacting L2 passes, `_bisect_regs` in
+    registers) selects exactly the K largest keys, ties taken lowest index first: rows with many ties
+    (keys from 5 values), with keys spread over 30 bits, with empty slots, with fewer valid keys than
+    K, with K at an exact split (the K-th and K+1-th keys differ), all keys equal."""
     rows, n, k = 6, 256 if not in_regs else 64, 20
     block = n if in_regs else 16
-    gen = torch.Generator().manual_seed(arity)
+    gen = torch.Generator().manual_seed(7 + in_regs)
     keys = torch.randint(1, 1 << 30, (rows, n), generator=gen, dtype=torch.int64)
     keys[0] = torch.randint(1, 6, (n,), generator=gen)  # ties
     keys[1] = keys[1] >> torch.randint(0, 29, (n,), generator=gen)  # spread over many magnitudes
@@ -365,7 +360,7 @@ def test_threshold_search_selects_the_top_k_at_any_arity(arity, in_regs):
     out = torch.zeros(rows, 2, dtype=torch.int32)
     d = lambda x: x.to(DEVICE)  # noqa: E731
     args = [d(keys), d(scr), d(out)]
-    _threshold_probe[(rows,)](*args, n, k, BLOCK=block, ARITY=arity, IN_REGS=in_regs, num_warps=4)
+    _threshold_probe[(rows,)](*args, n, k, BLOCK=block, IN_REGS=in_regs, num_warps=4)
     got = args[2].cpu()
     for r in range(rows):
         thr, take = int(got[r, 0]), int(got[r, 1])

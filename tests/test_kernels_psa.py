@@ -17,8 +17,6 @@ duplicated blocks, against the torch path given a stable sort.
 
 from __future__ import annotations
 
-import dataclasses
-
 import math
 import zlib
 
@@ -196,8 +194,7 @@ def test_ties_take_the_lowest_block_and_are_deterministic(dtype, cfg, monkeypatc
 def test_select_in_registers_equals_the_scratch_path(kind, t, dtype):
     """300 blocks (a 512-key tile: the default 8-warp select keeps the keys in registers) and 40
     blocks with one warp: the in-register select picks the same candidates in the same order as the
-    scratch path (bit-equal plans) and as the torch path, and so does a 16-ary threshold search on
-    either path."""
+    scratch path (bit-equal plans) and as the torch path."""
     for n, bs, cfg in ((2400, 8, None), (320, 8, REGS)):
         q, ctx_k, loc_k, q_pos = _inputs(zlib.crc32(f"regs-{kind}-{t}-{n}".encode()), n=n, t=t, m=t + 2, dtype=dtype)
         meta = _meta(ctx_k, bs)
@@ -206,10 +203,6 @@ def test_select_in_registers_equals_the_scratch_path(kind, t, dtype):
         _assert_same(got, want, f"registers {kind} n={n}")
         scratch = kernels.progressive_plan(*_dev(q, ctx_k, loc_k, q_pos, meta), bs, cfg=SCRATCH, **kw)
         assert torch.equal(got.positions, scratch.positions) and torch.equal(got.ranked, scratch.ranked)
-        for base in (cfg or kernels.DEFAULT_CONFIG, SCRATCH):  # the threshold search's arity: same plans
-            k_ary = kernels.progressive_plan(*_dev(q, ctx_k, loc_k, q_pos, meta), bs,
-                                             cfg=dataclasses.replace(base, select_arity=16), **kw)
-            assert torch.equal(got.positions, k_ary.positions) and torch.equal(got.ranked, k_ary.ranked)
 
 
 def _reader(meta):

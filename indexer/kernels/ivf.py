@@ -185,50 +185,19 @@ def _lse_parts(ML, n_parts, G: tl.constexpr, G_PAD: tl.constexpr, BLOCK_S: tl.co
 
 
 @triton.jit
-def _band_counts(key, lo, hi, step, ARITY: tl.constexpr):
-    """[ARITY] counts of `key` ([BLOCK] ints) in [lo + j·step, hi) for j = 0..ARITY-1; a threshold at
-    or above hi counts nothing. One reduction gives every threshold's count."""
-    j = tl.arange(0, ARITY)
-    t = tl.minimum(lo.to(tl.int64) + j.to(tl.int64) * step, hi).to(tl.int32)
-    inside = (key[None, :] >= t[:, None]) & (key[None, :] < hi)
-    return tl.sum(inside.to(tl.int32), 1)
-
-
-@triton.jit
-def _narrow(band, lo, hi, c_hi, step, K, ARITY: tl.constexpr):
-    """One step of the k-ary search: band[j] = keys in [lo + j·step, hi), c_hi = count(key >= hi) < K
-    and c_hi + band[0] >= K. The K-th largest key lies in the sub-band [lo + j*·step, lo + (j*+1)·step)
-    of the last j* whose count reaches K -> (lo, hi, c_hi, keys in the new band, done: exactly K
-    keys >= the new lo)."""
-    j = tl.arange(0, ARITY)
-    cnt = c_hi + band
-    js = tl.max(tl.where(cnt >= K, j, 0), 0)
-    c_js = tl.sum(tl.where(j == js, cnt, 0), 0)
-    last = js + 1 >= ARITY
-    c_next = tl.where(last, c_hi, tl.sum(tl.where(j == js + 1, cnt, 0), 0))
-    new_lo = (lo.to(tl.int64) + js.to(tl.int64) * step).to(tl.int32)
-    new_hi = tl.where(last, hi, tl.minimum(lo.to(tl.int64) + (js + 1).to(tl.int64) * step, hi).to(tl.int32))
-    return new_lo, new_hi, c_next, c_js - c_next, (c_js == K).to(tl.int32)
-
-
-@triton.jit
-def _kth_largest(BUF, full_off, ping_off, pong_off, n, K, key_lo, n_ge_lo, key_hi, BLOCK: tl.constexpr,
-                 ARITY: tl.constexpr):
+def _kth_largest(BUF, full_off, ping_off, pong_off, n, K, key_lo, n_ge_lo, key_hi, BLOCK: tl.constexpr):
     """Threshold of the top-K of the int keys BUF[full_off : full_off + n], all < key_hi, with
     n_ge_lo of them >= key_lo (callers pass the smallest valid key, or 0 and n): returns (thr, take)
     such that the top-K is every key > thr plus the first `take` keys == thr (array order).
 
-    A search on the key value that splits the undecided band [lo, hi) into ARITY sub-bands per step
-    (one reduction counts every sub-band: log_ARITY of the key range dependent steps instead of
-    log_2; ARITY = 2 is a bisection). Phase A, while the working set is larger than BLOCK: each step
-    is a pass over the working set in global scratch (L1/L2), and once the band holds at most half
-    of it, or fits in a block, the band is compacted into the ping/pong region (n ints each; a
-    debug_barrier orders the compaction's stores before other threads read them). Phase B: the band
-    is loaded into registers once and the steps go on there. Stops early when a threshold splits
-    exactly K. Any arity selects the same keys: (thr, take) is unique unless a threshold splits
-    exactly K, and every such threshold selects the same set."""
-    lo = key_lo + n * 0  # count(key >= lo) >= K
-    hi = key_hi + n * 0  # count(key >= hi) == c_hi < K
+    Bisection on the key value. Phase A, while the working set is larger than BLOCK: each step is a
+    pass over the working set in global scratch (L1/L2), and once the undecided band [lo, hi) holds at
+    most half of it, or fits in a block, the band is compacted into the ping/pong region (n ints
+    each; a debug_barrier orders the compaction's stores before other threads read them). Phase B:
+    the band is loaded into registers once and the steps go on there. Stops early when a probe value
+    splits exactly K."""
+    lo = key_lo  # count(key >= lo) >= K
+    hi = key_hi  # count(key >= hi) == c_hi < K
     c_hi = n * 0
     n_band = n_ge_lo  # keys in [lo, hi)
     cur = full_off
@@ -236,13 +205,21 @@ def _kth_largest(BUF, full_off, ping_off, pong_off, n, K, key_lo, n_ge_lo, key_h
     done = (K >= n_ge_lo).to(tl.int32)  # K >= n: everything; K == n_ge_lo: every key >= key_lo
     ar = tl.arange(0, BLOCK)
     while (hi - lo > 1) & (done == 0) & (cur_n > BLOCK):
-        step = (hi - lo - 1) // ARITY + 1
-        band = tl.zeros([ARITY], tl.int32)  # working-set keys in [lo + j·step, hi)
+        mid = lo + (hi - lo) // 2
+        c_mid = n * 0  # working-set keys in [mid, hi)
         for c0 in range(0, cur_n, BLOCK):
             o = c0 + ar
             key = tl.load(BUF + cur + o, mask=o < cur_n, other=-1)
-            band += _band_counts(key, lo, hi, step, ARITY)
-        lo, hi, c_hi, n_band, done = _narrow(band, lo, hi, c_hi, step, K, ARITY)
+            c_mid += tl.sum(((key >= mid) & (key < hi)).to(tl.int32), 0)
+        cnt = c_hi + c_mid
+        if cnt >= K:
+            lo = mid
+            n_band = c_mid
+            done = (cnt == K).to(tl.int32)
+        else:
+            hi = mid
+            c_hi = cnt
+            n_band = n_band - c_mid
         if ((n_band * 2 <= cur_n) | (n_band <= BLOCK)) & (done == 0):
             dst = tl.where(cur == ping_off, pong_off, ping_off)
             base = n * 0
@@ -257,17 +234,23 @@ def _kth_largest(BUF, full_off, ping_off, pong_off, n, K, key_lo, n_ge_lo, key_h
             cur = dst
             cur_n = base
     reg = tl.load(BUF + cur + ar, mask=ar < cur_n, other=-1)  # phase B: the band (or all n) in registers
-    return _bisect_regs(reg, n, K, lo, hi, c_hi, done, ARITY)
+    return _bisect_regs(reg, n, K, lo, hi, c_hi, done)
 
 
 @triton.jit
-def _bisect_regs(reg, n, K, lo, hi, c_hi, done, ARITY: tl.constexpr):
-    """Phase B of `_kth_largest`: the k-ary search over keys held in registers (`reg`: the band
+def _bisect_regs(reg, n, K, lo, hi, c_hi, done):
+    """Phase B of `_kth_largest`: the bisection over keys held in registers (`reg`: the band
     [lo, hi) and anything outside it; -1 for empty slots), given count(key >= hi) = c_hi < K;
     returns (thr, take) as `_kth_largest` does."""
     while (hi - lo > 1) & (done == 0):
-        step = (hi - lo - 1) // ARITY + 1
-        lo, hi, c_hi, _, done = _narrow(_band_counts(reg, lo, hi, step, ARITY), lo, hi, c_hi, step, K, ARITY)
+        mid = lo + (hi - lo) // 2
+        cnt = c_hi + tl.sum(((reg >= mid) & (reg < hi)).to(tl.int32), 0)
+        if cnt >= K:
+            lo = mid
+            done = (cnt == K).to(tl.int32)
+        else:
+            hi = mid
+            c_hi = cnt
     if K >= n:
         thr = lo * 0 - 1
         take = lo * 0
@@ -281,27 +264,27 @@ def _bisect_regs(reg, n, K, lo, hi, c_hi, done, ARITY: tl.constexpr):
 
 
 @triton.jit
-def _top_threshold_regs(keys, n, K, key_min, n_valid, key_hi, ARITY: tl.constexpr):
+def _top_threshold_regs(keys, n, K, key_min, n_valid, key_hi):
     """`_top_threshold` over keys held in registers (a row of n <= the block's keys, no scratch)."""
     if n_valid < K:
         thr = n * 0
         take = K - n_valid
     else:
-        thr, take = _bisect_regs(keys, n, K, key_min, key_hi, n * 0, (K >= n_valid).to(tl.int32), ARITY)
+        thr, take = _bisect_regs(keys, n, K, key_min, key_hi, n * 0, (K >= n_valid).to(tl.int32))
     return thr, take
 
 
 @triton.jit
-def _top_threshold(ROW, n, K, key_min, n_valid, key_hi, BLOCK: tl.constexpr, ARITY: tl.constexpr):
+def _top_threshold(ROW, n, K, key_min, n_valid, key_hi, BLOCK: tl.constexpr):
     """`_kth_largest` over a row's keys ROW[0:n] (scratch layout [keys | ping | pong]) when the
     smallest valid key and the count of valid keys (> 0) are known: fewer valid keys than K select
-    them all (the ties at 0 are the invalid slots, emitted as -1); else the search starts at the
+    them all (the ties at 0 are the invalid slots, emitted as -1); else the bisection starts at the
     smallest valid key, skipping the empty range below it."""
     if n_valid < K:
         thr = n * 0
         take = K - n_valid
     else:
-        thr, take = _kth_largest(ROW, 0, n, 2 * n, n, K, key_min, n_valid, key_hi, BLOCK, ARITY)
+        thr, take = _kth_largest(ROW, 0, n, 2 * n, n, K, key_min, n_valid, key_hi, BLOCK)
     return thr, take
 
 
@@ -470,7 +453,7 @@ def _kivf_clusters_kernel(
     PL, PML, OFFSETS, SCR, SEL_START, SEL_CUM,
     so_h, T, C, n_blocks, scr_row, P,
     G: tl.constexpr, G_PAD: tl.constexpr, P_PAD: tl.constexpr, BLOCK: tl.constexpr, BLOCK_S: tl.constexpr,
-    PRECISE: tl.constexpr, ARITY: tl.constexpr,
+    PRECISE: tl.constexpr,
 ):
     """Per row: the group-summed softmax over the C centroids, its top-P clusters (in id order), and
     their CSR slices: SEL_START [rows, P_PAD] = offsets[c], SEL_CUM [rows, P_PAD + 1] = exclusive
@@ -494,7 +477,7 @@ def _kivf_clusters_kernel(
         tl.store(row + c, key, mask=ok)
         key_max = tl.maximum(key_max, tl.max(key, 0))
     tl.debug_barrier()
-    thr, take = _kth_largest(row, 0, C, 2 * C, C, P, 0, C, key_max + 1, BLOCK, ARITY)
+    thr, take = _kth_largest(row, 0, C, 2 * C, C, P, 0, C, key_max + 1, BLOCK)
     base = C * 0
     cum = C * 0
     eq_base = C * 0
@@ -643,7 +626,7 @@ def _select_kernel(
     WS_S, WS_POS, WS_ML, SCR, OUT, PUSH,
     T, U, n_parts, KP, RHO, scr_row,
     G: tl.constexpr, G_PAD: tl.constexpr, BLOCK: tl.constexpr, BLOCK_S: tl.constexpr,
-    HAS_PUSH: tl.constexpr, PUSH_FIRST: tl.constexpr, PRECISE: tl.constexpr, ARITY: tl.constexpr,
+    HAS_PUSH: tl.constexpr, PUSH_FIRST: tl.constexpr, PRECISE: tl.constexpr,
 ):
     """Per row: lse per head over the parts (candidates + frame), mass of each slot = sum over heads
     of exp(logit - lse) (candidate_mass) as an int key (float bits + 1; 0 = not a candidate), the
@@ -698,13 +681,13 @@ def _select_kernel(
             kb = KP
             ks = RHO
         sub = 3 * U
-        thr, take = _top_threshold(row, U, kb, key_min, n_valid, key_hi, BLOCK, ARITY)
+        thr, take = _top_threshold(row, U, kb, key_min, n_valid, key_hi, BLOCK)
         _emit(row, pos_row, U, thr, take, kb, big_out, row + sub, row + sub + kb, True, BLOCK)
         tl.debug_barrier()
-        thr, take = _kth_largest(row, sub, U, 2 * U, kb, ks, 0, kb, key_hi, BLOCK, ARITY)
+        thr, take = _kth_largest(row, sub, U, 2 * U, kb, ks, 0, kb, key_hi, BLOCK)
         _emit(row + sub, row + sub + kb, kb, thr, take, ks, small_out, row, row, False, BLOCK)
     else:
-        thr, take = _top_threshold(row, U, KP, key_min, n_valid, key_hi, BLOCK, ARITY)
+        thr, take = _top_threshold(row, U, KP, key_min, n_valid, key_hi, BLOCK)
         _emit(row, pos_row, U, thr, take, KP, OUT + r * KP, row, row, False, BLOCK)
 
 
@@ -757,7 +740,6 @@ class IvfConfig:
     probe_warps: int = 4
     rerank_warps: int = 4
     select_warps: int = 8
-    select_arity: int = 2  # select: sub-bands per step of the threshold search (a power of two; 2 = bisection)
 
 
 DEFAULT_CONFIG = IvfConfig()  # used when a call passes no cfg (tests swap it for tiny blocks)
@@ -866,7 +848,7 @@ def _rerank_and_select(q, kv, *, rows: int, u: int, sink: int, window: int, kp: 
         wf["s"], wi["pos"], wf["ml"], wi["scr"], out, push if push is not None else out,
         t, u, n_parts, kp, rho, scr_row,
         G=g, G_PAD=g_pad, BLOCK=_select_block(u, cfg), BLOCK_S=_parts_block(n_parts), HAS_PUSH=push is not None,
-        PUSH_FIRST=rho >= kp, PRECISE=_precise(), ARITY=cfg.select_arity, num_warps=cfg.select_warps,
+        PUSH_FIRST=rho >= kp, PRECISE=_precise(), num_warps=cfg.select_warps,
     )
     return out
 
@@ -1004,7 +986,7 @@ def kivf_plan(q: torch.Tensor, kv, cent: torch.Tensor, order: torch.Tensor, offs
         wf["pl"], wf["pml"], offsets, wi["scr"], wi["start"], wi["cum"],
         offsets.stride(0), t, c, n_blocks, scr_row, p,
         G=g, G_PAD=g_pad, P_PAD=p_pad, BLOCK=blk, BLOCK_S=_parts_block(n_blocks), PRECISE=_precise(),
-        ARITY=cfg.select_arity, num_warps=cfg.select_warps,
+        num_warps=cfg.select_warps,
     )
     return _rerank_and_select(
         q, kv, rows=rows, u=u, sink=sink, window=window, kp=kp, rho=0, source=1,

@@ -246,7 +246,7 @@ def _select_kernel(
     X, PS, QPOS, SCR, CAND, CKEY, NCAND,
     T, nb, n_ctx, s_end, window, n_sb, bs, n_bt, K, scr_row,
     G: tl.constexpr, G_PAD: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK: tl.constexpr,
-    IN_REGS: tl.constexpr, PRECISE: tl.constexpr, ARITY: tl.constexpr, PDL: tl.constexpr = False,
+    IN_REGS: tl.constexpr, PRECISE: tl.constexpr, PDL: tl.constexpr = False,
 ):
     """One program per row (KV head, token): the group score of every ranked block (sum over the
     group's heads of the softmax over blocks) as an int key (float bits + 1; 0 = dense-part block),
@@ -284,7 +284,7 @@ def _select_kernel(
         kreg = _group_keys(X, hrow, g_ok, blk, nb, n_sb, first_w, m_all, inv_z, PRECISE)
         n_valid = tl.sum((kreg > 0).to(tl.int32), 0)
         key_min = tl.min(tl.where(kreg > 0, kreg, INT_MAX), 0)
-        thr, take = _top_threshold_regs(kreg, nb, K, key_min, n_valid, tl.max(kreg, 0) + 1, ARITY)
+        thr, take = _top_threshold_regs(kreg, nb, K, key_min, n_valid, tl.max(kreg, 0) + 1)
         n_out, _ = _emit_keys(kreg, blk, thr, take, r * 0, r * 0, CAND + out, CKEY + out)
         tl.store(NCAND + r, n_out)
     else:
@@ -307,7 +307,7 @@ def _select_kernel(
             n_valid += tl.sum((key > 0).to(tl.int32), 0)
             key_min = tl.minimum(key_min, tl.min(tl.where(key > 0, key, INT_MAX), 0))
             key_max = tl.maximum(key_max, tl.max(key, 0))
-        thr, take = _top_threshold(row, nb, K, key_min, n_valid, key_max + 1, BLOCK, ARITY)
+        thr, take = _top_threshold(row, nb, K, key_min, n_valid, key_max + 1, BLOCK)
         base = r * 0
         eq_base = r * 0
         for c0 in range(0, nb, BLOCK):
@@ -557,7 +557,6 @@ class PsaConfig:
     score_block: int = 1024  # select: blocks per chunk of the score pass
     select_block: int = 4096  # select: keys the threshold search holds in registers (larger rows: L2 passes)
     select_warps: int = 8
-    select_arity: int = 2  # select: sub-bands per step of the threshold search (`ivf._kth_largest`)
     pdl: bool = True  # programmatic dependent launch on Hopper and later (`indexer/kernels/pdl.py`)
     regs_select: bool = True  # select: keep a row's keys in registers when they fit (False: the scratch path)
     regs_scores: int = 16384  # select: most G_PAD x BLOCK scores the in-register path holds
@@ -714,8 +713,7 @@ def progressive_plan(
             G=g, G_PAD=_pow2(g), BLOCK_P=max(16, min(64, _pow2(n_bt))),
             BLOCK_C=max(16, min(cfg.score_block, _pow2(nb))),
             BLOCK=min(cfg.select_block, max(16, _pow2(nb))),
-            IN_REGS=in_regs, PRECISE=precise, ARITY=cfg.select_arity, PDL=bool(pdl), **pdl,
-            num_warps=cfg.select_warps,
+            IN_REGS=in_regs, PRECISE=precise, PDL=bool(pdl), **pdl, num_warps=cfg.select_warps,
         )
         _sums_kernel[(n_st + 1, r)](
             qc, ctx_k, loc_k, pc, cand, ckey, ncand, sid, smx, ssm, dmx, dsm,
