@@ -197,7 +197,7 @@ def _loader(art: ContextArtifacts, cid: str, tiers: ContextTiers, resident: torc
             t = from_dram(name, layer)
         elif name in host_arrays:
             # an unpinned copy another backend left in the tier is pinned for this request only
-            t = mapped(_pinned(from_dram(name, layer, pin=True)))
+            t = mapped(_pinned(from_dram(name, layer, pin=True)), resident)
         else:
             t, hit = tiers.gpu.get((cid, name, layer), lambda: from_dram(name, layer).to(resident))
             loads.count("gpu", hit)

@@ -129,3 +129,12 @@ def test_torch_ref_low_precision(dtype, tol):
     assert out.dtype == dtype
     ref = _reference(q, kv, frame_mask(plan, kv, 4, 8, q.shape[1]), 0.25)
     assert (out.double() - ref).norm() / ref.norm() < tol
+
+
+def test_offload_maps_only_pinned_host_memory():
+    """`mapped` hands the GPU a view of host memory only where the driver mapped it: pageable memory
+    is refused before any CUDA call (on a GPU worker the pipeline pins the context first)."""
+    from decoder.backends.offload import mapped
+
+    with pytest.raises(ValueError, match="pinned"):
+        mapped(torch.zeros(4, 8))

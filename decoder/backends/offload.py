@@ -48,13 +48,16 @@ class _HostArray:
         }
 
 
-def mapped(host: torch.Tensor) -> torch.Tensor:
-    """A CUDA tensor over the bytes of a pinned host tensor (no copy): every kernel that reads it
-    reads host memory over PCIe. Pinned memory is mapped into the device's address space under
-    unified addressing (every 64-bit CUDA platform), so its host pointer is a device pointer too."""
+def mapped(host: torch.Tensor, device: torch.device | str | None = None) -> torch.Tensor:
+    """A CUDA tensor on `device` (default: the current one) over the bytes of a pinned host tensor
+    (no copy): every kernel that reads it reads host memory over PCIe. Pinned memory is mapped into
+    the device's address space under unified addressing (every 64-bit CUDA platform), so its host
+    pointer is a device pointer too."""
     if not host.is_pinned():
         raise ValueError("only pinned host memory is mapped into the device's address space")
-    dev = torch.device("cuda", torch.cuda.current_device())
+    dev = torch.device(device if device is not None else "cuda")
+    if dev.index is None:
+        dev = torch.device("cuda", torch.cuda.current_device())
     view = torch.as_tensor(_HostArray(host), device=dev).view(host.dtype)
     if view.data_ptr() != host.data_ptr():  # torch copied instead of aliasing: refuse, never serve a copy
         raise RuntimeError("torch copied the host tensor instead of mapping it")
