@@ -45,11 +45,22 @@ def resolve_device(setting: str) -> str:
     return setting
 
 
-def resolve_backend(settings: Settings, device: str) -> str:
-    """The attention backend a decode worker on `device` uses when a request names none."""
+def resolve_backend(settings: Settings, device: str, kv_bytes: tuple[int, int] | None = None,
+                    gpu_tier_bytes: int | None = None) -> str:
+    """The attention backend a decode worker on `device` uses when a request names none. `auto`: the
+    device's default (`triton` on a GPU where installed, else `torch_ref`), except that on a GPU a
+    context whose K/V (`kv_bytes`: its K and V bytes) exceed the whole GPU tier (`gpu_tier_bytes`)
+    is read from pinned host memory instead of thrashing the tier: `offload_v` when its keys fit,
+    else `offload` (decoder/backends/offload.py)."""
     from decoder.backends import default_backend_name
 
-    return default_backend_name(device) if settings.attention_backend == "auto" else settings.attention_backend
+    if settings.attention_backend != "auto":
+        return settings.attention_backend
+    if torch.device(device).type == "cuda" and kv_bytes is not None and gpu_tier_bytes is not None:
+        k, v = kv_bytes
+        if k + v > gpu_tier_bytes:
+            return "offload_v" if k <= gpu_tier_bytes else "offload"
+    return default_backend_name(device)
 
 
 def resolve_kv_dtype(settings: Settings, model_dtype: str) -> str:

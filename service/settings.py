@@ -65,7 +65,8 @@ class Settings(BaseSettings):
     decode_batch_size: int = Field(8, ge=1, le=256, description="most requests a batched decode worker steps together")
     attention_backend: str = Field(
         "auto", pattern="^(auto|torch_ref|triton|offload|offload_v)$",
-        description="decode attention backend: auto = triton on a GPU when installed, else torch_ref; offload keeps "
+        description="decode attention backend: auto = triton on a GPU when installed, else torch_ref (on a GPU, "
+                    "offload_v / offload for a context whose K/V exceed the GPU tier); offload keeps "
                     "the context's K/V in pinned DRAM and the GPU's kernels read the attended rows in place; "
                     "offload_v keeps only the values there; a completion may name another one")
     prefill_chunk_tokens: int = Field(512, ge=16, le=65536, description="prefill chunk size (memory bound + progress)")

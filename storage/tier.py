@@ -6,8 +6,9 @@ The decode worker asks for (context, array, layer) slices. Two tiers stack:
   lookup. Later questions on the same context never touch the disk while it fits.
 * **GPU** (`gpu_cache_bytes`, on a GPU worker): a miss copies the slice from the DRAM tier to the
   device once; a hit returns the resident device tensor. Decode steps read context K/V and index
-  arrays from here, so nothing crosses PCIe per step (except in the `offload` backend, which keeps
-  the context in DRAM on purpose and ships only the rows a step attends).
+  arrays from here, so nothing crosses PCIe per step (except under the `offload` backends, which
+  keep the context's K/V, or its values, pinned in DRAM on purpose; the GPU's kernels read the rows
+  a step attends in place).
 
 Entries larger than a tier's whole capacity are returned uncached. Evicting an entry drops the
 tier's reference: a tensor a running request still holds stays alive until that request is done.

@@ -63,3 +63,23 @@ def test_concurrent_requests_are_batched_and_answer_like_serial_ones(tmp_path, r
         assert got["token_ids"] == want, (i, method, got["text"])
     assert max(out[i]["stats"]["batch_max"] for i in out) >= 2  # they really ran together
     assert "27182" in out[0]["text"]
+
+
+def test_auto_backend_reads_a_context_larger_than_the_gpu_tier_from_host_memory():
+    """attention_backend=auto on a GPU worker: a context whose K/V fit the GPU tier is attended by
+    the device default (triton where installed); one that does not is read from pinned host memory,
+    `offload_v` while its keys fit the tier, `offload` when they do not. A CPU worker and an
+    explicit setting are unaffected."""
+    from decoder.backends import default_backend_name
+    from service.runtime import resolve_backend
+    from service.settings import Settings
+
+    auto, fixed = Settings(attention_backend="auto"), Settings(attention_backend="torch_ref")
+    gib = 1 << 30
+    gpu_default = default_backend_name("cuda")
+    assert resolve_backend(auto, "cuda", (4 * gib, 4 * gib), 10 * gib) == gpu_default
+    assert resolve_backend(auto, "cuda", (8 * gib, 8 * gib), 10 * gib) == "offload_v"
+    assert resolve_backend(auto, "cuda:1", (12 * gib, 12 * gib), 10 * gib) == "offload"
+    assert resolve_backend(auto, "cuda", (8 * gib, 8 * gib), None) == gpu_default  # no GPU tier to compare with
+    assert resolve_backend(auto, "cpu", (12 * gib, 12 * gib), 0) == "torch_ref"
+    assert resolve_backend(fixed, "cuda", (12 * gib, 12 * gib), 10 * gib) == "torch_ref"

@@ -317,13 +317,16 @@ class DecodeWorker(Loop):
         lm = rt.ensure_weights()
         method = get_method(req["method"])
         params = method.Params.model_validate(req["params"])
-        backend = get_backend(req.get("backend") or resolve_backend(rt.settings, self.device))
+        art = self._artifacts(cid, rec["slug"])
+        arrays = art.manifest["arrays"]
+        kv_bytes = (int(arrays["kv/k"]["nbytes"]), int(arrays["kv/v"]["nbytes"]))
+        gpu_tier = None if self.tiers.gpu is None else self.tiers.gpu.capacity
+        backend = get_backend(req.get("backend") or resolve_backend(rt.settings, self.device, kv_bytes, gpu_tier))
         reasons = backend.validate_configuration(lm.spec, self.device, lm.model.dtype)
         if reasons:
             streams.emit(rid, "error", {"code": "unsupported_configuration",
                                     "message": f"attention backend {backend.name!r} cannot run here: " + "; ".join(reasons)})
             return None
-        art = self._artifacts(cid, rec["slug"])
         index_id = None
         if method.has_index:  # resolved once, by the API (requests queued by an older API carry none)
             index_id = req.get("index_id") or method.index_id(params, lm.spec, rt.method_env)
