@@ -64,9 +64,11 @@ def mapped(host: torch.Tensor, device: torch.device | str | None = None) -> torc
     return view
 
 
-
 @register_backend
 class Offload(AttentionBackend):
+    """`offload`: the context's K and V in pinned host memory (the module docstring); on a GPU it
+    runs what `triton` (or `torch_ref`, without Triton) runs, over the mapped views."""
+
     name = "offload"
     host_arrays = frozenset({"kv/k", "kv/v"})
 
@@ -91,7 +93,6 @@ class Offload(AttentionBackend):
         if kv.ctx_k.device != q.device:
             raise ValueError("offload on a GPU reads the context through mapped views (decoder.backends.offload.mapped)")
         return self._on_gpu(q).run(q, kv, plan, sink, window, scale)
-
 
 
 @register_backend
