@@ -7,7 +7,7 @@
 #                    carry=[".whl", ".old"])
 #   stages: tests | kerneltests | decode | decodecold | decode512 | before_after | kernels | e2e32 | e2e128 |
 #           e2e128rest | e2eprof | e2elayer | attntests | decodeab | psaab | latency | ncu | psasweep | pdlab | e2enow |
-#           offload | psa32sweep | offloadfit
+#           offload | psa32sweep | offloadfit | ivfsweep
 #   (default: tests decode before_after)
 #   .old = the tree before the plan/run redesign (`git archive <commit> decoder indexer storage`), for
 #   the before/after decode comparison.
@@ -103,6 +103,11 @@ for stage in $stages; do
         --offload-batches 8 --offload-methods ctkvr --offload-contexts copies --fit-check --eager-tokens 0 \
         --hf-tokens 0 --tokens 8 --budget-s 480 --out "$OUT/e2e_fit" 2>&1 | tee "$OUT/gpu_e2e_fit.log" \
         | grep "^|\|rror\|fit" | tail -30 ;;
+    ivfsweep)  # ctkvr's IvfConfig knobs (reasoned defaults, never swept on a GPU before), B = 1, with profiles
+      python3 benchmarks/gpu_decode.py --lengths 131072 32768 --batches 1 --profile --backends triton \
+        --methods ctkvr ctkvr:select_block=4096 ctkvr:select_block=8192 ctkvr:select_warps=4 ctkvr:select_warps=16 \
+        ctkvr:block_u=128 ctkvr:chunks_per_prog=2 ctkvr:rerank_warps=8 ctkvr:block_c=128 --out "$OUT/ivf" 2>&1 \
+        | tee "$OUT/gpu_decode_ivf_sweep.log" | grep -v "^  \|^    " ;;
     psa32sweep)  # psa's plan knobs and the attention kernel's split knobs at 32K (the 128K sweep: psasweep)
       python3 benchmarks/gpu_decode.py --lengths 32768 --batches 1 --backends triton triton:programs_per_sm=1 \
         triton:programs_per_sm=4 --methods psa psa:select_warps=4 psa:stop_parts=8 psa:stop_parts=4 \
