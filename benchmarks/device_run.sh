@@ -7,7 +7,7 @@
 #                    carry=[".whl", ".old"])
 #   stages: tests | kerneltests | decode | decodecold | decode512 | before_after | kernels | e2e32 | e2e128 |
 #           e2e128rest | e2eprof | e2elayer | attntests | decodeab | psaab | latency | ncu | psasweep | pdlab | e2enow |
-#           offload | psa32sweep | offloadfit | ivfsweep
+#           offload | psa32sweep | offloadfit | ivfsweep | ivfcpp
 #   (default: tests decode before_after)
 #   .old = the tree before the plan/run redesign (`git archive <commit> decoder indexer storage`), for
 #   the before/after decode comparison.
@@ -108,6 +108,12 @@ for stage in $stages; do
         --methods ctkvr ctkvr:select_block=4096 ctkvr:select_block=8192 ctkvr:select_warps=4 ctkvr:select_warps=16 \
         ctkvr:block_u=128 ctkvr:chunks_per_prog=2 ctkvr:rerank_warps=8 ctkvr:block_c=128 --out "$OUT/ivf" 2>&1 \
         | tee "$OUT/gpu_decode_ivf_sweep.log" | grep -v "^  \|^    " ;;
+    ivfcpp)  # the rerank's chunks per program, 2 (the default) against 1 and 4, with plan agreement; kernel tests first
+      python3 -m pytest -q -p no:cacheprovider -o addopts="" tests/test_kernels_ivf.py 2>&1 | tail -2 \
+        | tee "$OUT/gpu_ivf_tests.log"
+      python3 benchmarks/gpu_decode.py --lengths 131072 32768 --batches 1 8 --profile --torch-plans --backends triton \
+        --methods ctkvr ctkvr:chunks_per_prog=1 ctkvr:chunks_per_prog=4 kivf kivf:chunks_per_prog=1 --out "$OUT/ivfcpp" \
+        2>&1 | tee "$OUT/gpu_decode_ivf_cpp.log" | grep -v "^  \|^    " ;;
     psa32sweep)  # psa's plan knobs and the attention kernel's split knobs at 32K (the 128K sweep: psasweep)
       python3 benchmarks/gpu_decode.py --lengths 32768 --batches 1 --backends triton triton:programs_per_sm=1 \
         triton:programs_per_sm=4 --methods psa psa:select_warps=4 psa:stop_parts=8 psa:stop_parts=4 \
