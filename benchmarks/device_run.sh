@@ -7,7 +7,7 @@
 #                    carry=[".whl", ".old"])
 #   stages: tests | kerneltests | decode | decodecold | decode512 | before_after | kernels | e2e32 | e2e128 |
 #           e2e128rest | e2eprof | e2elayer | attntests | decodeab | psaab | latency | ncu | psasweep | pdlab | e2enow |
-#           offload | psa32sweep | offloadfit | ivfsweep | ivfcpp
+#           offload | psa32sweep | offloadfit | ivfsweep | ivfcpp | cslfsweep
 #   (default: tests decode before_after)
 #   .old = the tree before the plan/run redesign (`git archive <commit> decoder indexer storage`), for
 #   the before/after decode comparison.
@@ -114,6 +114,12 @@ for stage in $stages; do
       python3 benchmarks/gpu_decode.py --lengths 131072 32768 --batches 1 8 --profile --torch-plans --backends triton \
         --methods ctkvr ctkvr:chunks_per_prog=1 ctkvr:chunks_per_prog=4 kivf kivf:chunks_per_prog=1 --out "$OUT/ivfcpp" \
         2>&1 | tee "$OUT/gpu_decode_ivf_cpp.log" | grep -v "^  \|^    " ;;
+    cslfsweep)  # csattn's and lfps's kernel knobs (csattn's never swept on a GPU before), B = 1, with profiles
+      python3 benchmarks/gpu_decode.py --lengths 131072 32768 --batches 1 --profile --backends triton \
+        --methods csattn csattn:block=512 csattn:block=2048 csattn:warps=8 csattn:warps=2 csattn:block_n=512 \
+        csattn:block_n=2048 csattn:finalize_warps=8 lfps lfps:block=128 lfps:block=512 lfps:programs_per_sm=2 \
+        lfps:programs_per_sm=8 lfps:num_warps=8 lfps:score_tiles=2 lfps:block_score=128 --out "$OUT/cslf" 2>&1 \
+        | tee "$OUT/gpu_decode_cslf_sweep.log" | grep -v "^  \|^    " ;;
     psa32sweep)  # psa's plan knobs and the attention kernel's split knobs at 32K (the 128K sweep: psasweep)
       python3 benchmarks/gpu_decode.py --lengths 32768 --batches 1 --backends triton triton:programs_per_sm=1 \
         triton:programs_per_sm=4 --methods psa psa:select_warps=4 psa:stop_parts=8 psa:stop_parts=4 \

@@ -46,6 +46,7 @@ dense), l2 (cold|warm).
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import os
 import platform
@@ -197,17 +198,16 @@ def backend_for(spec: str):
 
 
 def plan_knobs(method: str, knobs: str):
-    """ "psa:regs_select=0", "ctkvr:select_arity=16": the method's fused plan with its kernel config's
-    knobs changed (`PsaConfig`; `IvfConfig` for ctkvr and kivf) while this method's rows run (A/B
-    rows in one run); returns the function that restores the defaults."""
+    """ "psa:regs_select=0", "ctkvr:chunks_per_prog=1": the method's fused plan with its kernel config's
+    knobs changed (its module's DEFAULT_CONFIG: `PsaConfig`, `IvfConfig` for ctkvr and kivf,
+    `CsattnConfig`, `LfpsConfig`) while this method's rows run (A/B rows in one run); returns the
+    function that restores the defaults."""
     if not knobs:
         return lambda: None
-    if method == "psa":
-        import indexer.kernels.psa as kp
-    elif method in ("ctkvr", "kivf"):
-        import indexer.kernels.ivf as kp
-    else:
-        raise SystemExit(f"plan knobs are supported for psa, ctkvr and kivf, not {method!r}")
+    modules = {"psa": "psa", "ctkvr": "ivf", "kivf": "ivf", "csattn": "csattn", "lfps": "lfps"}
+    if method not in modules:
+        raise SystemExit(f"plan knobs are supported for {', '.join(modules)}, not {method!r}")
+    kp = importlib.import_module(f"indexer.kernels.{modules[method]}")
 
     old = kp.DEFAULT_CONFIG
     kp.DEFAULT_CONFIG = with_knobs(old, knobs, f"{method}:{knobs}")
