@@ -7,7 +7,7 @@
 #                    carry=[".whl", ".old"])
 #   stages: tests | kerneltests | decode | decodecold | decode512 | before_after | kernels | e2e32 | e2e128 |
 #           e2e128rest | e2eprof | e2elayer | attntests | decodeab | psaab | latency | ncu | psasweep | pdlab | e2enow |
-#           offload | psa32sweep | offloadfit | ivfsweep | ivfcpp | cslfsweep | layerpdl
+#           offload | psa32sweep | offloadfit | ivfsweep | ivfcpp | cslfsweep
 #   (default: tests decode before_after)
 #   .old = the tree before the plan/run redesign (`git archive <commit> decoder indexer storage`), for
 #   the before/after decode comparison.
@@ -120,12 +120,6 @@ for stage in $stages; do
         csattn:block_n=2048 csattn:finalize_warps=8 lfps lfps:block=128 lfps:block=512 lfps:programs_per_sm=2 \
         lfps:programs_per_sm=8 lfps:num_warps=8 lfps:score_tiles=2 lfps:block_score=128 --out "$OUT/cslf" 2>&1 \
         | tee "$OUT/gpu_decode_cslf_sweep.log" | grep -v "^  \|^    " ;;
-    layerpdl)  # the fused layer ops with and without programmatic dependent launch, end to end; their tests first
-      python3 -m pytest -q -p no:cacheprovider -o addopts="" tests/test_layer_kernels.py tests/test_runner.py -k "layer or gpu" \
-        2>&1 | tail -2 | tee "$OUT/gpu_layer_pdl_tests.log"
-      python3 benchmarks/gpu_e2e.py --lengths 131072 --batches 1 8 --methods full psa saap --layer-pdl-ab --eager-tokens 0 \
-        --hf-tokens 0 --tokens 8 --budget-s 400 --out "$OUT/e2e_pdl" 2>&1 | tee "$OUT/gpu_e2e_layer_pdl.log" \
-        | grep "^|\|rror" | tail -20 ;;
     psa32sweep)  # psa's plan knobs and the attention kernel's split knobs at 32K (the 128K sweep: psasweep)
       python3 benchmarks/gpu_decode.py --lengths 32768 --batches 1 --backends triton triton:programs_per_sm=1 \
         triton:programs_per_sm=4 --methods psa psa:select_warps=4 psa:stop_parts=8 psa:stop_parts=4 \

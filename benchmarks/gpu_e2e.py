@@ -455,8 +455,6 @@ def main() -> None:
                     help="compare the prefill with the HF one at this n (0: off)")
     ap.add_argument("--budget-s", type=float, default=540.0, help="start no new measurement after this many seconds")
     ap.add_argument("--profile", action="store_true", help="kernels of one replayed B = 1 step per method")
-    ap.add_argument("--layer-pdl-ab", action="store_true",
-                    help="each graph row twice: the fused layer ops with programmatic dependent launch, then without")
     ap.add_argument("--layer-ab", action="store_true",
                     help="also time each runner row with the fused layer ops off (torch RMSNorm/RoPE/SiLU)")
     ap.add_argument("--device", default="cuda")
@@ -559,12 +557,7 @@ def main() -> None:
                             if bench.over_budget():
                                 break
                             for fl in ((None, False) if a.layer_ab else (None,)):
-                                for lp in (("1", "0") if a.layer_pdl_ab else (None,)):
-                                    if lp is not None:  # read by decoder/kernels/layer.py at launch (capture)
-                                        os.environ["CTXCACHE_LAYER_PDL"] = lp
-                                    bench.runner(n, ctx, name, method, params, reader, be, b, True, a.tokens,
-                                                 extra if lp is None else {**extra, "layer_pdl": lp == "1"}, fl)
-                                os.environ.pop("CTXCACHE_LAYER_PDL", None)
+                                bench.runner(n, ctx, name, method, params, reader, be, b, True, a.tokens, extra, fl)
                             if a.fit_check and b > 1 and not bench.over_budget():  # B copies: do they fit?
                                 bench.runner(n, ctx, name, method, params, reader, be, b, True, a.tokens, extra,
                                              contexts="copies")
@@ -601,8 +594,7 @@ def main() -> None:
             continue
         f = lambda x, p=2: "-" if x is None else f"{x:.{p}f}"  # noqa: E731
         ratio = None if not r.get("floor_ms") else r["ms_per_token"] / r["floor_ms"]
-        fl = ("" if r.get("fused_layer", True) else " (torch layer ops)") + (" (layer ops without PDL)"
-                                                                          if r.get("layer_pdl") is False else "")
+        fl = "" if r.get("fused_layer", True) else " (torch layer ops)"
         print(f"| {r['n']} | {r['batch']} | {r['runner']}{fl} | {r['method']} | {r['backend']} | {f(r['ms_per_token'])} | "
               f"{f(r['tokens_per_s'], 1)} | {f(r['floor_ms'])} | {f(ratio, 1)} | {f(r.get('kv_fraction'), 3)} | "
               f"{r.get('graph') or ('derived' if r.get('derived_from_b1') else '')} |")

@@ -18,10 +18,7 @@ residual add are exact (tests/test_layer_kernels.py checks bit equality for them
 bound for the others, in fp32, fp16 and bf16).
 
 Grids from shapes only (graph-capturable, no host sync); each call allocates its outputs, as the
-torch functions do. Launched with programmatic dependent launch on Hopper and later
-(`indexer/kernels/pdl.py`): each kernel waits for the previous one's writes as its first step, so
-it can be scheduled while that one drains (`CTXCACHE_LAYER_PDL=0` launches them plainly, for A/B
-runs). Compiled without fp contraction (`enable_fp_fusion=False`): a fused
+torch functions do. Compiled without fp contraction (`enable_fp_fusion=False`): a fused
 multiply-add would round x·cos + rot·sin once where torch rounds each product.
 """
 
@@ -35,18 +32,16 @@ import triton.language as tl
 
 from indexer.kernels import interpreted  # also makes Triton 3.6's interpreter work with NumPy 2.4
 from indexer.kernels.ivf import _round_as  # fp32 -> dtype rounding (nearest even), also in the interpreter
-from indexer.kernels.pdl import pdl_begin, pdl_launch
 
 _TL = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
 
 
 @triton.jit
 def _rms_norm_kernel(X, RES, W, OUT, XOUT, C, sx, sr, so, sxo, eps, DT: tl.constexpr, HAS_RES: tl.constexpr,
-                     BLOCK: tl.constexpr, PDL: tl.constexpr = False):
+                     BLOCK: tl.constexpr):
     """One row: x (+ res, rounded to DT -> XOUT), then w · (x · 1/sqrt(mean(x²) + eps)) with the
     normalised row rounded to DT before the weight (LlamaRMSNorm) -> OUT. Every value is rounded
     in fp32 (`_round_as`) and stored exactly."""
-    pdl_begin(PDL)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     m = offs < C
@@ -61,12 +56,10 @@ def _rms_norm_kernel(X, RES, W, OUT, XOUT, C, sx, sr, so, sxo, eps, DT: tl.const
 
 
 @triton.jit
-def _rope_qk_kernel(QKV, COS, SIN, Q, K, sqkv, scs, H, KVH, D: tl.constexpr, DT: tl.constexpr,
-                    PDL: tl.constexpr = False):
+def _rope_qk_kernel(QKV, COS, SIN, Q, K, sqkv, scs, H, KVH, D: tl.constexpr, DT: tl.constexpr):
     """Program (row s, head j < H + KVH): head j of the QKV row, rotated (rotate-half):
     x·cos + rot(x)·sin, each product rounded to the dtype before the sum -> Q [S, H, D] or
     K [S, KVH, D]."""
-    pdl_begin(PDL)
     s = tl.program_id(0).to(tl.int64)
     j = tl.program_id(1)
     HALF: tl.constexpr = D // 2
@@ -91,10 +84,9 @@ def _rope_qk_kernel(QKV, COS, SIN, Q, K, sqkv, scs, H, KVH, D: tl.constexpr, DT:
 
 
 @triton.jit
-def _silu_mul_kernel(GU, OUT, I, sgu, so, DT: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
+def _silu_mul_kernel(GU, OUT, I, sgu, so, DT: tl.constexpr, BLOCK: tl.constexpr):
     """Program (row, block): silu(gate) rounded to the dtype, times up -> OUT [S, I]; GU [S, 2I]
     holds gate then up (the fused projection's output)."""
-    pdl_begin(PDL)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     m = offs < I
@@ -118,21 +110,16 @@ def unsupported(x: torch.Tensor, head_dim: int | None = None) -> list[str]:
     return reasons
 
 
-def _pdl(device: torch.device) -> dict:
-    return pdl_launch(device, os.environ.get("CTXCACHE_LAYER_PDL", "1") != "0")
-
-
 def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float, res: torch.Tensor | None = None):
     """x [S, C] (+ res [S, C]) -> RMSNorm of the sum [S, C]; with res also returns the sum (the new
     residual stream): (normed, x + res). `decoder.layers.rms_norm` (after `x + res`) in one launch."""
     s, c = x.shape
     out = torch.empty_like(x)
     xo = torch.empty_like(x) if res is not None else out
-    pdl = _pdl(x.device)
     _rms_norm_kernel[(s,)](
         x, res if res is not None else x, w, out, xo, c, x.stride(0), (res if res is not None else x).stride(0),
         out.stride(0), xo.stride(0), float(eps), DT=_TL[x.dtype], HAS_RES=res is not None, BLOCK=triton.next_power_of_2(c),
-        PDL=bool(pdl), **pdl, num_warps=4 if c <= 2048 else 8, enable_fp_fusion=False,
+        num_warps=4 if c <= 2048 else 8, enable_fp_fusion=False,
     )
     return (out, xo) if res is not None else out
 
@@ -145,10 +132,9 @@ def rope_qk(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, n_heads: in
     q = torch.empty(s, n_heads, head_dim, dtype=qkv.dtype, device=qkv.device)
     k = torch.empty(s, n_kv_heads, head_dim, dtype=qkv.dtype, device=qkv.device)
     cos, sin = cos.contiguous(), sin.contiguous()
-    pdl = _pdl(qkv.device)
     _rope_qk_kernel[(s, n_heads + n_kv_heads)](qkv, cos, sin, q, k, qkv.stride(0), cos.stride(0), n_heads,
-                                               n_kv_heads, D=head_dim, DT=_TL[qkv.dtype], PDL=bool(pdl), **pdl,
-                                               num_warps=1, enable_fp_fusion=False)
+                                               n_kv_heads, D=head_dim, DT=_TL[qkv.dtype], num_warps=1,
+                                               enable_fp_fusion=False)
     return q, k
 
 
@@ -158,10 +144,8 @@ def silu_mul(gu: torch.Tensor) -> torch.Tensor:
     i = two_i // 2
     out = torch.empty(s, i, dtype=gu.dtype, device=gu.device)
     block = 1024
-    pdl = _pdl(gu.device)
     _silu_mul_kernel[(s, triton.cdiv(i, block))](gu, out, i, gu.stride(0), out.stride(0), DT=_TL[gu.dtype],
-                                                 BLOCK=block, PDL=bool(pdl), **pdl, num_warps=4,
-                                                 enable_fp_fusion=False)
+                                                 BLOCK=block, num_warps=4, enable_fp_fusion=False)
     return out
 
 
