@@ -367,6 +367,11 @@ def rotated(ctx: ContextKV, reader: IndexReader | None, j: int, n_layers: int) -
     return c, IndexReader(lambda nm, layer: reader.layer(nm, src(layer)), reader.names)
 
 
+def pinned_copy(t: torch.Tensor) -> torch.Tensor:
+    """t copied into pinned host memory (plain host memory on a CPU smoke run)."""
+    return torch.empty(t.shape, dtype=t.dtype, pin_memory=t.is_cuda).copy_(t)
+
+
 def own_copy(ctx: ContextKV, host_arrays: frozenset[str], n_layers: int) -> ContextKV:
     """A request's own copy of `ctx` where the backend keeps it: the arrays in `host_arrays` as pinned
     host copies (mapped), the rest as GPU copies. Raises torch.OutOfMemoryError when the GPU (or
@@ -376,9 +381,7 @@ def own_copy(ctx: ContextKV, host_arrays: frozenset[str], n_layers: int) -> Cont
         pair = []
         for name, t in zip(("kv/k", "kv/v"), ctx.layer(layer)):
             if name in host_arrays:
-                h = torch.empty(t.shape, dtype=t.dtype, pin_memory=t.is_cuda)
-                h.copy_(t)
-                pair.append(mapped(h) if t.is_cuda else h)
+                pair.append(mapped(pinned_copy(t)) if t.is_cuda else pinned_copy(t))
             else:
                 pair.append(t.clone())
         layers.append(pair)
@@ -397,7 +400,7 @@ def host_context(arrays: dict[str, torch.Tensor], host_arrays: frozenset[str], c
             views[name] = list(src)
             continue
         if name not in copies:
-            copies[name] = [torch.empty(x.shape, dtype=x.dtype, pin_memory=dev == "cuda").copy_(x) for x in src]
+            copies[name] = [pinned_copy(x) for x in src]
         views[name] = [mapped(h) if dev == "cuda" else h for h in copies[name]]
     return ContextKV(arrays["kv/k"].shape[2], lambda nm, layer: views[nm][layer])
 

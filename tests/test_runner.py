@@ -300,6 +300,18 @@ def _same_decode(got: torch.Tensor, ref: torch.Tensor, rel: float, margin: float
 _GPU: dict = {}
 
 
+def _drain(runner, slots) -> tuple[list[torch.Tensor], list[list[int]], list[str]]:
+    """Step the runner until no request is active: per slot its logits [steps, V] and tokens, and
+    how each step ran (`graph_status`)."""
+    logits = {s: [] for s in slots}
+    status = []
+    while runner.active():
+        for s, _ in runner.step():
+            logits[s].append(runner.requests[s].logits.clone())
+        status.append(runner.graph_status)
+    return [torch.stack(logits[s]) for s in slots], [runner.requests[s].tokens for s in slots], status
+
+
 def gpu_setup(dtype):
     """(LoadedModel, (ContextKV, capture)) of a random SmolLM2-shaped model in `dtype` on CUDA and a
     1,024-token context prefilled by it (built once per dtype)."""
@@ -355,13 +367,8 @@ def test_gpu_graph_replay_equals_eager_equals_transformers(dtype):
     for graphs, parallel in ((True, True), (False, True), (True, False)):
         runner = Runner(lm, be, graphs=graphs, parallel=parallel)
         slots = [runner.add(ctx, planner(), params, q, n_new) for _, ctx, planner, params, q in reqs]
-        logits = {s: [] for s in slots}
-        status = []
-        while runner.active():
-            for s, _ in runner.step():
-                logits[s].append(runner.requests[s].logits.clone())
-            status.append(runner.graph_status)
-        runs[graphs, parallel] = ([torch.stack(logits[s]) for s in slots], [runner.requests[s].tokens for s in slots])
+        got_logits, got_tokens, status = _drain(runner, slots)
+        runs[graphs, parallel] = (got_logits, got_tokens)
         if graphs:  # question chunks, one eager warm-up step, a capture, then replays
             assert status[:3] == ["", "eager: warming up", "captured"] and set(status[3:]) == {"replayed"}, status
             assert runner.captures == 1
@@ -455,14 +462,9 @@ def test_gpu_offload_reads_host_memory_in_place_and_equals_triton(backend):
         runner.step()
         runner.step()
         runner.sync_check = True
-        logits = {s: [] for s in slots}
-        status = []
-        while runner.active():
-            for s, _ in runner.step():
-                logits[s].append(runner.requests[s].logits.clone())
-            status.append(runner.graph_status)
+        got_logits, got_tokens, status = _drain(runner, slots)
         assert status[0] == "captured" and set(status[1:]) == {"replayed"}, (name, status)
-        runs[name] = ([torch.stack(logits[s]) for s in slots], [runner.requests[s].tokens for s in slots])
+        runs[name] = (got_logits, got_tokens)
         for s in slots:
             runner.remove(s)
     (want_l, want_t), (got_l, got_t) = runs["triton"], runs[backend]
