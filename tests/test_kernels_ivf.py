@@ -33,7 +33,7 @@ ivf = pytest.importorskip("indexer.kernels.ivf", reason="triton is not installed
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-TINY = ivf.IvfConfig(block_c=16, block_u=16, chunks_per_prog=2, select_block=16, select_warps=4, regs_select=False)
+TINY = ivf.IvfConfig(block_c=16, block_u=16, chunks_per_prog=2, select_block=16, select_warps=4)
 
 
 def _spec(kvh, g, d, layers=1):
@@ -130,20 +130,10 @@ def test_ctkvr_fused_plan_equals_torch(case):
 
 def test_ctkvr_fused_plan_with_tiny_blocks(monkeypatch):
     """Blocks of 16: several probe blocks per row (the merge of their bests), several chunks per
-    rerank program, and the select's scratch path (the default keeps these rows in registers) with a
-    working set larger than a block, so the threshold search compacts its band (ping-pong) and the
-    nested push/plan selection runs over several chunks."""
+    rerank program, and a select working set larger than a block, so the threshold search compacts
+    its band (ping-pong) and the nested push/plan selection runs over several chunks."""
     for i, case in enumerate(TINY_CASES):
         _run_ctkvr(case, seed=5 + i, cfg=TINY, monkeypatch=monkeypatch)
-
-
-def test_ctkvr_fused_plan_with_two_register_tiles(monkeypatch):
-    """The select's in-register path with a row split over two tiles (256 candidate slots, tiles of
-    128: the 8B shape's 10240 slots take two tiles of 8192), question chunk and decode steps."""
-    two = ivf.IvfConfig(regs_tile=128, regs_warps=4)
-    assert ivf._select_launch(256, two)[1:3] == (True, True)
-    for i, case in enumerate(("decode", "question_then_decode")):
-        _run_ctkvr(case, seed=11 + i, cfg=two, monkeypatch=monkeypatch)
 
 
 def test_ctkvr_duplicates_are_counted_once():
@@ -284,16 +274,13 @@ def test_kivf_fused_plan_with_tiny_blocks(monkeypatch):
     _run_kivf("question", seed=7, cfg=TINY, monkeypatch=monkeypatch)
 
 
-@pytest.mark.parametrize("tiles", [1, 2, 0], ids=["registers", "two_register_tiles", "scratch"])
 @pytest.mark.parametrize("kp, rho", [(10, 24), (24, 10), (40, 5)])
-def test_select_kernel_ties_take_the_lowest_slots(kp, rho, tiles):
+def test_select_kernel_ties_take_the_lowest_slots(kp, rho):
     """The group-mass top-K on its own (kernel 3), with exact ties: every slot's logits come from 4
     classes (the same in both heads), so masses tie within a class. The plan row is the kp best
-    valid slots, ties taken lowest slot first; the last token's row also gets the rho best (by one
-    bisection in registers, or selected inside the larger set on the scratch path); -1 fills what
-    the valid slots cannot."""
-    rows, g, u = 3, 2, 64
-    block = {1: u, 2: u // 2, 0: 16}[tiles]
+    valid slots, ties taken lowest slot first; the last token's row also gets the rho best
+    (selected inside the larger set); -1 fills what the valid slots cannot."""
+    rows, g, u, block = 3, 2, 64, 16
     gen = torch.Generator().manual_seed(kp * 100 + rho)
     cls = torch.randint(0, 4, (rows, u), generator=gen)
     logits = (-cls.float())[:, None, :].expand(rows, g, u).contiguous()  # [rows, G, U]
@@ -312,8 +299,7 @@ def test_select_kernel_ties_take_the_lowest_slots(kp, rho, tiles):
     t = 1  # every row is a last token's row (T = 1: one row per KV head)
     args = [d(logits), d(pos), d(ml), d(scr), d(out), d(push)]
     ivf._select_kernel[(rows,)](*args, t, u, 1, kp, rho, 3 * u + 2 * kb, G=g, G_PAD=g, BLOCK=block, BLOCK_S=32,
-                                HAS_PUSH=True, PUSH_FIRST=rho >= kp, IN_REGS=tiles > 0, TWO=tiles == 2,
-                                PRECISE=DEVICE == "cuda", num_warps=1 if tiles else 4)  # registers: no key held twice
+                                HAS_PUSH=True, PUSH_FIRST=rho >= kp, PRECISE=DEVICE == "cuda", num_warps=4)
     out, push = args[4].cpu(), args[5].cpu()
     for r in range(rows):
         ranked = sorted((int(cls[r, i]), i) for i in range(u) if pos[r, i] >= 0)  # class asc = mass desc, slot asc
@@ -383,55 +369,6 @@ def test_threshold_search_selects_the_top_k(in_regs):
         chosen = {i for i, x in enumerate(row) if x > thr and x > 0} | {i for i in eq[:take] if row[i] > 0}  # 0: empty
         ranked = sorted((-x, i) for i, x in enumerate(row) if x > 0)[:k]
         assert chosen == {i for _, i in ranked}, (r, thr, take)
-
-
-@triton.jit
-def _pair_probe(KEYS, OUT, n, K1, K2, BLOCK: tl.constexpr, TWO: tl.constexpr):
-    """Row r: (thr1, take1, thr2, take2) of the top-K1 and top-K2 of KEYS[r, :n] by one bisection
-    over the row in registers (`ivf._top_pair_regs`; in two tiles of BLOCK when TWO) -> OUT[r, 0:4]."""
-    r = tl.program_id(0)
-    ar = tl.arange(0, BLOCK)
-    ka = tl.load(KEYS + r * n + ar, mask=ar < n, other=0)
-    kb = tl.load(KEYS + r * n + BLOCK + ar, mask=(BLOCK + ar < n) & TWO, other=0)
-    n_valid = tl.sum((ka > 0).to(tl.int32) + (kb > 0).to(tl.int32), 0)
-    key_min = tl.min(tl.minimum(tl.where(ka > 0, ka, 2147483647), tl.where(kb > 0, kb, 2147483647)), 0)
-    key_hi = tl.max(tl.maximum(ka, kb), 0) + 1
-    thr1, take1, thr2, take2 = ivf._top_pair_regs(ka, kb, TWO, K1, K2, key_min, n_valid, key_hi)
-    tl.store(OUT + r * 4, thr1)
-    tl.store(OUT + r * 4 + 1, take1)
-    tl.store(OUT + r * 4 + 2, thr2)
-    tl.store(OUT + r * 4 + 3, take2)
-
-
-@pytest.mark.parametrize("two", [False, True], ids=["one_tile", "two_tiles"])
-@pytest.mark.parametrize("k1, k2", [(20, 7), (20, 20), (33, 1)])
-def test_pair_search_selects_both_top_ks(k1, k2, two):
-    """One bisection for two thresholds (the select's push and plan sets): each of (thr1, take1) and
-    (thr2, take2) selects exactly its K largest keys, ties lowest index first, on the rows of the
-    single search's test (ties, spread, empty slots, fewer valid keys than either K, exact splits,
-    all equal) and a row where the two K-th keys are equal (the same threshold, different takes)."""
-    rows, n = 7, 64
-    gen = torch.Generator().manual_seed(k1 * 31 + k2)
-    keys = torch.randint(1, 1 << 30, (rows, n), generator=gen, dtype=torch.int64)
-    keys[0] = torch.randint(1, 6, (n,), generator=gen)
-    keys[1] = keys[1] >> torch.randint(0, 29, (n,), generator=gen)
-    keys[2, torch.rand(n, generator=gen) < 0.5] = 0
-    keys[3, 10:] = 0  # 10 valid keys: fewer than k1 (and than k2 when k2 > 10)
-    keys[4] = torch.arange(n, 0, -1)
-    keys[5] = 7
-    keys[6] = torch.where(torch.arange(n) < 59, 9, 100 + torch.arange(n))  # 5 distinct, then 59 ties: K-th keys both 9
-    keys = keys.to(torch.int32)
-    out = torch.zeros(rows, 4, dtype=torch.int32)
-    args = [keys.to(DEVICE), out.to(DEVICE)]
-    _pair_probe[(rows,)](*args, n, k1, k2, BLOCK=n // 2 if two else n, TWO=two, num_warps=1)
-    got = args[1].cpu()
-    for r in range(rows):
-        row = keys[r].tolist()
-        for (thr, take), k in (((int(got[r, 0]), int(got[r, 1])), k1), ((int(got[r, 2]), int(got[r, 3])), k2)):
-            eq = [i for i, x in enumerate(row) if x == thr]
-            chosen = {i for i, x in enumerate(row) if x > thr and x > 0} | {i for i in eq[:take] if row[i] > 0}
-            ranked = sorted((-x, i) for i, x in enumerate(row) if x > 0)[:k]
-            assert chosen == {i for _, i in ranked}, (r, k, thr, take)
 
 
 def test_unsupported_configurations_keep_the_torch_path():

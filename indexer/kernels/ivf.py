@@ -275,72 +275,6 @@ def _top_threshold_regs(keys, n, K, key_min, n_valid, key_hi):
 
 
 @triton.jit
-def _settle(lo, c_hi, done, K, n_valid):
-    """(thr, take) of a finished bisection for the top-K (see `_kth_largest`); fewer valid keys than
-    K take them all."""
-    if n_valid < K:
-        thr = lo * 0
-        take = K - n_valid
-    elif done != 0:  # keys >= lo are exactly K
-        thr = lo - 1
-        take = lo * 0
-    else:  # hi == lo + 1: lo is the K-th largest key; c_hi keys are above it
-        thr = lo
-        take = K - c_hi
-    return thr, take
-
-
-@triton.jit
-def _count_ge(ka, kb, mid, TWO: tl.constexpr):
-    """Keys >= mid in one or two register tiles (summed per element first: one reduction)."""
-    c = (ka >= mid).to(tl.int32)
-    if TWO:
-        c += (kb >= mid).to(tl.int32)
-    return tl.sum(c, 0)
-
-
-@triton.jit
-def _top_pair_regs(ka, kb, TWO: tl.constexpr, K1, K2, key_min, n_valid, key_hi):
-    """The top-K1 and the top-K2 thresholds (K2 <= K1) of a row's keys held in registers, in one
-    tile (ka) or two (ka, kb; TWO), -1 / 0 for empty slots: one bisection serves both. Each probe
-    counts keys >= mid once, and the count narrows every bracket that mid falls inside; the probe
-    comes from K1's bracket until it is settled, then from K2's (which the shared probes have
-    mostly narrowed by then). Returns (thr1, take1, thr2, take2) as `_kth_largest` does."""
-    lo1 = key_min  # count(key >= lo) >= K; count(key >= hi) == c_hi < K
-    hi1 = key_hi
-    c1 = n_valid * 0
-    d1 = (K1 >= n_valid).to(tl.int32)
-    lo2 = key_min
-    hi2 = key_hi
-    c2 = n_valid * 0
-    d2 = (K2 >= n_valid).to(tl.int32)
-    while ((hi1 - lo1 > 1) & (d1 == 0)) | ((hi2 - lo2 > 1) & (d2 == 0)):
-        a1 = (hi1 - lo1 > 1) & (d1 == 0)
-        if a1:
-            mid = lo1 + (hi1 - lo1) // 2
-        else:
-            mid = lo2 + (hi2 - lo2) // 2
-        cnt = _count_ge(ka, kb, mid, TWO)
-        if a1:
-            if cnt >= K1:
-                lo1 = mid
-                d1 = (cnt == K1).to(tl.int32)
-            else:
-                hi1 = mid
-                c1 = cnt
-        if (d2 == 0) & (mid > lo2) & (mid < hi2):  # a probe outside the bracket would only widen it
-            if cnt >= K2:
-                lo2 = mid
-                d2 = (cnt == K2).to(tl.int32)
-            else:
-                hi2 = mid
-                c2 = cnt
-    thr1, take1 = _settle(lo1, c1, d1, K1, n_valid)
-    thr2, take2 = _settle(lo2, c2, d2, K2, n_valid)
-    return thr1, take1, thr2, take2
-
-
-@triton.jit
 def _top_threshold(ROW, n, K, key_min, n_valid, key_hi, BLOCK: tl.constexpr):
     """`_kth_largest` over a row's keys ROW[0:n] (scratch layout [keys | ping | pong]) when the
     smallest valid key and the count of valid keys (> 0) are known: fewer valid keys than K select
@@ -355,36 +289,6 @@ def _top_threshold(ROW, n, K, key_min, n_valid, key_hi, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _emit_tile(key, POS, o, w_ok, thr, take, base, eq_base, OUT, SUBK, SUBP, WRITE_SUB: tl.constexpr):
-    """One tile of the selection (thr, take) in array order: keys > thr, and the first `take` keys
-    == thr counted from eq_base (the ties before this tile), valid keys (> 0) only (w_ok: the tile's
-    slots o that exist); their positions POS[o] -> OUT from slot `base` (and keys / positions ->
-    SUBK / SUBP when WRITE_SUB). Returns (base, eq_base) after the tile."""
-    eq = (key == thr) & w_ok
-    eq_rank = eq_base + tl.cumsum(eq.to(tl.int32), 0) - 1
-    w = ((key > thr) | (eq & (eq_rank < take))) & (key > 0) & w_ok
-    at = base + tl.cumsum(w.to(tl.int32), 0) - 1
-    p = tl.load(POS + o, mask=w, other=-1)
-    tl.store(OUT + at, p, mask=w)
-    if WRITE_SUB:
-        tl.store(SUBK + at, key, mask=w)
-        tl.store(SUBP + at, p, mask=w)
-    return base + tl.sum(w.to(tl.int32), 0), eq_base + tl.sum(eq.to(tl.int32), 0)
-
-
-@triton.jit
-def _emit_pad(base, K, OUT, SUBK, SUBP, WRITE_SUB: tl.constexpr, BLOCK: tl.constexpr):
-    """Slots [base, K) of a selection's output: -1 (and key 0 / position -1 in SUBK / SUBP)."""
-    ar = tl.arange(0, BLOCK)
-    for c0 in range(base, K, BLOCK):
-        o = c0 + ar
-        tl.store(OUT + o, tl.full([BLOCK], -1, tl.int32), mask=o < K)
-        if WRITE_SUB:
-            tl.store(SUBK + o, tl.zeros([BLOCK], tl.int32), mask=o < K)
-            tl.store(SUBP + o, tl.full([BLOCK], -1, tl.int32), mask=o < K)
-
-
-@triton.jit
 def _emit(KEYS, POS, n, thr, take, K, OUT, SUBK, SUBP, WRITE_SUB: tl.constexpr, BLOCK: tl.constexpr):
     """Write the selection (thr, take) of keys KEYS[0:n] as positions POS[...] into OUT[0:K]: valid
     keys (> 0) packed first in array order, -1 after. WRITE_SUB: also their keys / positions into
@@ -396,17 +300,23 @@ def _emit(KEYS, POS, n, thr, take, K, OUT, SUBK, SUBP, WRITE_SUB: tl.constexpr, 
         o = c0 + ar
         inn = o < n
         key = tl.load(KEYS + o, mask=inn, other=-1)
-        base, eq_base = _emit_tile(key, POS, o, inn, thr, take, base, eq_base, OUT, SUBK, SUBP, WRITE_SUB)
-    _emit_pad(base, K, OUT, SUBK, SUBP, WRITE_SUB, BLOCK)
-
-
-@triton.jit
-def _emit_regs(ka, kb, TWO: tl.constexpr, POS, ar, n, thr, take, K, OUT, BLOCK: tl.constexpr):
-    """`_emit` of a row whose keys are in registers: slots ar in ka, BLOCK + ar in kb when TWO."""
-    base, eq_base = _emit_tile(ka, POS, ar, ar < n, thr, take, n * 0, n * 0, OUT, OUT, OUT, False)
-    if TWO:
-        base, eq_base = _emit_tile(kb, POS, BLOCK + ar, BLOCK + ar < n, thr, take, base, eq_base, OUT, OUT, OUT, False)
-    _emit_pad(base, K, OUT, OUT, OUT, False, BLOCK)
+        eq = (key == thr) & inn
+        eq_rank = eq_base + tl.cumsum(eq.to(tl.int32), 0) - 1
+        w = ((key > thr) | (eq & (eq_rank < take))) & (key > 0) & inn
+        at = base + tl.cumsum(w.to(tl.int32), 0) - 1
+        pos = tl.load(POS + o, mask=w, other=-1)
+        tl.store(OUT + at, pos, mask=w)
+        if WRITE_SUB:
+            tl.store(SUBK + at, key, mask=w)
+            tl.store(SUBP + at, pos, mask=w)
+        base += tl.sum(w.to(tl.int32), 0)
+        eq_base += tl.sum(eq.to(tl.int32), 0)
+    for c0 in range(base, K, BLOCK):
+        o = c0 + ar
+        tl.store(OUT + o, tl.full([BLOCK], -1, tl.int32), mask=o < K)
+        if WRITE_SUB:
+            tl.store(SUBK + o, tl.zeros([BLOCK], tl.int32), mask=o < K)
+            tl.store(SUBP + o, tl.full([BLOCK], -1, tl.int32), mask=o < K)
 
 
 @triton.jit
@@ -711,105 +621,74 @@ def _rerank_kernel(
 # Group mass + top-K (shared)
 
 
-@triton.jit
-def _mass_keys(S, POS, u, inn, U, lse, G: tl.constexpr, G_PAD: tl.constexpr, PRECISE: tl.constexpr):
-    """Int keys of candidate slots u: the group mass sum_g exp(S[g, u] - lse[g]) (candidate_mass) as
-    float bits + 1, 0 where the slot holds no candidate (S rows of U logits, one per head)."""
-    ar_g = tl.arange(0, G_PAD)
-    pos = tl.load(POS + u, mask=inn, other=-1)
-    mass = tl.zeros(u.shape, tl.float32)
-    for g in tl.static_range(G):
-        lse_g = tl.sum(tl.where(ar_g == g, lse, 0.0), 0)
-        lg = tl.load(S + g * U + u, mask=inn, other=float("-inf"))
-        mass += _exp(lg - lse_g, PRECISE)
-    valid = (pos >= 0) & (mass == mass)
-    return tl.where(valid, tl.minimum(mass.to(tl.int32, bitcast=True) + 1, KEY_INF), 0)
-
-
 @triton.jit(do_not_specialize=["T", "U", "n_parts", "KP", "RHO", "scr_row"])
 def _select_kernel(
     WS_S, WS_POS, WS_ML, SCR, OUT, PUSH,
     T, U, n_parts, KP, RHO, scr_row,
     G: tl.constexpr, G_PAD: tl.constexpr, BLOCK: tl.constexpr, BLOCK_S: tl.constexpr,
-    HAS_PUSH: tl.constexpr, PUSH_FIRST: tl.constexpr, IN_REGS: tl.constexpr, TWO: tl.constexpr,
-    PRECISE: tl.constexpr,
+    HAS_PUSH: tl.constexpr, PUSH_FIRST: tl.constexpr, PRECISE: tl.constexpr,
 ):
     """Per row: lse per head over the parts (candidates + frame), mass of each slot = sum over heads
     of exp(logit - lse) (candidate_mass) as an int key (float bits + 1; 0 = not a candidate), the
-    top-KP -> OUT [rows, KP]; on the last token's rows (HAS_PUSH) also the top-RHO -> PUSH [KVH, RHO].
-    IN_REGS (the row's U slots fit one or two (TWO) tiles of BLOCK keys that no two threads share):
-    the keys stay in registers, one bisection finds both thresholds, and both sets are emitted from
-    the tiles.
-    Else the scratch path, the smaller set selected inside the larger one.
+    top-KP -> OUT [rows, KP]; on the last token's rows (HAS_PUSH) also the top-RHO -> PUSH [KVH, RHO],
+    the smaller set selected inside the larger one.
     SCR row: [keys U | ping U | pong U | sub keys KB | sub positions KB], KB = max(KP, RHO)."""
     r = tl.program_id(0).to(tl.int64)
     h = r // T
     t = r % T
     lse = _lse_parts(WS_ML + r * n_parts * G_PAD * 2, n_parts, G, G_PAD, BLOCK_S, PRECISE)
+    ar_g = tl.arange(0, G_PAD)
     ar = tl.arange(0, BLOCK)
     row = SCR + r * scr_row
     pos_row = WS_POS + r * U
+    for c0 in range(0, U, BLOCK):
+        u = c0 + ar
+        inn = u < U
+        pos = tl.load(pos_row + u, mask=inn, other=-1)
+        mass = tl.zeros([BLOCK], tl.float32)
+        for g in tl.static_range(G):
+            lse_g = tl.sum(tl.where(ar_g == g, lse, 0.0), 0)
+            lg = tl.load(WS_S + (r * G + g) * U + u, mask=inn, other=float("-inf"))
+            mass += _exp(lg - lse_g, PRECISE)
+        valid = (pos >= 0) & (mass == mass)
+        key = tl.where(valid, tl.minimum(mass.to(tl.int32, bitcast=True) + 1, KEY_INF), 0)
+        tl.store(row + u, key, mask=inn)
+    tl.debug_barrier()
+    # the keys' count and range from the stored keys, which every thread reads alike (a thread's own
+    # copy of a replicated float result may differ in the last bit: indexer/kernels/psa.py, _select_kernel)
+    key_max = U * 0
+    key_min = U * 0 + INT_MAX
+    n_valid = U * 0
+    for c0 in range(0, U, BLOCK):
+        u = c0 + ar
+        key = tl.load(row + u, mask=u < U, other=0)
+        key_max = tl.maximum(key_max, tl.max(key, 0))
+        key_min = tl.minimum(key_min, tl.min(tl.where(key > 0, key, INT_MAX), 0))
+        n_valid += tl.sum((key > 0).to(tl.int32), 0)
+    key_hi = key_max + 1
     push_row = False
     if HAS_PUSH:
         push_row = t == T - 1
-    if IN_REGS:  # slots [0, BLOCK) in ka, [BLOCK, 2 BLOCK) in kb when TWO
-        ka = _mass_keys(WS_S + r * G * U, pos_row, ar, ar < U, U, lse, G, G_PAD, PRECISE)
-        valid = (ka > 0).to(tl.int32)
-        lowest = tl.where(ka > 0, ka, INT_MAX)
-        kb = ka
-        if TWO:
-            kb = _mass_keys(WS_S + r * G * U, pos_row, BLOCK + ar, BLOCK + ar < U, U, lse, G, G_PAD, PRECISE)
-            valid += (kb > 0).to(tl.int32)
-            lowest = tl.minimum(lowest, tl.where(kb > 0, kb, INT_MAX))
-        n_valid = tl.sum(valid, 0)
-        key_min = tl.min(lowest, 0)
-        key_hi = tl.max(tl.maximum(ka, kb), 0) + 1
-        if push_row:
-            if PUSH_FIRST:  # the pair wants its larger K first
-                thr_p, take_p, thr_o, take_o = _top_pair_regs(ka, kb, TWO, RHO, KP, key_min, n_valid, key_hi)
-            else:
-                thr_o, take_o, thr_p, take_p = _top_pair_regs(ka, kb, TWO, KP, RHO, key_min, n_valid, key_hi)
-            _emit_regs(ka, kb, TWO, pos_row, ar, U, thr_p, take_p, RHO, PUSH + h * RHO, BLOCK)
+    if push_row:
+        if PUSH_FIRST:
+            big_out = PUSH + h * RHO
+            small_out = OUT + r * KP
+            kb = RHO
+            ks = KP
         else:
-            thr_o, take_o, _, _ = _top_pair_regs(ka, kb, TWO, KP, KP, key_min, n_valid, key_hi)
-        _emit_regs(ka, kb, TWO, pos_row, ar, U, thr_o, take_o, KP, OUT + r * KP, BLOCK)
-    else:
-        for c0 in range(0, U, BLOCK):
-            u = c0 + ar
-            tl.store(row + u, _mass_keys(WS_S + r * G * U, pos_row, u, u < U, U, lse, G, G_PAD, PRECISE), mask=u < U)
+            big_out = OUT + r * KP
+            small_out = PUSH + h * RHO
+            kb = KP
+            ks = RHO
+        sub = 3 * U
+        thr, take = _top_threshold(row, U, kb, key_min, n_valid, key_hi, BLOCK)
+        _emit(row, pos_row, U, thr, take, kb, big_out, row + sub, row + sub + kb, True, BLOCK)
         tl.debug_barrier()
-        # the keys' count and range from the stored keys, which every thread reads alike (a thread's own
-        # copy of a replicated float result may differ in the last bit: indexer/kernels/psa.py, _select_kernel)
-        key_max = U * 0
-        key_min = U * 0 + INT_MAX
-        n_valid = U * 0
-        for c0 in range(0, U, BLOCK):
-            u = c0 + ar
-            key = tl.load(row + u, mask=u < U, other=0)
-            key_max = tl.maximum(key_max, tl.max(key, 0))
-            key_min = tl.minimum(key_min, tl.min(tl.where(key > 0, key, INT_MAX), 0))
-            n_valid += tl.sum((key > 0).to(tl.int32), 0)
-        key_hi = key_max + 1
-        if push_row:
-            if PUSH_FIRST:
-                big_out = PUSH + h * RHO
-                small_out = OUT + r * KP
-                kb = RHO
-                ks = KP
-            else:
-                big_out = OUT + r * KP
-                small_out = PUSH + h * RHO
-                kb = KP
-                ks = RHO
-            sub = 3 * U
-            thr, take = _top_threshold(row, U, kb, key_min, n_valid, key_hi, BLOCK)
-            _emit(row, pos_row, U, thr, take, kb, big_out, row + sub, row + sub + kb, True, BLOCK)
-            tl.debug_barrier()
-            thr, take = _kth_largest(row, sub, U, 2 * U, kb, ks, 0, kb, key_hi, BLOCK)
-            _emit(row + sub, row + sub + kb, kb, thr, take, ks, small_out, row, row, False, BLOCK)
-        else:
-            thr, take = _top_threshold(row, U, KP, key_min, n_valid, key_hi, BLOCK)
-            _emit(row, pos_row, U, thr, take, KP, OUT + r * KP, row, row, False, BLOCK)
+        thr, take = _kth_largest(row, sub, U, 2 * U, kb, ks, 0, kb, key_hi, BLOCK)
+        _emit(row + sub, row + sub + kb, kb, thr, take, ks, small_out, row, row, False, BLOCK)
+    else:
+        thr, take = _top_threshold(row, U, KP, key_min, n_valid, key_hi, BLOCK)
+        _emit(row, pos_row, U, thr, take, KP, OUT + r * KP, row, row, False, BLOCK)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -861,9 +740,6 @@ class IvfConfig:
     probe_warps: int = 4
     rerank_warps: int = 4
     select_warps: int = 8
-    regs_select: bool = True  # select: keep a row's keys in registers when they fit (False: the scratch path)
-    regs_tile: int = 8192  # select: keys per register tile (a row of up to two tiles stays in registers)
-    regs_warps: int = 16  # select: warps of the in-register path (no more than the tile / 32)
 
 
 DEFAULT_CONFIG = IvfConfig()  # used when a call passes no cfg (tests swap it for tiny blocks)
@@ -924,16 +800,8 @@ def _cdiv(a: int, b: int) -> int:
 
 
 @functools.lru_cache(maxsize=256)
-def _select_launch(u: int, cfg: IvfConfig) -> tuple[int, bool, bool, int]:
-    """(BLOCK, IN_REGS, TWO, num_warps) of the select: the row's u keys in one or two register tiles
-    of at most `regs_tile` keys, with at most tile / 32 warps so that no two threads hold the same
-    key (a replicated key's copies could round differently); else scratch passes of select_block
-    keys."""
-    tile = max(32, triton.next_power_of_2(max(u, 1)))
-    if cfg.regs_select and u <= 2 * cfg.regs_tile:
-        block = min(tile, cfg.regs_tile)
-        return block, True, u > block, max(1, min(cfg.regs_warps, block // 32))
-    return max(16, min(cfg.select_block, tile)), False, False, cfg.select_warps
+def _select_block(u: int, cfg: IvfConfig) -> int:
+    return max(16, min(cfg.select_block, triton.next_power_of_2(max(u, 1))))
 
 
 def _parts_block(n_parts: int) -> int:
@@ -976,12 +844,11 @@ def _rerank_and_select(q, kv, *, rows: int, u: int, sink: int, window: int, kp: 
         G=g, G_PAD=g_pad, D=d, BLOCK_U=cfg.block_u, P=p, P_PAD=p_pad, BLOCK_T=triton.next_power_of_2(max(n_top, 1)),
         LOG_P=log_p, SOURCE=source, DEDUP=dedup, HAS_FIFO=has_fifo, PRECISE=_precise(), num_warps=cfg.rerank_warps,
     )
-    block, in_regs, two, warps = _select_launch(u, cfg)
     _select_kernel[(rows,)](
         wf["s"], wi["pos"], wf["ml"], wi["scr"], out, push if push is not None else out,
         t, u, n_parts, kp, rho, scr_row,
-        G=g, G_PAD=g_pad, BLOCK=block, BLOCK_S=_parts_block(n_parts), HAS_PUSH=push is not None,
-        PUSH_FIRST=rho >= kp, IN_REGS=in_regs, TWO=two, PRECISE=_precise(), num_warps=warps,
+        G=g, G_PAD=g_pad, BLOCK=_select_block(u, cfg), BLOCK_S=_parts_block(n_parts), HAS_PUSH=push is not None,
+        PUSH_FIRST=rho >= kp, PRECISE=_precise(), num_warps=cfg.select_warps,
     )
     return out
 
