@@ -7,7 +7,7 @@
 #                    carry=[".whl", ".old"])
 #   stages: tests | kerneltests | decode | decodecold | decode512 | before_after | kernels | e2e32 | e2e128 |
 #           e2e128rest | e2eprof | e2elayer | attntests | decodeab | psaab | latency | ncu | psasweep | pdlab | e2enow |
-#           offload | psa32sweep | offloadfit | ivfsweep | ivfcpp | cslfsweep | ivfregs | ncuivf
+#           offload | psa32sweep | offloadfit | ivfsweep | ivfcpp | cslfsweep | ivfsel | ncuivf
 #   (default: tests decode before_after)
 #   .old = the tree before the plan/run redesign (`git archive <commit> decoder indexer storage`), for
 #   the before/after decode comparison.
@@ -114,22 +114,22 @@ for stage in $stages; do
       python3 benchmarks/gpu_decode.py --lengths 131072 32768 --batches 1 8 --profile --torch-plans --backends triton \
         --methods ctkvr ctkvr:chunks_per_prog=1 ctkvr:chunks_per_prog=4 kivf kivf:chunks_per_prog=1 --out "$OUT/ivfcpp" \
         2>&1 | tee "$OUT/gpu_decode_ivf_cpp.log" | grep -v "^  \|^    " ;;
-    ivfregs)  # ctkvr's select with the row's keys in registers (the default) against the scratch path; tests first
-      python3 -m pytest -q -p no:cacheprovider -o addopts="" tests/test_kernels_ivf.py 2>&1 | tail -2 \
-        | tee "$OUT/gpu_ivf_regs_tests.log"
+    ivfsel)  # ctkvr's select (two programs per push row, compacted keys) and probe knobs; the kernel tests first
+      python3 -m pytest -q -p no:cacheprovider -o addopts="" tests/test_kernels_ivf.py tests/test_kernels_psa.py 2>&1 \
+        | tail -2 | tee "$OUT/gpu_ivf_sel_tests.log"
       python3 benchmarks/gpu_decode.py --lengths 131072 32768 --batches 1 8 --profile --torch-plans --backends triton \
-        --methods ctkvr ctkvr:regs_select=0 ctkvr:regs_warps=32 ctkvr:regs_warps=8 kivf --out "$OUT/ivfregs" \
-        2>&1 | tee "$OUT/gpu_decode_ivf_regs.log" | grep -v "^  \|^    "
+        --methods ctkvr ctkvr:block_c=32 ctkvr:probe_warps=8 kivf --out "$OUT/ivfsel" 2>&1 \
+        | tee "$OUT/gpu_decode_ivf_sel.log" | grep -v "^  \|^    "
       python3 benchmarks/gpu_decode.py --lengths 524288 --batches 1 --backends triton --profile \
-        --methods ctkvr ctkvr:regs_select=0 saap --out "$OUT/ivfregs512" 2>&1 | tee "$OUT/gpu_decode_ivf_regs512.log" \
+        --methods ctkvr ctkvr:block_c=32 psa --out "$OUT/ivfsel512" 2>&1 | tee "$OUT/gpu_decode_ivf_sel512.log" \
         | grep -v "^  \|^    " ;;
-    ncuivf)  # Nsight Compute on ctkvr's select kernel at 32K, B = 1: the in-register path, then the scratch path
-      for m in ctkvr ctkvr:regs_select=0; do
+    ncuivf)  # Nsight Compute on ctkvr's select kernel at 32K, B = 1
+      for m in ctkvr; do
         /usr/local/cuda/bin/ncu -k regex:"_select_kernel" --launch-count 1 --section SpeedOfLight \
           --section WarpStateStats --section LaunchStats --section InstructionStats --section SourceCounters \
           --section MemoryWorkloadAnalysis python3 benchmarks/gpu_decode.py --lengths 32768 --batches 1 \
-          --methods "$m" --backends triton --reps 2 --out "$OUT/ncu_ivf_run" > "$OUT/ncu_ivf_${m/:/_}.txt" 2>&1
-        grep -i "duration\|registers\|local\|stall\|executed ipc\|warp cycles\|spill" "$OUT/ncu_ivf_${m/:/_}.txt" | head -40
+          --methods "$m" --backends triton --reps 2 --out "$OUT/ncu_ivf_run" > "$OUT/ncu_ivf_${m//[:=]/_}.txt" 2>&1
+        grep -i "duration\|registers\|local\|stall\|executed ipc\|warp cycles\|spill" "$OUT/ncu_ivf_${m//[:=]/_}.txt" | head -40
       done ;;
     cslfsweep)  # csattn's and lfps's kernel knobs (csattn's never swept on a GPU before), B = 1, with profiles
       python3 benchmarks/gpu_decode.py --lengths 131072 32768 --batches 1 --profile --backends triton \

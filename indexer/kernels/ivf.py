@@ -206,11 +206,12 @@ def _kth_largest(BUF, full_off, ping_off, pong_off, n, K, key_lo, n_ge_lo, key_h
     ar = tl.arange(0, BLOCK)
     while (hi - lo > 1) & (done == 0) & (cur_n > BLOCK):
         mid = lo + (hi - lo) // 2
-        c_mid = n * 0  # working-set keys in [mid, hi)
+        c_vec = tl.zeros([BLOCK], tl.int32)  # per element over the chunks: one reduction per pass
         for c0 in range(0, cur_n, BLOCK):
             o = c0 + ar
             key = tl.load(BUF + cur + o, mask=o < cur_n, other=-1)
-            c_mid += tl.sum(((key >= mid) & (key < hi)).to(tl.int32), 0)
+            c_vec += ((key >= mid) & (key < hi)).to(tl.int32)
+        c_mid = tl.sum(c_vec, 0)  # working-set keys in [mid, hi)
         cnt = c_hi + c_mid
         if cnt >= K:
             lo = mid
@@ -289,10 +290,10 @@ def _top_threshold(ROW, n, K, key_min, n_valid, key_hi, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _emit(KEYS, POS, n, thr, take, K, OUT, SUBK, SUBP, WRITE_SUB: tl.constexpr, BLOCK: tl.constexpr):
-    """Write the selection (thr, take) of keys KEYS[0:n] as positions POS[...] into OUT[0:K]: valid
-    keys (> 0) packed first in array order, -1 after. WRITE_SUB: also their keys / positions into
-    SUBK / SUBP (0 / -1 after), the input of a nested selection."""
+def _emit(KEYS, POS, n, thr, take, K, OUT, BLOCK: tl.constexpr):
+    """Write the selection (thr, take) of keys KEYS[0:n] as positions POS[0:n] into OUT[0:K]: valid
+    keys (> 0) packed first in array order, -1 after. The ties at thr are ranked only when some
+    are taken (take > 0; an exact split, the common end of the search, takes none)."""
     ar = tl.arange(0, BLOCK)
     base = n * 0
     eq_base = n * 0
@@ -300,23 +301,19 @@ def _emit(KEYS, POS, n, thr, take, K, OUT, SUBK, SUBP, WRITE_SUB: tl.constexpr, 
         o = c0 + ar
         inn = o < n
         key = tl.load(KEYS + o, mask=inn, other=-1)
-        eq = (key == thr) & inn
-        eq_rank = eq_base + tl.cumsum(eq.to(tl.int32), 0) - 1
-        w = ((key > thr) | (eq & (eq_rank < take))) & (key > 0) & inn
+        w = (key > thr) & (key > 0) & inn
+        if take > 0:
+            eq = (key == thr) & inn
+            eq_rank = eq_base + tl.cumsum(eq.to(tl.int32), 0) - 1
+            w = w | (eq & (eq_rank < take) & (key > 0))
+            eq_base += tl.sum(eq.to(tl.int32), 0)
         at = base + tl.cumsum(w.to(tl.int32), 0) - 1
         pos = tl.load(POS + o, mask=w, other=-1)
         tl.store(OUT + at, pos, mask=w)
-        if WRITE_SUB:
-            tl.store(SUBK + at, key, mask=w)
-            tl.store(SUBP + at, pos, mask=w)
         base += tl.sum(w.to(tl.int32), 0)
-        eq_base += tl.sum(eq.to(tl.int32), 0)
     for c0 in range(base, K, BLOCK):
         o = c0 + ar
         tl.store(OUT + o, tl.full([BLOCK], -1, tl.int32), mask=o < K)
-        if WRITE_SUB:
-            tl.store(SUBK + o, tl.zeros([BLOCK], tl.int32), mask=o < K)
-            tl.store(SUBP + o, tl.full([BLOCK], -1, tl.int32), mask=o < K)
 
 
 @triton.jit
@@ -621,26 +618,21 @@ def _rerank_kernel(
 # Group mass + top-K (shared)
 
 
-@triton.jit(do_not_specialize=["T", "U", "n_parts", "KP", "RHO", "scr_row"])
-def _select_kernel(
-    WS_S, WS_POS, WS_ML, SCR, OUT, PUSH,
-    T, U, n_parts, KP, RHO, scr_row,
-    G: tl.constexpr, G_PAD: tl.constexpr, BLOCK: tl.constexpr, BLOCK_S: tl.constexpr,
-    HAS_PUSH: tl.constexpr, PUSH_FIRST: tl.constexpr, PRECISE: tl.constexpr,
-):
-    """Per row: lse per head over the parts (candidates + frame), mass of each slot = sum over heads
-    of exp(logit - lse) (candidate_mass) as an int key (float bits + 1; 0 = not a candidate), the
-    top-KP -> OUT [rows, KP]; on the last token's rows (HAS_PUSH) also the top-RHO -> PUSH [KVH, RHO],
-    the smaller set selected inside the larger one.
-    SCR row: [keys U | ping U | pong U | sub keys KB | sub positions KB], KB = max(KP, RHO)."""
-    r = tl.program_id(0).to(tl.int64)
-    h = r // T
-    t = r % T
+@triton.jit
+def _row_keys(WS_S, WS_POS, WS_ML, KEYS, CPOS, r, U, n_parts, G: tl.constexpr, G_PAD: tl.constexpr,
+              BLOCK: tl.constexpr, BLOCK_S: tl.constexpr, FOLD: tl.constexpr, PRECISE: tl.constexpr):
+    """Row r's candidates, compacted: the int key of each valid slot (group mass as float bits + 1)
+    -> KEYS, its position -> CPOS, in slot order. Returns (smallest key, count, largest key + 1).
+    FOLD (the tile has no element that two threads hold): the extremes come from the registers;
+    else from the stored keys, which every thread reads alike (a thread's own copy of a replicated
+    float result may differ in the last bit: indexer/kernels/psa.py, _select_kernel)."""
     lse = _lse_parts(WS_ML + r * n_parts * G_PAD * 2, n_parts, G, G_PAD, BLOCK_S, PRECISE)
     ar_g = tl.arange(0, G_PAD)
     ar = tl.arange(0, BLOCK)
-    row = SCR + r * scr_row
     pos_row = WS_POS + r * U
+    n = U * 0
+    k_max = tl.zeros([BLOCK], tl.int32)
+    k_min = tl.full([BLOCK], INT_MAX, tl.int32)
     for c0 in range(0, U, BLOCK):
         u = c0 + ar
         inn = u < U
@@ -651,44 +643,58 @@ def _select_kernel(
             lg = tl.load(WS_S + (r * G + g) * U + u, mask=inn, other=float("-inf"))
             mass += _exp(lg - lse_g, PRECISE)
         valid = (pos >= 0) & (mass == mass)
-        key = tl.where(valid, tl.minimum(mass.to(tl.int32, bitcast=True) + 1, KEY_INF), 0)
-        tl.store(row + u, key, mask=inn)
+        key = tl.minimum(mass.to(tl.int32, bitcast=True) + 1, KEY_INF)
+        at = n + tl.cumsum(valid.to(tl.int32), 0) - 1
+        tl.store(KEYS + at, key, mask=valid)
+        tl.store(CPOS + at, pos, mask=valid)
+        n += tl.sum(valid.to(tl.int32), 0)
+        if FOLD:
+            k_max = tl.maximum(k_max, tl.where(valid, key, 0))
+            k_min = tl.minimum(k_min, tl.where(valid, key, INT_MAX))
     tl.debug_barrier()
-    # the keys' count and range from the stored keys, which every thread reads alike (a thread's own
-    # copy of a replicated float result may differ in the last bit: indexer/kernels/psa.py, _select_kernel)
-    key_max = U * 0
-    key_min = U * 0 + INT_MAX
-    n_valid = U * 0
-    for c0 in range(0, U, BLOCK):
-        u = c0 + ar
-        key = tl.load(row + u, mask=u < U, other=0)
-        key_max = tl.maximum(key_max, tl.max(key, 0))
-        key_min = tl.minimum(key_min, tl.min(tl.where(key > 0, key, INT_MAX), 0))
-        n_valid += tl.sum((key > 0).to(tl.int32), 0)
-    key_hi = key_max + 1
+    if not FOLD:
+        for c0 in range(0, n, BLOCK):
+            o = c0 + ar
+            key = tl.load(KEYS + o, mask=o < n, other=0)
+            k_max = tl.maximum(k_max, key)
+            k_min = tl.minimum(k_min, tl.where(o < n, key, INT_MAX))
+    return tl.min(k_min, 0), n, tl.max(k_max, 0) + 1
+
+
+@triton.jit(do_not_specialize=["T", "U", "n_parts", "KP", "RHO", "scr_row"])
+def _select_kernel(
+    WS_S, WS_POS, WS_ML, SCR, OUT, PUSH,
+    T, U, n_parts, KP, RHO, scr_row,
+    G: tl.constexpr, G_PAD: tl.constexpr, BLOCK: tl.constexpr, BLOCK_S: tl.constexpr,
+    HAS_PUSH: tl.constexpr, FOLD: tl.constexpr, PRECISE: tl.constexpr,
+):
+    """Grid (rows, 1 + HAS_PUSH). Per row: lse per head over the parts (candidates + frame), the
+    mass of each slot = sum over heads of exp(logit - lse) (candidate_mass) as an int key (float
+    bits + 1) of the valid slots, compacted; the top-KP -> OUT [rows, KP]; on the last token's rows
+    (HAS_PUSH) also the top-RHO -> PUSH [KVH, RHO]. A push row's two sets are two programs, each
+    over all of the row's keys (program 0 the push, 1 the plan; program 1 of another row has
+    nothing to do): twice the mass arithmetic, in parallel, instead of one selection after the
+    other. SCR row per program: [keys U | ping U | pong U | positions U]."""
+    r = tl.program_id(0).to(tl.int64)
+    w = tl.program_id(1)
+    h = r // T
+    t = r % T
     push_row = False
     if HAS_PUSH:
         push_row = t == T - 1
-    if push_row:
-        if PUSH_FIRST:
-            big_out = PUSH + h * RHO
-            small_out = OUT + r * KP
-            kb = RHO
-            ks = KP
+    if (w == 0) | push_row:
+        row = SCR + (r * tl.num_programs(1) + w) * scr_row
+        cpos = row + 3 * U
+        key_min, n, key_hi = _row_keys(WS_S, WS_POS, WS_ML, row, cpos, r, U, n_parts, G, G_PAD, BLOCK, BLOCK_S, FOLD,
+                                       PRECISE)
+        if push_row & (w == 0):
+            k = RHO
+            out = PUSH + h * RHO
         else:
-            big_out = OUT + r * KP
-            small_out = PUSH + h * RHO
-            kb = KP
-            ks = RHO
-        sub = 3 * U
-        thr, take = _top_threshold(row, U, kb, key_min, n_valid, key_hi, BLOCK)
-        _emit(row, pos_row, U, thr, take, kb, big_out, row + sub, row + sub + kb, True, BLOCK)
-        tl.debug_barrier()
-        thr, take = _kth_largest(row, sub, U, 2 * U, kb, ks, 0, kb, key_hi, BLOCK)
-        _emit(row + sub, row + sub + kb, kb, thr, take, ks, small_out, row, row, False, BLOCK)
-    else:
-        thr, take = _top_threshold(row, U, KP, key_min, n_valid, key_hi, BLOCK)
-        _emit(row, pos_row, U, thr, take, KP, OUT + r * KP, row, row, False, BLOCK)
+            k = KP
+            out = OUT + r * KP
+        thr, take = _top_threshold(row, n, k, key_min, n, key_hi, BLOCK)
+        _emit(row, cpos, n, thr, take, k, out, BLOCK)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -824,10 +830,10 @@ def _rerank_and_select(q, kv, *, rows: int, u: int, sink: int, window: int, kp: 
     slots_per_prog = cfg.block_u * cfg.chunks_per_prog
     n_slot = _cdiv(u, slots_per_prog)
     n_parts = n_slot + 1
-    kb = max(kp, rho) if push is not None else kp
-    scr_row = 3 * u + 2 * kb
+    scr_row = 4 * u
+    n_sel = 2 if push is not None else 1  # select programs per row
     f32 = _Carve({"s": rows * g * u})
-    i32 = _Carve({"pos": rows * u, "scr": rows * scr_row})
+    i32 = _Carve({"pos": rows * u, "scr": rows * n_sel * scr_row})
     wf = f32.views(_workspace(dev, torch.float32, f32.total, "rerank"))
     wf["ml"] = _workspace(dev, torch.float64, rows * n_parts * g_pad * 2, "rerank")  # softmax states (_lse_parts)
     wi = i32.views(_workspace(dev, torch.int32, i32.total + 1, "rerank"))  # +1: never empty
@@ -844,11 +850,12 @@ def _rerank_and_select(q, kv, *, rows: int, u: int, sink: int, window: int, kp: 
         G=g, G_PAD=g_pad, D=d, BLOCK_U=cfg.block_u, P=p, P_PAD=p_pad, BLOCK_T=triton.next_power_of_2(max(n_top, 1)),
         LOG_P=log_p, SOURCE=source, DEDUP=dedup, HAS_FIFO=has_fifo, PRECISE=_precise(), num_warps=cfg.rerank_warps,
     )
-    _select_kernel[(rows,)](
+    block = _select_block(u, cfg)
+    _select_kernel[(rows, n_sel)](
         wf["s"], wi["pos"], wf["ml"], wi["scr"], out, push if push is not None else out,
         t, u, n_parts, kp, rho, scr_row,
-        G=g, G_PAD=g_pad, BLOCK=_select_block(u, cfg), BLOCK_S=_parts_block(n_parts), HAS_PUSH=push is not None,
-        PUSH_FIRST=rho >= kp, PRECISE=_precise(), num_warps=cfg.select_warps,
+        G=g, G_PAD=g_pad, BLOCK=block, BLOCK_S=_parts_block(n_parts), HAS_PUSH=push is not None,
+        FOLD=block >= 32 * cfg.select_warps, PRECISE=_precise(), num_warps=cfg.select_warps,
     )
     return out
 
