@@ -114,14 +114,14 @@ for stage in $stages; do
       python3 benchmarks/gpu_decode.py --lengths 131072 32768 --batches 1 8 --profile --torch-plans --backends triton \
         --methods ctkvr ctkvr:chunks_per_prog=1 ctkvr:chunks_per_prog=4 kivf kivf:chunks_per_prog=1 --out "$OUT/ivfcpp" \
         2>&1 | tee "$OUT/gpu_decode_ivf_cpp.log" | grep -v "^  \|^    " ;;
-    ivfsel)  # ctkvr's select (two programs per push row, compacted keys) and probe knobs; the kernel tests first
+    ivfsel)  # ctkvr's select (two programs per push row) and probe blocks of 32, a probe-warps A/B; kernel tests first
       python3 -m pytest -q -p no:cacheprovider -o addopts="" tests/test_kernels_ivf.py tests/test_kernels_psa.py 2>&1 \
         | tail -2 | tee "$OUT/gpu_ivf_sel_tests.log"
       python3 benchmarks/gpu_decode.py --lengths 131072 32768 --batches 1 8 --profile --torch-plans --backends triton \
-        --methods ctkvr ctkvr:block_c=32 ctkvr:probe_warps=8 kivf --out "$OUT/ivfsel" 2>&1 \
+        --methods ctkvr ctkvr:probe_warps=8 kivf --out "$OUT/ivfsel" 2>&1 \
         | tee "$OUT/gpu_decode_ivf_sel.log" | grep -v "^  \|^    "
       python3 benchmarks/gpu_decode.py --lengths 524288 --batches 1 --backends triton --profile \
-        --methods ctkvr ctkvr:block_c=32 psa --out "$OUT/ivfsel512" 2>&1 | tee "$OUT/gpu_decode_ivf_sel512.log" \
+        --methods ctkvr ctkvr:probe_warps=8 saap --out "$OUT/ivfsel512" 2>&1 | tee "$OUT/gpu_decode_ivf_sel512.log" \
         | grep -v "^  \|^    " ;;
     ncuivf)  # Nsight Compute on ctkvr's select kernel at 32K, B = 1
       for m in ctkvr; do

@@ -131,7 +131,7 @@ def test_ctkvr_fused_plan_equals_torch(case):
 def test_ctkvr_fused_plan_with_tiny_blocks(monkeypatch):
     """Blocks of 16: several probe blocks per row (the merge of their bests), several chunks per
     rerank program, and a select working set larger than a block, so the threshold search compacts
-    its band (ping-pong) and the keys' extremes are read back (a tile smaller than the CTA)."""
+    its band (ping-pong), for the push and the plan sets alike."""
     for i, case in enumerate(TINY_CASES):
         _run_ctkvr(case, seed=5 + i, cfg=TINY, monkeypatch=monkeypatch)
 
@@ -274,15 +274,13 @@ def test_kivf_fused_plan_with_tiny_blocks(monkeypatch):
     _run_kivf("question", seed=7, cfg=TINY, monkeypatch=monkeypatch)
 
 
-@pytest.mark.parametrize("block, warps, fold", [(16, 4, False), (32, 1, True)], ids=["read_back", "fold"])
 @pytest.mark.parametrize("kp, rho", [(10, 24), (24, 10), (40, 5)])
-def test_select_kernel_ties_take_the_lowest_slots(kp, rho, block, warps, fold):
+def test_select_kernel_ties_take_the_lowest_slots(kp, rho):
     """The group-mass top-K on its own (kernel 3), with exact ties: every slot's logits come from 4
     classes (the same in both heads), so masses tie within a class. The plan row is the kp best
     valid slots, ties taken lowest slot first; the last token's row also gets the rho best (by a
-    program of its own); -1 fills what the valid slots cannot. The keys' extremes from the
-    registers (fold: no key held by two threads) or read back from the compacted keys."""
-    rows, g, u = 3, 2, 64
+    program of its own); -1 fills what the valid slots cannot."""
+    rows, g, u, block = 3, 2, 64, 16
     gen = torch.Generator().manual_seed(kp * 100 + rho)
     cls = torch.randint(0, 4, (rows, u), generator=gen)
     logits = (-cls.float())[:, None, :].expand(rows, g, u).contiguous()  # [rows, G, U]
@@ -293,14 +291,14 @@ def test_select_kernel_ties_take_the_lowest_slots(kp, rho, block, warps, fold):
     m = logits.amax(-1)  # [rows, G]: one part holds the whole softmax state
     lsum = torch.exp(logits - m[..., None]).sum(-1)
     ml = torch.stack([m, lsum], -1)[:, None].contiguous()  # [rows, 1, G, 2]
-    scr = torch.empty(rows, 2, 4 * u, dtype=torch.int32)
+    scr = torch.empty(rows, 2, 3 * u, dtype=torch.int32)
     out = torch.empty(rows, kp, dtype=torch.int32)
     push = torch.empty(rows, rho, dtype=torch.int32)
     d = lambda x: x.to(DEVICE)  # noqa: E731
     t = 1  # every row is a last token's row (T = 1: one row per KV head)
     args = [d(logits), d(pos), d(ml), d(scr), d(out), d(push)]
-    ivf._select_kernel[(rows, 2)](*args, t, u, 1, kp, rho, 4 * u, G=g, G_PAD=g, BLOCK=block, BLOCK_S=32,
-                                  HAS_PUSH=True, FOLD=fold, PRECISE=DEVICE == "cuda", num_warps=warps)
+    ivf._select_kernel[(rows, 2)](*args, t, u, 1, kp, rho, 3 * u, G=g, G_PAD=g, BLOCK=block, BLOCK_S=32,
+                                  HAS_PUSH=True, PRECISE=DEVICE == "cuda", num_warps=4)
     out, push = args[4].cpu(), args[5].cpu()
     for r in range(rows):
         ranked = sorted((int(cls[r, i]), i) for i in range(u) if pos[r, i] >= 0)  # class asc = mass desc, slot asc

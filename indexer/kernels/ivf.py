@@ -24,13 +24,13 @@ CTkvr, one layer and decode step (rows = KVH x T, one per KV head and query toke
    the whole GQA group and writes the G logits q.k / sqrt(D) (-inf where dropped) plus its partial
    softmax state (max, sum) per head. The last program of a row does the same over the frame's rows
    (sink, window, visible request-local slots): that is `frame_lse`.
-3. `_select_kernel`, grid (rows,): log-sum-exp per head over the parts, the group mass of every slot
+3. `_select_kernel`, grid (rows, 1 or 2): log-sum-exp per head over the parts, the group mass of every slot
    (sum over heads of exp(logit - lse): `candidate_mass`) as an order-preserving int key (float bits
    + 1; 0 = no candidate), and the exact top-K: bisection on the key value starting at the smallest
    valid key, over the row's keys in scratch while they are more than a block (the undecided band is
    compacted whenever it halves), then in registers; it stops when a probe value splits exactly K.
    One compaction pass writes the positions. The plan row gets the top-min(k, U); the last token's
-   row also the top-rho (the FIFO push), selected inside the larger of the two sets.
+   row also the top-rho (the FIFO push), by a second program over the same keys (grid (rows, 2)).
 4. `update()`: `_fifo_push_kernel`, one program: the pending push into ring slot pushes % F, the
    probe-share statistic, pushes += 1 (the torch path's 5-6 small ops).
 
@@ -81,6 +81,14 @@ over k = 1024 + frame (~8-10 us) ~30-35 us per layer-step, against SDPA full's 2
 in a benchmark that replays one layer they sit in the H100's 50 MB L2, in a real 32-layer step they
 do not (benchmarks/gpu_ivf.py rotates over layer copies for that reason).
 
+Measured (H100, 2026-11-23, benchmarks/RESULTS.md "ctkvr's select"): the estimate above was off by
+3x. The plan at 128K, B = 1, in device us per step: select 35 (52 when the push and plan sets were
+selected one inside the other by one program), rerank 28, probe 13 (18 with 64-entry blocks); a
+~14-probe bisection per set, each probe over the row's ~5,000 valid keys in L2 while the band is
+larger than a block: latency, not bytes, on the 8-16 SMs a B = 1 step gives it. Holding the whole
+row in registers (one tile of 8192-16384 keys, 16-32 warps) was slower: 76 us, spills and 10 cycles
+per issued instruction.
+
 kivf at 128K (ratio 0.05: k = 6554; C = 1448 fp32 centroids, nprobe = 290 for scan 4): probe 8 x 1448
 x 128 x 4 B = 5.9 MB; rerank ~4 x k = 26K probed keys per row -> 8 x 26K x 256 B = 54 MB of K rows
 (18 us at 3 TB/s) plus W-wide logits (W = the 290 largest clusters, static); the select runs over W
@@ -92,8 +100,8 @@ decode benchmarks); `planner.fused = False` does it for one planner.
 Checked without a GPU (Triton 3.6, ahead-of-time compile for sm_90 with the JIT's 16-divisibility
 specialisation of strides, default knobs, D 128 bf16): no register spills; registers per thread:
 probe 134 (4 warps), rerank 154 (4 warps), select 126 (8 warps, block 2048), push 32, kivf probe
-154, kivf clusters 106 (8 warps, block 2048). Not measured: everything about speed -- benchmarks/gpu_ivf.py times it
-(`--profile` for per-kernel device time, `--sweep` for the launch knobs of `IvfConfig`).
+154, kivf clusters 106 (8 warps, block 2048). benchmarks/gpu_decode.py times the plans (`--profile`
+for per-kernel device time; IvfConfig knobs as `ctkvr:knob=value` rows), benchmarks/gpu_ivf.py too.
 
 Workspaces (grow-only, per device, stream and purpose, like `decoder/kernels/attention.py`): float32
 and int32 buffers for the probe bests, logits, partial softmax states, positions, keys, select
@@ -292,8 +300,7 @@ def _top_threshold(ROW, n, K, key_min, n_valid, key_hi, BLOCK: tl.constexpr):
 @triton.jit
 def _emit(KEYS, POS, n, thr, take, K, OUT, BLOCK: tl.constexpr):
     """Write the selection (thr, take) of keys KEYS[0:n] as positions POS[0:n] into OUT[0:K]: valid
-    keys (> 0) packed first in array order, -1 after. The ties at thr are ranked only when some
-    are taken (take > 0; an exact split, the common end of the search, takes none)."""
+    keys (> 0) packed first in array order, -1 after."""
     ar = tl.arange(0, BLOCK)
     base = n * 0
     eq_base = n * 0
@@ -301,16 +308,14 @@ def _emit(KEYS, POS, n, thr, take, K, OUT, BLOCK: tl.constexpr):
         o = c0 + ar
         inn = o < n
         key = tl.load(KEYS + o, mask=inn, other=-1)
-        w = (key > thr) & (key > 0) & inn
-        if take > 0:
-            eq = (key == thr) & inn
-            eq_rank = eq_base + tl.cumsum(eq.to(tl.int32), 0) - 1
-            w = w | (eq & (eq_rank < take) & (key > 0))
-            eq_base += tl.sum(eq.to(tl.int32), 0)
+        eq = (key == thr) & inn
+        eq_rank = eq_base + tl.cumsum(eq.to(tl.int32), 0) - 1
+        w = ((key > thr) | (eq & (eq_rank < take))) & (key > 0) & inn
         at = base + tl.cumsum(w.to(tl.int32), 0) - 1
         pos = tl.load(POS + o, mask=w, other=-1)
         tl.store(OUT + at, pos, mask=w)
         base += tl.sum(w.to(tl.int32), 0)
+        eq_base += tl.sum(eq.to(tl.int32), 0)
     for c0 in range(base, K, BLOCK):
         o = c0 + ar
         tl.store(OUT + o, tl.full([BLOCK], -1, tl.int32), mask=o < K)
@@ -619,20 +624,17 @@ def _rerank_kernel(
 
 
 @triton.jit
-def _row_keys(WS_S, WS_POS, WS_ML, KEYS, CPOS, r, U, n_parts, G: tl.constexpr, G_PAD: tl.constexpr,
-              BLOCK: tl.constexpr, BLOCK_S: tl.constexpr, FOLD: tl.constexpr, PRECISE: tl.constexpr):
-    """Row r's candidates, compacted: the int key of each valid slot (group mass as float bits + 1)
-    -> KEYS, its position -> CPOS, in slot order. Returns (smallest key, count, largest key + 1).
-    FOLD (the tile has no element that two threads hold): the extremes come from the registers;
-    else from the stored keys, which every thread reads alike (a thread's own copy of a replicated
-    float result may differ in the last bit: indexer/kernels/psa.py, _select_kernel)."""
+def _row_keys(WS_S, WS_POS, WS_ML, row, r, U, n_parts, G: tl.constexpr, G_PAD: tl.constexpr,
+              BLOCK: tl.constexpr, BLOCK_S: tl.constexpr, PRECISE: tl.constexpr):
+    """Row r's int keys -> row[0:U] (group mass as float bits + 1, 0 = not a candidate), and their
+    smallest valid key, count of valid keys and max + 1, from the stored keys (which every thread
+    reads alike: a thread's own copy of a replicated float result may differ in the last bit,
+    indexer/kernels/psa.py, _select_kernel). Counts and extremes accumulate per element over the
+    chunks and reduce once."""
     lse = _lse_parts(WS_ML + r * n_parts * G_PAD * 2, n_parts, G, G_PAD, BLOCK_S, PRECISE)
     ar_g = tl.arange(0, G_PAD)
     ar = tl.arange(0, BLOCK)
     pos_row = WS_POS + r * U
-    n = U * 0
-    k_max = tl.zeros([BLOCK], tl.int32)
-    k_min = tl.full([BLOCK], INT_MAX, tl.int32)
     for c0 in range(0, U, BLOCK):
         u = c0 + ar
         inn = u < U
@@ -643,22 +645,19 @@ def _row_keys(WS_S, WS_POS, WS_ML, KEYS, CPOS, r, U, n_parts, G: tl.constexpr, G
             lg = tl.load(WS_S + (r * G + g) * U + u, mask=inn, other=float("-inf"))
             mass += _exp(lg - lse_g, PRECISE)
         valid = (pos >= 0) & (mass == mass)
-        key = tl.minimum(mass.to(tl.int32, bitcast=True) + 1, KEY_INF)
-        at = n + tl.cumsum(valid.to(tl.int32), 0) - 1
-        tl.store(KEYS + at, key, mask=valid)
-        tl.store(CPOS + at, pos, mask=valid)
-        n += tl.sum(valid.to(tl.int32), 0)
-        if FOLD:
-            k_max = tl.maximum(k_max, tl.where(valid, key, 0))
-            k_min = tl.minimum(k_min, tl.where(valid, key, INT_MAX))
+        key = tl.where(valid, tl.minimum(mass.to(tl.int32, bitcast=True) + 1, KEY_INF), 0)
+        tl.store(row + u, key, mask=inn)
     tl.debug_barrier()
-    if not FOLD:
-        for c0 in range(0, n, BLOCK):
-            o = c0 + ar
-            key = tl.load(KEYS + o, mask=o < n, other=0)
-            k_max = tl.maximum(k_max, key)
-            k_min = tl.minimum(k_min, tl.where(o < n, key, INT_MAX))
-    return tl.min(k_min, 0), n, tl.max(k_max, 0) + 1
+    k_max = tl.zeros([BLOCK], tl.int32)
+    k_min = tl.full([BLOCK], INT_MAX, tl.int32)
+    n_ok = tl.zeros([BLOCK], tl.int32)
+    for c0 in range(0, U, BLOCK):
+        u = c0 + ar
+        key = tl.load(row + u, mask=u < U, other=0)
+        k_max = tl.maximum(k_max, key)
+        k_min = tl.minimum(k_min, tl.where(key > 0, key, INT_MAX))
+        n_ok += (key > 0).to(tl.int32)
+    return tl.min(k_min, 0), tl.sum(n_ok, 0), tl.max(k_max, 0) + 1
 
 
 @triton.jit(do_not_specialize=["T", "U", "n_parts", "KP", "RHO", "scr_row"])
@@ -666,15 +665,16 @@ def _select_kernel(
     WS_S, WS_POS, WS_ML, SCR, OUT, PUSH,
     T, U, n_parts, KP, RHO, scr_row,
     G: tl.constexpr, G_PAD: tl.constexpr, BLOCK: tl.constexpr, BLOCK_S: tl.constexpr,
-    HAS_PUSH: tl.constexpr, FOLD: tl.constexpr, PRECISE: tl.constexpr,
+    HAS_PUSH: tl.constexpr, PRECISE: tl.constexpr,
 ):
-    """Grid (rows, 1 + HAS_PUSH). Per row: lse per head over the parts (candidates + frame), the
-    mass of each slot = sum over heads of exp(logit - lse) (candidate_mass) as an int key (float
-    bits + 1) of the valid slots, compacted; the top-KP -> OUT [rows, KP]; on the last token's rows
-    (HAS_PUSH) also the top-RHO -> PUSH [KVH, RHO]. A push row's two sets are two programs, each
-    over all of the row's keys (program 0 the push, 1 the plan; program 1 of another row has
-    nothing to do): twice the mass arithmetic, in parallel, instead of one selection after the
-    other. SCR row per program: [keys U | ping U | pong U | positions U]."""
+    """Grid (rows, 1 + HAS_PUSH). Per row: lse per head over the parts (candidates + frame), mass of
+    each slot = sum over heads of exp(logit - lse) (candidate_mass) as an int key (float bits + 1;
+    0 = not a candidate), the top-KP -> OUT [rows, KP]; on the last token's rows (HAS_PUSH) also the
+    top-RHO -> PUSH [KVH, RHO]. A push row's two sets are two programs, each over all of the row's
+    keys (program 0 the push, 1 the plan; program 1 of another row has nothing to do): the mass
+    arithmetic twice, in parallel, instead of the smaller set selected inside the larger one after
+    it (52 -> 35 us at the 8B shape, H100; benchmarks/RESULTS.md). SCR row per program: [keys U |
+    ping U | pong U]."""
     r = tl.program_id(0).to(tl.int64)
     w = tl.program_id(1)
     h = r // T
@@ -684,17 +684,16 @@ def _select_kernel(
         push_row = t == T - 1
     if (w == 0) | push_row:
         row = SCR + (r * tl.num_programs(1) + w) * scr_row
-        cpos = row + 3 * U
-        key_min, n, key_hi = _row_keys(WS_S, WS_POS, WS_ML, row, cpos, r, U, n_parts, G, G_PAD, BLOCK, BLOCK_S, FOLD,
-                                       PRECISE)
+        key_min, n_valid, key_hi = _row_keys(WS_S, WS_POS, WS_ML, row, r, U, n_parts, G, G_PAD, BLOCK, BLOCK_S,
+                                             PRECISE)
         if push_row & (w == 0):
             k = RHO
             out = PUSH + h * RHO
         else:
             k = KP
             out = OUT + r * KP
-        thr, take = _top_threshold(row, n, k, key_min, n, key_hi, BLOCK)
-        _emit(row, cpos, n, thr, take, k, out, BLOCK)
+        thr, take = _top_threshold(row, U, k, key_min, n_valid, key_hi, BLOCK)
+        _emit(row, WS_POS + r * U, U, thr, take, k, out, BLOCK)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -739,7 +738,7 @@ def _fifo_push_kernel(
 class IvfConfig:
     """Tuning knobs (defaults: reasoned, not yet swept on a GPU; see the module docstring)."""
 
-    block_c: int = 64  # probe: entries (centroids) per program
+    block_c: int = 32  # probe: entries per program (64 -> 32: probe 18.2 -> 13.1 us at 128K, H100; RESULTS.md)
     block_u: int = 64  # rerank: candidate slots per chunk
     chunks_per_prog: int = 2  # rerank: chunks per program (1 -> 2: ctkvr's rerank 32.0 -> 27.4 µs, H100; RESULTS.md)
     select_block: int = 2048  # select: keys per chunk (capped at next_pow2(U))
@@ -830,7 +829,7 @@ def _rerank_and_select(q, kv, *, rows: int, u: int, sink: int, window: int, kp: 
     slots_per_prog = cfg.block_u * cfg.chunks_per_prog
     n_slot = _cdiv(u, slots_per_prog)
     n_parts = n_slot + 1
-    scr_row = 4 * u
+    scr_row = 3 * u
     n_sel = 2 if push is not None else 1  # select programs per row
     f32 = _Carve({"s": rows * g * u})
     i32 = _Carve({"pos": rows * u, "scr": rows * n_sel * scr_row})
@@ -850,12 +849,11 @@ def _rerank_and_select(q, kv, *, rows: int, u: int, sink: int, window: int, kp: 
         G=g, G_PAD=g_pad, D=d, BLOCK_U=cfg.block_u, P=p, P_PAD=p_pad, BLOCK_T=triton.next_power_of_2(max(n_top, 1)),
         LOG_P=log_p, SOURCE=source, DEDUP=dedup, HAS_FIFO=has_fifo, PRECISE=_precise(), num_warps=cfg.rerank_warps,
     )
-    block = _select_block(u, cfg)
     _select_kernel[(rows, n_sel)](
         wf["s"], wi["pos"], wf["ml"], wi["scr"], out, push if push is not None else out,
         t, u, n_parts, kp, rho, scr_row,
-        G=g, G_PAD=g_pad, BLOCK=block, BLOCK_S=_parts_block(n_parts), HAS_PUSH=push is not None,
-        FOLD=block >= 32 * cfg.select_warps, PRECISE=_precise(), num_warps=cfg.select_warps,
+        G=g, G_PAD=g_pad, BLOCK=_select_block(u, cfg), BLOCK_S=_parts_block(n_parts), HAS_PUSH=push is not None,
+        PRECISE=_precise(), num_warps=cfg.select_warps,
     )
     return out
 
