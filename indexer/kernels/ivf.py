@@ -125,7 +125,6 @@ import triton.language as tl
 from triton.language.extra import libdevice
 
 from indexer.kernels import Workspaces, interpreted  # also makes Triton 3.6's interpreter work with NumPy 2.4
-from indexer.kernels.pdl import pdl_begin, pdl_launch
 
 NEG_BIG: tl.constexpr = tl.constexpr(-1.0e30)  # initial running max: finite, so exp(m_old - m_new) is never nan
 INT_MAX: tl.constexpr = tl.constexpr(2147483647)
@@ -364,9 +363,7 @@ def _ctkvr_probe_kernel(
     T, C, F, n_blocks, NW, words_per_prog,
     G: tl.constexpr, D: tl.constexpr, BLOCK_C: tl.constexpr, P: tl.constexpr, P_PAD: tl.constexpr,
     HAS_FIFO: tl.constexpr, DEDUP: tl.constexpr, BLOCK_Z: tl.constexpr,
-    PDL: tl.constexpr = False,
 ):
-    pdl_begin(PDL)
     s = tl.program_id(0)
     r = tl.program_id(1)
     h = (r // T).to(tl.int64)
@@ -424,11 +421,9 @@ def _kivf_probe_kernel(
     sc_h, sc_c,  # centroids [KVH, C, D] fp32
     T, C, n_blocks, qk_scale,
     G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, BLOCK_C: tl.constexpr, PRECISE: tl.constexpr,
-    PDL: tl.constexpr = False,
 ):
     """Logits q.c / sqrt(D) of a block of centroids for the G heads of one row -> PL [rows, G, C],
     and the block's softmax state per head -> PML [rows, n_blocks, G_PAD, 2]."""
-    pdl_begin(PDL)
     s = tl.program_id(0)
     r = tl.program_id(1)
     h = (r // T).to(tl.int64)
@@ -461,12 +456,10 @@ def _kivf_clusters_kernel(
     so_h, T, C, n_blocks, scr_row, P,
     G: tl.constexpr, G_PAD: tl.constexpr, P_PAD: tl.constexpr, BLOCK: tl.constexpr, BLOCK_S: tl.constexpr,
     PRECISE: tl.constexpr,
-    PDL: tl.constexpr = False,
 ):
     """Per row: the group-summed softmax over the C centroids, its top-P clusters (in id order), and
     their CSR slices: SEL_START [rows, P_PAD] = offsets[c], SEL_CUM [rows, P_PAD + 1] = exclusive
     running size (SEL_CUM[P] = keys in all P clusters)."""
-    pdl_begin(PDL)
     r = tl.program_id(0).to(tl.int64)
     h = r // T
     lse = _lse_parts(PML + r * n_blocks * G_PAD * 2, n_blocks, G, G_PAD, BLOCK_S, PRECISE)
@@ -524,11 +517,9 @@ def _rerank_kernel(
     G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, BLOCK_U: tl.constexpr,
     P: tl.constexpr, P_PAD: tl.constexpr, BLOCK_T: tl.constexpr, LOG_P: tl.constexpr,
     SOURCE: tl.constexpr, DEDUP: tl.constexpr, HAS_FIFO: tl.constexpr, PRECISE: tl.constexpr,
-    PDL: tl.constexpr = False,
 ):
     """SOURCE 0 (CTkvr): SRC_A/B = the probe's block bests (values, ids), SRC_C/D = lists / FIFO
     lists. SOURCE 1 (kivf): SRC_A = order, SRC_B = SEL_START, SRC_C = SEL_CUM."""
-    pdl_begin(PDL)
     s = tl.program_id(0)
     r = tl.program_id(1)
     h = (r // T).to(tl.int64)
@@ -675,7 +666,6 @@ def _select_kernel(
     T, U, n_parts, KP, RHO, scr_row,
     G: tl.constexpr, G_PAD: tl.constexpr, BLOCK: tl.constexpr, BLOCK_S: tl.constexpr,
     HAS_PUSH: tl.constexpr, PRECISE: tl.constexpr,
-    PDL: tl.constexpr = False,
 ):
     """Grid (rows, 1 + HAS_PUSH). Per row: lse per head over the parts (candidates + frame), mass of
     each slot = sum over heads of exp(logit - lse) (candidate_mass) as an int key (float bits + 1;
@@ -685,7 +675,6 @@ def _select_kernel(
     arithmetic twice, in parallel, instead of the smaller set selected inside the larger one after
     it (52 -> 35 us at the 8B shape, H100; benchmarks/RESULTS.md). SCR row per program: [keys U |
     ping U | pong U]."""
-    pdl_begin(PDL)
     r = tl.program_id(0).to(tl.int64)
     w = tl.program_id(1)
     h = r // T
@@ -756,7 +745,6 @@ class IvfConfig:
     probe_warps: int = 4
     rerank_warps: int = 4
     select_warps: int = 8
-    pdl: bool = True  # programmatic dependent launch on Hopper and later (`indexer/kernels/pdl.py`)
 
 
 DEFAULT_CONFIG = IvfConfig()  # used when a call passes no cfg (tests swap it for tiny blocks)
@@ -843,7 +831,6 @@ def _rerank_and_select(q, kv, *, rows: int, u: int, sink: int, window: int, kp: 
     n_parts = n_slot + 1
     scr_row = 3 * u
     n_sel = 2 if push is not None else 1  # select programs per row
-    pdl = pdl_launch(dev, cfg.pdl)
     f32 = _Carve({"s": rows * g * u})
     i32 = _Carve({"pos": rows * u, "scr": rows * n_sel * scr_row})
     wf = f32.views(_workspace(dev, torch.float32, f32.total, "rerank"))
@@ -860,14 +847,13 @@ def _rerank_and_select(q, kv, *, rows: int, u: int, sink: int, window: int, kp: 
         t, n, loc_k.shape[1], s_end, window, u, _src_c(source, src), rho if source == 0 else 1, n_top,
         bitmap.shape[-1] if bitmap is not None else 1, n_slot, cfg.chunks_per_prog, float(d ** -0.5),
         G=g, G_PAD=g_pad, D=d, BLOCK_U=cfg.block_u, P=p, P_PAD=p_pad, BLOCK_T=triton.next_power_of_2(max(n_top, 1)),
-        LOG_P=log_p, SOURCE=source, DEDUP=dedup, HAS_FIFO=has_fifo, PRECISE=_precise(), PDL=bool(pdl), **pdl,
-        num_warps=cfg.rerank_warps,
+        LOG_P=log_p, SOURCE=source, DEDUP=dedup, HAS_FIFO=has_fifo, PRECISE=_precise(), num_warps=cfg.rerank_warps,
     )
     _select_kernel[(rows, n_sel)](
         wf["s"], wi["pos"], wf["ml"], wi["scr"], out, push if push is not None else out,
         t, u, n_parts, kp, rho, scr_row,
         G=g, G_PAD=g_pad, BLOCK=_select_block(u, cfg), BLOCK_S=_parts_block(n_parts), HAS_PUSH=push is not None,
-        PRECISE=_precise(), PDL=bool(pdl), **pdl, num_warps=cfg.select_warps,
+        PRECISE=_precise(), num_warps=cfg.select_warps,
     )
     return out
 
@@ -932,7 +918,6 @@ def ctkvr_plan(q: torch.Tensor, kv, cent: torch.Tensor, lists: torch.Tensor, fif
         push, hits = i_out[: kvh * rho], i_out[kvh * rho:]
     else:
         pend_q = push = hits = None
-    pdl = pdl_launch(dev, cfg.pdl)
     _ctkvr_probe_kernel[(n_blocks, rows)](
         q, cent, fcent, fifo.pushes if has_fifo else wi["topi"], topv, wi["topi"],
         pend_q if has_fifo else topv, bitmap,
@@ -942,7 +927,7 @@ def ctkvr_plan(q: torch.Tensor, kv, cent: torch.Tensor, lists: torch.Tensor, fif
         *(pend_q.stride()[:2] if has_fifo else (0, 0)),
         t, c, f, n_blocks, nw, words_per_prog,
         G=g, D=d, BLOCK_C=cfg.block_c, P=p, P_PAD=p_pad, HAS_FIFO=has_fifo, DEDUP=True, BLOCK_Z=256,
-        PDL=bool(pdl), **pdl, num_warps=cfg.probe_warps,
+        num_warps=cfg.probe_warps,
     )
     out = _rerank_and_select(
         q, kv, rows=rows, u=u, sink=sink, window=window, kp=kp, rho=rho, source=0,
@@ -996,19 +981,17 @@ def kivf_plan(q: torch.Tensor, kv, cent: torch.Tensor, order: torch.Tensor, offs
     wf = f_carve.views(_workspace(dev, torch.float32, f_carve.total, "probe"))
     wf["pml"] = _workspace(dev, torch.float64, rows * n_blocks * g_pad * 2, "probe")  # softmax states
     wi = i_carve.views(_workspace(dev, torch.int32, i_carve.total, "probe"))
-    pdl = pdl_launch(dev, cfg.pdl)
     _kivf_probe_kernel[(n_blocks, rows)](
         q, cent, wf["pl"], wf["pml"],
         q.stride(0), q.stride(1), q.stride(2), cent.stride(0), cent.stride(1),
         t, c, n_blocks, float(d ** -0.5),
-        G=g, G_PAD=g_pad, D=d, BLOCK_C=cfg.block_c, PRECISE=_precise(), PDL=bool(pdl), **pdl,
-        num_warps=cfg.probe_warps,
+        G=g, G_PAD=g_pad, D=d, BLOCK_C=cfg.block_c, PRECISE=_precise(), num_warps=cfg.probe_warps,
     )
     _kivf_clusters_kernel[(rows,)](
         wf["pl"], wf["pml"], offsets, wi["scr"], wi["start"], wi["cum"],
         offsets.stride(0), t, c, n_blocks, scr_row, p,
         G=g, G_PAD=g_pad, P_PAD=p_pad, BLOCK=blk, BLOCK_S=_parts_block(n_blocks), PRECISE=_precise(),
-        PDL=bool(pdl), **pdl, num_warps=cfg.select_warps,
+        num_warps=cfg.select_warps,
     )
     return _rerank_and_select(
         q, kv, rows=rows, u=u, sink=sink, window=window, kp=kp, rho=0, source=1,
