@@ -7,7 +7,7 @@
 #                    carry=[".whl", ".old"])
 #   stages: tests | kerneltests | decode | decodecold | decode512 | before_after | kernels | e2e32 | e2e128 |
 #           e2e128rest | e2eprof | e2elayer | attntests | decodeab | psaab | latency | ncu | psasweep | pdlab | e2enow |
-#           offload | psa32sweep | offloadfit | ivfsweep | ivfcpp | cslfsweep | ivfsel | ivfpdl | ncuivf
+#           offload | psa32sweep | offloadfit | ivfsweep | ivfcpp | cslfsweep | ivfsel | e2ectkvr | ncuivf
 #   (default: tests decode before_after)
 #   .old = the tree before the plan/run redesign (`git archive <commit> decoder indexer storage`), for
 #   the before/after decode comparison.
@@ -123,15 +123,10 @@ for stage in $stages; do
       python3 benchmarks/gpu_decode.py --lengths 524288 --batches 1 --backends triton --profile \
         --methods ctkvr ctkvr:probe_warps=8 saap --out "$OUT/ivfsel512" 2>&1 | tee "$OUT/gpu_decode_ivf_sel512.log" \
         | grep -v "^  \|^    " ;;
-    ivfpdl)  # programmatic dependent launch for the IVF plans' kernels, on and off in one run; kernel tests first
-      python3 -m pytest -q -p no:cacheprovider -o addopts="" tests/test_kernels_ivf.py 2>&1 | tail -2 \
-        | tee "$OUT/gpu_ivf_pdl_tests.log"
-      python3 benchmarks/gpu_decode.py --lengths 131072 32768 --batches 1 8 --profile --torch-plans --backends triton \
-        --methods ctkvr ctkvr:pdl=0 kivf kivf:pdl=0 --out "$OUT/ivfpdl" 2>&1 \
-        | tee "$OUT/gpu_decode_ivf_pdl.log" | grep -v "^  \|^    "
-      python3 benchmarks/gpu_decode.py --lengths 524288 --batches 1 --backends triton \
-        --methods ctkvr ctkvr:pdl=0 saap --out "$OUT/ivfpdl512" 2>&1 | tee "$OUT/gpu_decode_ivf_pdl512.log" \
-        | grep -v "^  \|^    " ;;
+    e2ectkvr)  # the runner at 128K after ctkvr's select change: dense, ctkvr and saap, B = 1 and 8
+      python3 benchmarks/gpu_e2e.py --lengths 131072 --batches 1 8 --methods full ctkvr saap \
+        --eager-tokens 0 --hf-tokens 0 --tokens 8 --budget-s 450 --out "$OUT/e2ectkvr" 2>&1 \
+        | tee "$OUT/gpu_e2e_ctkvr.log" | tail -16 ;;
     ncuivf)  # Nsight Compute on ctkvr's select kernel at 32K, B = 1
       for m in ctkvr; do
         /usr/local/cuda/bin/ncu -k regex:"_select_kernel" --launch-count 1 --section SpeedOfLight \
