@@ -7,7 +7,7 @@
 #                    carry=[".whl", ".old"])
 #   stages: tests | kerneltests | decode | decodecold | decode512 | before_after | kernels | e2e32 | e2e128 |
 #           e2e128rest | e2eprof | e2elayer | attntests | decodeab | psaab | latency | ncu | psasweep | pdlab | e2enow |
-#           offload | psa32sweep | offloadfit | ivfsweep | ivfcpp | cslfsweep | ivfsel | e2ectkvr | ncuivf
+#           offload | psa32sweep | offloadfit | ivfsweep | ivfcpp | cslfsweep | ivfsel | ivfeager | e2ectkvr | ncuivf
 #   (default: tests decode before_after)
 #   .old = the tree before the plan/run redesign (`git archive <commit> decoder indexer storage`), for
 #   the before/after decode comparison.
@@ -122,6 +122,15 @@ for stage in $stages; do
         | tee "$OUT/gpu_decode_ivf_sel.log" | grep -v "^  \|^    "
       python3 benchmarks/gpu_decode.py --lengths 524288 --batches 1 --backends triton --profile \
         --methods ctkvr ctkvr:probe_warps=8 saap --out "$OUT/ivfsel512" 2>&1 | tee "$OUT/gpu_decode_ivf_sel512.log" \
+        | grep -v "^  \|^    " ;;
+    ivfeager)  # ctkvr's rerank: K rows loaded before the dedup atomic answers (the default) against after
+      python3 -m pytest -q -p no:cacheprovider -o addopts="" tests/test_kernels_ivf.py 2>&1 | tail -2 \
+        | tee "$OUT/gpu_ivf_eager_tests.log"
+      python3 benchmarks/gpu_decode.py --lengths 131072 32768 --batches 1 8 --profile --backends triton \
+        --methods ctkvr ctkvr:eager_rows=0 --out "$OUT/ivfeager" 2>&1 | tee "$OUT/gpu_decode_ivf_eager.log" \
+        | grep -v "^  \|^    "
+      python3 benchmarks/gpu_decode.py --lengths 524288 --batches 1 --backends triton \
+        --methods ctkvr ctkvr:eager_rows=0 --out "$OUT/ivfeager512" 2>&1 | tee "$OUT/gpu_decode_ivf_eager512.log" \
         | grep -v "^  \|^    " ;;
     e2ectkvr)  # the runner at 128K after ctkvr's select change: dense, ctkvr and saap, B = 1 and 8
       python3 benchmarks/gpu_e2e.py --lengths 131072 --batches 1 8 --methods full ctkvr saap \

@@ -517,6 +517,7 @@ def _rerank_kernel(
     G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, BLOCK_U: tl.constexpr,
     P: tl.constexpr, P_PAD: tl.constexpr, BLOCK_T: tl.constexpr, LOG_P: tl.constexpr,
     SOURCE: tl.constexpr, DEDUP: tl.constexpr, HAS_FIFO: tl.constexpr, PRECISE: tl.constexpr,
+    EAGER_ROWS: tl.constexpr = False,
 ):
     """SOURCE 0 (CTkvr): SRC_A/B = the probe's block bests (values, ids), SRC_C/D = lists / FIFO
     lists. SOURCE 1 (kivf): SRC_A = order, SRC_B = SEL_START, SRC_C = SEL_CUM."""
@@ -597,12 +598,16 @@ def _rerank_kernel(
                 cm = tl.load(cum_row + lo, mask=live, other=0)
                 pos = tl.load(SRC_A + h * sa_h + (start + u - cm).to(tl.int64), mask=live, other=-1)
             ok = in_u & (pos >= s_end) & (pos < w_lo)  # selectable: outside the sink and the window
+            if EAGER_ROWS:  # load every selectable row before the dedup's atomic answers: the two overlap
+                kt = tl.load(CK + h * sck_h + pos[:, None].to(tl.int64) * sck_n + offs_d[None, :], mask=ok[:, None],
+                             other=0.0).to(tl.float32)
             if DEDUP:  # the first slot to set a position's bit keeps it
                 bit = (1 << (pos & 31)).to(tl.int32)
                 old = tl.atomic_or(BITMAP + r64 * NW + (pos >> 5), bit, mask=ok, sem="relaxed")
                 ok = ok & ((old & bit) == 0)
-            kt = tl.load(CK + h * sck_h + pos[:, None].to(tl.int64) * sck_n + offs_d[None, :], mask=ok[:, None],
-                         other=0.0).to(tl.float32)
+            if not EAGER_ROWS:
+                kt = tl.load(CK + h * sck_h + pos[:, None].to(tl.int64) * sck_n + offs_d[None, :], mask=ok[:, None],
+                             other=0.0).to(tl.float32)
             lg = tl.full([BLOCK_U, G_PAD], float("-inf"), tl.float32)
             for g in tl.static_range(G):
                 qv = tl.load(Q + h * sq_h + g * sq_g + t * sq_t + offs_d).to(tl.float32)
@@ -745,6 +750,7 @@ class IvfConfig:
     probe_warps: int = 4
     rerank_warps: int = 4
     select_warps: int = 8
+    eager_rows: bool = True  # rerank: K rows loaded before the dedup atomic answers (rerank 30.1 -> 27.3 us, 128K)
 
 
 DEFAULT_CONFIG = IvfConfig()  # used when a call passes no cfg (tests swap it for tiny blocks)
@@ -847,7 +853,8 @@ def _rerank_and_select(q, kv, *, rows: int, u: int, sink: int, window: int, kp: 
         t, n, loc_k.shape[1], s_end, window, u, _src_c(source, src), rho if source == 0 else 1, n_top,
         bitmap.shape[-1] if bitmap is not None else 1, n_slot, cfg.chunks_per_prog, float(d ** -0.5),
         G=g, G_PAD=g_pad, D=d, BLOCK_U=cfg.block_u, P=p, P_PAD=p_pad, BLOCK_T=triton.next_power_of_2(max(n_top, 1)),
-        LOG_P=log_p, SOURCE=source, DEDUP=dedup, HAS_FIFO=has_fifo, PRECISE=_precise(), num_warps=cfg.rerank_warps,
+        LOG_P=log_p, SOURCE=source, DEDUP=dedup, HAS_FIFO=has_fifo, PRECISE=_precise(),
+        EAGER_ROWS=cfg.eager_rows and dedup, num_warps=cfg.rerank_warps,
     )
     _select_kernel[(rows, n_sel)](
         wf["s"], wi["pos"], wf["ml"], wi["scr"], out, push if push is not None else out,
