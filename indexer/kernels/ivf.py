@@ -20,8 +20,9 @@ CTkvr, one layer and decode step (rows = KVH x T, one per KV head and query toke
    the same merge in every program: cheaper than a launch), takes BLOCK_U slots of the concatenated
    lists (slot u = list u // rho, item u % rho: the torch path's candidate layout), drops positions
    outside the selectable range (sink, window) and duplicates (atomic test-and-set in the row's
-   bitmap: the first slot to set a position keeps it), loads the K row of each kept position once for
-   the whole GQA group and writes the G logits q.k / sqrt(D) (-inf where dropped) plus its partial
+   bitmap: the first slot to set a position keeps it), loads the K row of each selectable slot once
+   for the whole GQA group (issued before the atomic answers, so a duplicate's row is read too:
+   `IvfConfig.eager_rows`) and writes the G logits q.k / sqrt(D) (-inf where dropped) plus its partial
    softmax state (max, sum) per head. The last program of a row does the same over the frame's rows
    (sink, window, visible request-local slots): that is `frame_lse`.
 3. `_select_kernel`, grid (rows, 1 or 2): log-sum-exp per head over the parts, the group mass of every slot
@@ -83,7 +84,7 @@ do not (benchmarks/gpu_ivf.py rotates over layer copies for that reason).
 
 Measured (H100, 2026-11-23, benchmarks/RESULTS.md "ctkvr's select"): the estimate above was off by
 3x. The plan at 128K, B = 1, in device us per step: select 35 (52 when the push and plan sets were
-selected one inside the other by one program), rerank 28, probe 13 (18 with 64-entry blocks); a
+selected one inside the other by one program), rerank 27, probe 13 (18 with 64-entry blocks); a
 ~14-probe bisection per set, each probe over the row's ~5,000 valid keys in L2 while the band is
 larger than a block: latency, not bytes, on the 8-16 SMs a B = 1 step gives it. Holding the whole
 row in registers (one tile of 8192-16384 keys, 16-32 warps) was slower: 76 us, spills and 10 cycles
@@ -598,16 +599,15 @@ def _rerank_kernel(
                 cm = tl.load(cum_row + lo, mask=live, other=0)
                 pos = tl.load(SRC_A + h * sa_h + (start + u - cm).to(tl.int64), mask=live, other=-1)
             ok = in_u & (pos >= s_end) & (pos < w_lo)  # selectable: outside the sink and the window
+            k_ptr = CK + h * sck_h + pos[:, None].to(tl.int64) * sck_n + offs_d[None, :]
             if EAGER_ROWS:  # load every selectable row before the dedup's atomic answers: the two overlap
-                kt = tl.load(CK + h * sck_h + pos[:, None].to(tl.int64) * sck_n + offs_d[None, :], mask=ok[:, None],
-                             other=0.0).to(tl.float32)
+                kt = tl.load(k_ptr, mask=ok[:, None], other=0.0).to(tl.float32)
             if DEDUP:  # the first slot to set a position's bit keeps it
                 bit = (1 << (pos & 31)).to(tl.int32)
                 old = tl.atomic_or(BITMAP + r64 * NW + (pos >> 5), bit, mask=ok, sem="relaxed")
                 ok = ok & ((old & bit) == 0)
             if not EAGER_ROWS:
-                kt = tl.load(CK + h * sck_h + pos[:, None].to(tl.int64) * sck_n + offs_d[None, :], mask=ok[:, None],
-                             other=0.0).to(tl.float32)
+                kt = tl.load(k_ptr, mask=ok[:, None], other=0.0).to(tl.float32)
             lg = tl.full([BLOCK_U, G_PAD], float("-inf"), tl.float32)
             for g in tl.static_range(G):
                 qv = tl.load(Q + h * sq_h + g * sq_g + t * sq_t + offs_d).to(tl.float32)
@@ -741,9 +741,9 @@ def _fifo_push_kernel(
 
 @dataclass(frozen=True)
 class IvfConfig:
-    """Tuning knobs (defaults: reasoned, not yet swept on a GPU; see the module docstring)."""
+    """Tuning knobs (defaults swept or A/B-tested on an H100: benchmarks/RESULTS.md)."""
 
-    block_c: int = 32  # probe: entries per program (64 -> 32: probe 18.2 -> 13.1 us at 128K, H100; RESULTS.md)
+    block_c: int = 32  # probe: entries per program (64 -> 32: probe 18.2 -> 13.4 us at 128K, H100; RESULTS.md)
     block_u: int = 64  # rerank: candidate slots per chunk
     chunks_per_prog: int = 2  # rerank: chunks per program (1 -> 2: ctkvr's rerank 32.0 -> 27.4 µs, H100; RESULTS.md)
     select_block: int = 2048  # select: keys per chunk (capped at next_pow2(U))
