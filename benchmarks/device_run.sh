@@ -7,7 +7,7 @@
 #                    carry=[".whl", ".old"])
 #   stages: tests | kerneltests | decode | decodecold | decode512 | before_after | kernels | e2e32 | e2e128 |
 #           e2e128rest | e2eprof | e2elayer | attntests | decodeab | psaab | latency | ncu | psasweep | pdlab | e2enow |
-#           offload | psa32sweep | offloadfit | ivfsweep | ivfcpp | cslfsweep | ivfsel | ivfeager | e2ectkvr | ncuivf
+#           offload | psa32sweep | offloadfit | ivfsweep | ivfcpp | cslfsweep | ivfsel | ivfeager | ivfsample | ncusel | e2ectkvr | ncuivf
 #   (default: tests decode before_after)
 #   .old = the tree before the plan/run redesign (`git archive <commit> decoder indexer storage`), for
 #   the before/after decode comparison.
@@ -132,6 +132,30 @@ for stage in $stages; do
       python3 benchmarks/gpu_decode.py --lengths 524288 --batches 1 --backends triton \
         --methods ctkvr ctkvr:eager_rows=0 --out "$OUT/ivfeager512" 2>&1 | tee "$OUT/gpu_decode_ivf_eager512.log" \
         | grep -v "^  \|^    " ;;
+    ivfsample)  # ctkvr's / kivf's select: sampled bracket, fused emit, prefetched mass pass (the defaults) against each off
+      python3 -m pytest -q -p no:cacheprovider -o addopts="" tests/test_kernels_ivf.py 2>&1 \
+        | tail -2 | tee "$OUT/gpu_ivf_sample_tests.log"
+      python3 benchmarks/gpu_decode.py --lengths 131072 32768 --batches 1 8 --profile --torch-plans --backends triton \
+        --methods ctkvr ctkvr:fused_emit=0 ctkvr:mass_prefetch=0 ctkvr:sample_select=0 kivf kivf:sample_select=0 \
+        --out "$OUT/ivfsample" 2>&1 | tee "$OUT/gpu_decode_ivf_sample.log" | grep -v "^  \|^    "
+      python3 benchmarks/gpu_decode.py --lengths 524288 --batches 1 --backends triton --profile \
+        --methods ctkvr ctkvr:sample_select=0 --out "$OUT/ivfsample512" 2>&1 | tee "$OUT/gpu_decode_ivf_sample512.log" \
+        | grep -v "^  \|^    " ;;
+    ncusel)  # ctkvr at 128K: select warps 8 (the default) against 16, then Nsight Compute on its select and rerank
+      python3 benchmarks/gpu_decode.py --lengths 131072 --batches 1 8 --profile --backends triton \
+        --methods ctkvr ctkvr:select_warps=16 ctkvr:select_block=1024 --out "$OUT/ncusel_ab" 2>&1 \
+        | tee "$OUT/gpu_decode_ncusel_ab.log" | grep -v "^  \|^    "
+      for k in select rerank; do
+        /usr/local/cuda/bin/ncu -k regex:"_${k}_kernel" --launch-count 1 --section SpeedOfLight --section WarpStateStats \
+          --section LaunchStats --section Occupancy --section SourceCounters --page details \
+          python3 benchmarks/gpu_decode.py --lengths 131072 --batches 1 --methods ctkvr --backends triton --reps 2 \
+          --out "$OUT/ncu_sel_run" > "$OUT/ncu_ctkvr_${k}.txt" 2>&1
+        /usr/local/cuda/bin/ncu -k regex:"_${k}_kernel" --launch-count 1 --section SourceCounters --page source \
+          --print-source cuda,sass --csv python3 benchmarks/gpu_decode.py --lengths 131072 --batches 1 --methods ctkvr \
+          --backends triton --reps 2 --out "$OUT/ncu_sel_run" > "$OUT/ncu_ctkvr_${k}_source.csv" 2>&1
+        grep -i "duration\|registers per\|achieved occ\|warp cycles per issued\|theoretical occ" "$OUT/ncu_ctkvr_${k}.txt" | head -12
+        ls -la "$OUT/ncu_ctkvr_${k}_source.csv"; head -c 600 "$OUT/ncu_ctkvr_${k}_source.csv"
+      done ;;
     e2ectkvr)  # the runner at 128K after ctkvr's select change: dense, ctkvr and saap, B = 1 and 8
       python3 benchmarks/gpu_e2e.py --lengths 131072 --batches 1 8 --methods full ctkvr saap \
         --eager-tokens 0 --hf-tokens 0 --tokens 8 --budget-s 450 --out "$OUT/e2ectkvr" 2>&1 \

@@ -194,25 +194,113 @@ def _lse_parts(ML, n_parts, G: tl.constexpr, G_PAD: tl.constexpr, BLOCK_S: tl.co
 
 
 @triton.jit
-def _kth_largest(BUF, full_off, ping_off, pong_off, n, K, key_lo, n_ge_lo, key_hi, BLOCK: tl.constexpr):
+def _sample_bracket(BUF, off, n, K, key_lo, key_hi, BLOCK: tl.constexpr):
+    """A guess (a, b), key_lo <= a, b <= key_hi, of a narrow band around the K-th largest of the int
+    keys BUF[off : off + n] (n > BLOCK; 0 = empty): from a strided sample of BLOCK keys in one
+    register tile. With t = K·BLOCK/n the sample's expected count above the K-th key and a margin
+    m = 3·sqrt(t) + 2, `a` is a key value with between t + m and t + 1.5·m sample keys >= it, `b` one
+    with between t - 1.5·m and t - m: two bisections over the sample in lockstep, both counts packed
+    in one int32 reduction per step (BLOCK < 2^16). A guess only: the caller counts the real keys."""
+    tl.static_assert(BLOCK < 65536)
+    ar = tl.arange(0, BLOCK)
+    s = tl.load(BUF + off + (ar.to(tl.int64) * n) // BLOCK)  # stored keys: every thread reads alike
+    n_vs = tl.sum((s > 0).to(tl.int32), 0)
+    s_min = tl.min(tl.where(s > 0, s, INT_MAX), 0)
+    s_max = tl.max(s, 0)
+    t = K.to(tl.float32) * BLOCK / n.to(tl.float32)
+    m = 3.0 * tl.sqrt(t) + 2.0
+    t_a = tl.ceil(t + m).to(tl.int32)  # a: count(sample >= a) >= t_a
+    t_b = tl.floor(t - m).to(tl.int32)  # b: count(sample >= b) <= t_b
+    slack = (0.5 * m).to(tl.int32)  # a search stops once its count is within the slack of its target
+    lo_a = s_min  # count(sample >= lo_a) >= t_a > count(sample >= hi_a)
+    hi_a = s_max + 1
+    lo_b = s_min  # count(sample >= lo_b) > t_b >= count(sample >= hi_b)
+    hi_b = s_max + 1
+    done_a = (n_vs < t_a).to(tl.int32)  # too few valid sample keys: a = key_lo
+    done_b = ((t_b < 0) | (n_vs <= t_b)).to(tl.int32)
+    if t_b < 0:
+        hi_b = key_hi
+    elif n_vs <= t_b:
+        hi_b = s_min
+    while (done_a == 0) | (done_b == 0):
+        mid_a = lo_a + (hi_a - lo_a) // 2
+        mid_b = lo_b + (hi_b - lo_b) // 2
+        c = tl.sum((s >= mid_a).to(tl.int32) + ((s >= mid_b).to(tl.int32) << 16), 0)
+        c_a = c & 0xFFFF
+        c_b = c >> 16
+        if done_a == 0:
+            if c_a >= t_a:
+                lo_a = mid_a
+                done_a = (c_a <= t_a + slack).to(tl.int32)
+            else:
+                hi_a = mid_a
+            done_a = done_a | (hi_a - lo_a <= 1).to(tl.int32)
+        if done_b == 0:
+            if c_b <= t_b:
+                hi_b = mid_b
+                done_b = (c_b >= t_b - slack).to(tl.int32)
+            else:
+                lo_b = mid_b
+            done_b = done_b | (hi_b - lo_b <= 1).to(tl.int32)
+    a = tl.where(n_vs < t_a, key_lo, lo_a)
+    return a, hi_b
+
+
+@triton.jit
+def _kth_largest(BUF, full_off, ping_off, pong_off, n, K, key_lo, n_ge_lo, key_hi, BLOCK: tl.constexpr,
+                 SAMPLE: tl.constexpr = False):
     """Threshold of the top-K of the int keys BUF[full_off : full_off + n], all < key_hi, with
     n_ge_lo of them >= key_lo (callers pass the smallest valid key, or 0 and n): returns (thr, take)
     such that the top-K is every key > thr plus the first `take` keys == thr (array order).
 
-    Bisection on the key value. Phase A, while the working set is larger than BLOCK: each step is a
-    pass over the working set in global scratch (L1/L2), and once the undecided band [lo, hi) holds at
-    most half of it, or fits in a block, the band is compacted into the ping/pong region (n ints
-    each; a debug_barrier orders the compaction's stores before other threads read them). Phase B:
-    the band is loaded into registers once and the steps go on there. Stops early when a probe value
-    splits exactly K."""
-    lo = key_lo  # count(key >= lo) >= K
-    hi = key_hi  # count(key >= hi) == c_hi < K
+    Bisection on the key value. SAMPLE (n > BLOCK): first a guess [a, b) from a strided sample
+    (`_sample_bracket`) and one pass over the keys that counts those >= b and compacts [a, b) into
+    the ping region; when the counts confirm the guess (fewer than K keys >= b, at least K >= a),
+    the search goes on in that band, else from the side the counts prove. Phase A, while the
+    working set is larger than BLOCK: each step is a pass over the working set in global scratch
+    (L1/L2), and once the undecided band [lo, hi) holds at most half of it, or fits in a block, the
+    band is compacted into the ping/pong region (n ints each; a debug_barrier orders the
+    compaction's stores before other threads read them). Phase B: the band is loaded into registers
+    once and the steps go on there. Stops early when a probe value splits exactly K."""
+    lo = key_lo + n * 0  # count(key >= lo) >= K (+ n * 0: a tensor, also for a literal argument)
+    hi = key_hi + n * 0  # count(key >= hi) == c_hi < K
     c_hi = n * 0
-    n_band = n_ge_lo  # keys in [lo, hi)
-    cur = full_off
+    n_band = n_ge_lo + n * 0  # keys in [lo, hi)
+    cur = full_off + n * 0
     cur_n = n
     done = (K >= n_ge_lo).to(tl.int32)  # K >= n: everything; K == n_ge_lo: every key >= key_lo
     ar = tl.arange(0, BLOCK)
+    if SAMPLE:
+        if (done == 0) & (n > BLOCK):
+            a, b = _sample_bracket(BUF, full_off, n, K, key_lo, key_hi, BLOCK)
+            c_vec = tl.zeros([BLOCK], tl.int32)
+            base = n * 0
+            for c0 in range(0, n, BLOCK):  # count keys >= b; compact [a, b) into ping
+                o = c0 + ar
+                key = tl.load(BUF + full_off + o, mask=o < n, other=-1)
+                c_vec += (key >= b).to(tl.int32)
+                keep = (key >= a) & (key < b) & (o < n)
+                at = base + tl.cumsum(keep.to(tl.int32), 0) - 1
+                tl.store(BUF + ping_off + at, key, mask=keep)
+                base += tl.sum(keep.to(tl.int32), 0)
+            tl.debug_barrier()
+            c_b = tl.sum(c_vec, 0)
+            if c_b >= K:  # the K-th key is >= b
+                lo = b
+                n_band = c_b
+                done = (c_b == K).to(tl.int32)
+            elif c_b + base < K:  # the K-th key is < a
+                hi = a
+                c_hi = c_b + base
+                n_band = n_ge_lo - c_hi
+            else:  # the guess holds: the band is in ping
+                lo = a
+                hi = b
+                c_hi = c_b
+                n_band = base
+                cur = ping_off
+                cur_n = base
+                done = (c_b + base == K).to(tl.int32)
     while (hi - lo > 1) & (done == 0) & (cur_n > BLOCK):
         mid = lo + (hi - lo) // 2
         c_vec = tl.zeros([BLOCK], tl.int32)  # per element over the chunks: one reduction per pass
@@ -285,38 +373,53 @@ def _top_threshold_regs(keys, n, K, key_min, n_valid, key_hi):
 
 
 @triton.jit
-def _top_threshold(ROW, n, K, key_min, n_valid, key_hi, BLOCK: tl.constexpr):
+def _top_threshold(ROW, n, K, key_min, n_valid, key_hi, BLOCK: tl.constexpr, SAMPLE: tl.constexpr = False):
     """`_kth_largest` over a row's keys ROW[0:n] (scratch layout [keys | ping | pong]) when the
-    smallest valid key and the count of valid keys (> 0) are known: fewer valid keys than K select
-    them all (the ties at 0 are the invalid slots, emitted as -1); else the bisection starts at the
-    smallest valid key, skipping the empty range below it."""
+    smallest valid key (or any lower bound > 0) and the count of valid keys (> 0) are known: fewer
+    valid keys than K select them all (the ties at 0 are the invalid slots, emitted as -1); else the
+    bisection starts at that bound, skipping the empty range below it."""
     if n_valid < K:
         thr = n * 0
         take = K - n_valid
     else:
-        thr, take = _kth_largest(ROW, 0, n, 2 * n, n, K, key_min, n_valid, key_hi, BLOCK)
+        thr, take = _kth_largest(ROW, 0, n, 2 * n, n, K, key_min, n_valid, key_hi, BLOCK, SAMPLE)
     return thr, take
+
+
+@triton.jit
+def _emit_slots(key, pos, thr, take, gt_base, eq_base, OUT):
+    """One chunk of an emit: the valid keys (> 0) of `key` above thr, and those equal to it while
+    fewer than `take` have been taken, write their `pos` into OUT at their rank in array order after
+    gt_base + min(eq_base, take) earlier ones. Both running counts come from one scan (the count
+    above thr in the low 16 bits, the count equal in the high ones: a chunk has < 2^16 keys).
+    -> the counts after the chunk."""
+    gt = (key > thr) & (key > 0)
+    eq = (key == thr) & (key > 0)
+    both = gt.to(tl.int32) + (eq.to(tl.int32) << 16)
+    sc = tl.cumsum(both, 0)
+    n_eq = eq_base + (sc >> 16)  # inclusive
+    w = gt | (eq & (n_eq <= take))
+    at = gt_base + (sc & 0xFFFF) + tl.minimum(n_eq, take) - 1
+    tl.store(OUT + at, pos, mask=w)
+    tot = tl.sum(both, 0)
+    return gt_base + (tot & 0xFFFF), eq_base + (tot >> 16)
 
 
 @triton.jit
 def _emit(KEYS, POS, n, thr, take, K, OUT, BLOCK: tl.constexpr):
     """Write the selection (thr, take) of keys KEYS[0:n] as positions POS[0:n] into OUT[0:K]: valid
     keys (> 0) packed first in array order, -1 after."""
+    tl.static_assert(BLOCK < 65536)
     ar = tl.arange(0, BLOCK)
-    base = n * 0
+    gt_base = n * 0
     eq_base = n * 0
     for c0 in range(0, n, BLOCK):
         o = c0 + ar
         inn = o < n
         key = tl.load(KEYS + o, mask=inn, other=-1)
-        eq = (key == thr) & inn
-        eq_rank = eq_base + tl.cumsum(eq.to(tl.int32), 0) - 1
-        w = ((key > thr) | (eq & (eq_rank < take))) & (key > 0) & inn
-        at = base + tl.cumsum(w.to(tl.int32), 0) - 1
-        pos = tl.load(POS + o, mask=w, other=-1)
-        tl.store(OUT + at, pos, mask=w)
-        base += tl.sum(w.to(tl.int32), 0)
-        eq_base += tl.sum(eq.to(tl.int32), 0)
+        pos = tl.load(POS + o, mask=inn, other=-1)
+        gt_base, eq_base = _emit_slots(key, pos, thr, take, gt_base, eq_base, OUT)
+    base = gt_base + tl.minimum(eq_base, take)
     for c0 in range(base, K, BLOCK):
         o = c0 + ar
         tl.store(OUT + o, tl.full([BLOCK], -1, tl.int32), mask=o < K)
@@ -612,8 +715,8 @@ def _rerank_kernel(
             for g in tl.static_range(G):
                 qv = tl.load(Q + h * sq_h + g * sq_g + t * sq_t + offs_d).to(tl.float32)
                 sg = tl.where(ok, tl.sum(kt * qv[None, :], 1) * qk_scale, float("-inf"))
-                tl.store(WS_S + (r64 * G + g) * U + u, sg, mask=in_u)
                 lg = tl.where(ar_g[None, :] == g, sg[:, None], lg)
+            tl.store(WS_S + (r64 * U + u[:, None]) * G + ar_g[None, :], lg, mask=in_u[:, None] & (ar_g < G)[None, :])
             tl.store(WS_POS + r64 * U + u, tl.where(ok, pos, -1), mask=in_u)
             m_new = tl.maximum(m_v, tl.max(lg, 0))
             l_v = (l_v * _exp(m_v - m_new, PRECISE).to(tl.float64)
@@ -630,39 +733,63 @@ def _rerank_kernel(
 
 @triton.jit
 def _row_keys(WS_S, WS_POS, WS_ML, row, r, U, n_parts, G: tl.constexpr, G_PAD: tl.constexpr,
-              BLOCK: tl.constexpr, BLOCK_S: tl.constexpr, PRECISE: tl.constexpr):
-    """Row r's int keys -> row[0:U] (group mass as float bits + 1, 0 = not a candidate), and their
-    smallest valid key, count of valid keys and max + 1, from the stored keys (which every thread
-    reads alike: a thread's own copy of a replicated float result may differ in the last bit,
-    indexer/kernels/psa.py, _select_kernel). Counts and extremes accumulate per element over the
-    chunks and reduce once."""
+              BLOCK: tl.constexpr, BLOCK_S: tl.constexpr, PRECISE: tl.constexpr, SAMPLE: tl.constexpr = False,
+              PREFETCH: tl.constexpr = True):
+    """Row r's int keys -> row[0:U] (group mass as float bits + 1, 0 = not a candidate), and a lower
+    bound > 0 of the valid keys, their count and an upper bound (exclusive) of all keys. Without
+    SAMPLE, or when the row fits one block, the bounds are the smallest valid key and the max + 1,
+    from a second pass over the stored keys (which every thread reads alike: a thread's own copy of
+    a replicated float result may differ in the last bit, indexer/kernels/psa.py, _select_kernel);
+    with SAMPLE and more keys than a block they are 1 and KEY_INF + 1 (the search's sample bracket
+    finds the range) and the count is taken in the mass pass (validity does not depend on rounding).
+    Counts and extremes accumulate per element over the chunks and reduce once."""
     lse = _lse_parts(WS_ML + r * n_parts * G_PAD * 2, n_parts, G, G_PAD, BLOCK_S, PRECISE)
     ar_g = tl.arange(0, G_PAD)
     ar = tl.arange(0, BLOCK)
     pos_row = WS_POS + r * U
+    n_ok = tl.zeros([BLOCK], tl.int32)
+    ok_g = (ar_g < G)[None, :]
+    lse_k = tl.where(ar_g < G, lse, 0.0)  # padded heads (-inf): masked after, without inf - inf
+    s_row = WS_S + r * U * G
+    if PREFETCH:
+        pos_nx = tl.load(pos_row + ar, mask=ar < U, other=-1)
+        lg_nx = tl.load(s_row + ar[:, None] * G + ar_g[None, :], mask=(ar < U)[:, None] & ok_g, other=float("-inf"))
     for c0 in range(0, U, BLOCK):
         u = c0 + ar
         inn = u < U
-        pos = tl.load(pos_row + u, mask=inn, other=-1)
-        mass = tl.zeros([BLOCK], tl.float32)
-        for g in tl.static_range(G):
-            lse_g = tl.sum(tl.where(ar_g == g, lse, 0.0), 0)
-            lg = tl.load(WS_S + (r * G + g) * U + u, mask=inn, other=float("-inf"))
-            mass += _exp(lg - lse_g, PRECISE)
+        if PREFETCH:  # the next chunk's loads in flight while this one is computed
+            pos = pos_nx
+            lg = lg_nx
+            nx = u + BLOCK
+            pos_nx = tl.load(pos_row + nx, mask=nx < U, other=-1)
+            lg_nx = tl.load(s_row + nx[:, None] * G + ar_g[None, :], mask=(nx < U)[:, None] & ok_g, other=float("-inf"))
+        else:
+            pos = tl.load(pos_row + u, mask=inn, other=-1)
+            lg = tl.load(s_row + u[:, None] * G + ar_g[None, :], mask=inn[:, None] & ok_g, other=float("-inf"))
+        mass = tl.sum(tl.where(ok_g, _exp(lg - lse_k[None, :], PRECISE), 0.0), 1)
         valid = (pos >= 0) & (mass == mass)
         key = tl.where(valid, tl.minimum(mass.to(tl.int32, bitcast=True) + 1, KEY_INF), 0)
         tl.store(row + u, key, mask=inn)
+        n_ok += (valid & inn).to(tl.int32)
     tl.debug_barrier()
-    k_max = tl.zeros([BLOCK], tl.int32)
-    k_min = tl.full([BLOCK], INT_MAX, tl.int32)
-    n_ok = tl.zeros([BLOCK], tl.int32)
-    for c0 in range(0, U, BLOCK):
-        u = c0 + ar
-        key = tl.load(row + u, mask=u < U, other=0)
-        k_max = tl.maximum(k_max, key)
-        k_min = tl.minimum(k_min, tl.where(key > 0, key, INT_MAX))
-        n_ok += (key > 0).to(tl.int32)
-    return tl.min(k_min, 0), tl.sum(n_ok, 0), tl.max(k_max, 0) + 1
+    if SAMPLE & (U > BLOCK):
+        key_min = U * 0 + 1
+        n_valid = tl.sum(n_ok, 0)
+        key_hi = U * 0 + KEY_INF + 1
+    else:
+        k_max = tl.zeros([BLOCK], tl.int32)
+        k_min = tl.full([BLOCK], INT_MAX, tl.int32)
+        n_ok = tl.zeros([BLOCK], tl.int32)
+        for c0 in range(0, U, BLOCK):
+            u = c0 + ar
+            key = tl.load(row + u, mask=u < U, other=0)
+            k_max = tl.maximum(k_max, key)
+            k_min = tl.minimum(k_min, tl.where(key > 0, key, INT_MAX))
+            n_ok += (key > 0).to(tl.int32)
+        key_min = tl.min(k_min, 0)
+        n_valid = tl.sum(n_ok, 0)
+        key_hi = tl.max(k_max, 0) + 1
+    return key_min, n_valid, key_hi
 
 
 @triton.jit(do_not_specialize=["T", "U", "n_parts", "KP", "RHO", "scr_row"])
@@ -670,7 +797,8 @@ def _select_kernel(
     WS_S, WS_POS, WS_ML, SCR, OUT, PUSH,
     T, U, n_parts, KP, RHO, scr_row,
     G: tl.constexpr, G_PAD: tl.constexpr, BLOCK: tl.constexpr, BLOCK_S: tl.constexpr,
-    HAS_PUSH: tl.constexpr, PRECISE: tl.constexpr,
+    HAS_PUSH: tl.constexpr, PRECISE: tl.constexpr, SAMPLE: tl.constexpr = False, FUSED_EMIT: tl.constexpr = False,
+    PREFETCH: tl.constexpr = True,
 ):
     """Grid (rows, 1 + HAS_PUSH). Per row: lse per head over the parts (candidates + frame), mass of
     each slot = sum over heads of exp(logit - lse) (candidate_mass) as an int key (float bits + 1;
@@ -690,15 +818,67 @@ def _select_kernel(
     if (w == 0) | push_row:
         row = SCR + (r * tl.num_programs(1) + w) * scr_row
         key_min, n_valid, key_hi = _row_keys(WS_S, WS_POS, WS_ML, row, r, U, n_parts, G, G_PAD, BLOCK, BLOCK_S,
-                                             PRECISE)
+                                             PRECISE, SAMPLE, PREFETCH)
         if push_row & (w == 0):
             k = RHO
             out = PUSH + h * RHO
         else:
             k = KP
             out = OUT + r * KP
-        thr, take = _top_threshold(row, U, k, key_min, n_valid, key_hi, BLOCK)
-        _emit(row, WS_POS + r * U, U, thr, take, k, out, BLOCK)
+        if FUSED_EMIT & SAMPLE:
+            _select_sampled(row, WS_POS + r * U, U, k, key_min, n_valid, key_hi, out, BLOCK)
+        else:
+            thr, take = _top_threshold(row, U, k, key_min, n_valid, key_hi, BLOCK, SAMPLE)
+            _emit(row, WS_POS + r * U, U, thr, take, k, out, BLOCK)
+
+
+@triton.jit
+def _select_sampled(ROW, POS, n, K, key_lo, n_valid, key_hi, OUT, BLOCK: tl.constexpr):
+    """The top-K of the keys ROW[0:n] written as their positions POS[0:n] into OUT[0:K] (the set
+    `_top_threshold` + `_emit` write; valid keys first, -1 after), in one pass over the keys after
+    the sample: `_sample_bracket` guesses a band [a, b); the pass writes the positions of the keys
+    >= b into OUT (masked to K slots) and compacts the band's keys and positions into the ping and
+    pong regions of ROW (layout [keys n | ping n | pong n]), both counts from one packed scan per
+    chunk. When the counts confirm the guess (fewer than K keys >= b, at least K >= a) and the band
+    fits one block, the search ends in registers over the band and the band's share of the top-K
+    follows the keys >= b in OUT: OUT lists the same set in another order (the keys >= b in array
+    order, then the band's). Otherwise the plain search and emit run and overwrite OUT. -> 1 when the
+    band's path ran, else 0 (for the tests)."""
+    tl.static_assert(BLOCK < 65536)
+    ar = tl.arange(0, BLOCK)
+    fused = n * 0
+    if (n_valid > K) & (n > BLOCK):
+        a, b = _sample_bracket(ROW, 0, n, K, key_lo, key_hi, BLOCK)
+        n_ge = n * 0
+        n_bd = n * 0
+        for c0 in range(0, n, BLOCK):
+            o = c0 + ar
+            inn = o < n
+            key = tl.load(ROW + o, mask=inn, other=-1)
+            pos = tl.load(POS + o, mask=inn, other=-1)
+            ge = (key >= b) & inn
+            bd = (key >= a) & (key < b) & inn
+            both = ge.to(tl.int32) + (bd.to(tl.int32) << 16)
+            sc = tl.cumsum(both, 0)
+            at_ge = n_ge + (sc & 0xFFFF) - 1
+            at_bd = n_bd + (sc >> 16) - 1
+            tl.store(OUT + at_ge, pos, mask=ge & (at_ge < K))
+            tl.store(ROW + n + at_bd, key, mask=bd)
+            tl.store(ROW + 2 * n + at_bd, pos, mask=bd)
+            tot = tl.sum(both, 0)
+            n_ge += tot & 0xFFFF
+            n_bd += tot >> 16
+        tl.debug_barrier()  # the band's stores (and OUT's) before other threads read (or rewrite) them
+        if (n_ge < K) & (n_ge + n_bd >= K) & (n_bd <= BLOCK):
+            fused = n * 0 + 1
+            band = tl.load(ROW + n + ar, mask=ar < n_bd, other=-1)
+            bpos = tl.load(ROW + 2 * n + ar, mask=ar < n_bd, other=-1)
+            thr, take = _bisect_regs(band, n, K, a, b, n_ge, (n_ge + n_bd == K).to(tl.int32))
+            _emit_slots(band, bpos, thr, take, n_ge, n * 0, OUT)
+    if fused == 0:
+        thr, take = _top_threshold(ROW, n, K, key_lo, n_valid, key_hi, BLOCK, False)
+        _emit(ROW, POS, n, thr, take, K, OUT, BLOCK)
+    return fused
 
 
 # ---------------------------------------------------------------------------------------------
@@ -751,6 +931,9 @@ class IvfConfig:
     rerank_warps: int = 4
     select_warps: int = 8
     eager_rows: bool = True  # rerank: K rows loaded before the dedup atomic answers (rerank 30.1 -> 27.3 us, 128K)
+    sample_select: bool = True  # select: bracket the K-th key from a strided sample first (`_kth_largest`)
+    fused_emit: bool = True  # select: with the sample, emit the keys above the band in the counting pass
+    mass_prefetch: bool = True  # select: the mass pass loads the next chunk while computing one
 
 
 DEFAULT_CONFIG = IvfConfig()  # used when a call passes no cfg (tests swap it for tiny blocks)
@@ -860,7 +1043,8 @@ def _rerank_and_select(q, kv, *, rows: int, u: int, sink: int, window: int, kp: 
         wf["s"], wi["pos"], wf["ml"], wi["scr"], out, push if push is not None else out,
         t, u, n_parts, kp, rho, scr_row,
         G=g, G_PAD=g_pad, BLOCK=_select_block(u, cfg), BLOCK_S=_parts_block(n_parts), HAS_PUSH=push is not None,
-        PRECISE=_precise(), num_warps=cfg.select_warps,
+        PRECISE=_precise(), SAMPLE=cfg.sample_select, FUSED_EMIT=cfg.fused_emit,
+        PREFETCH=cfg.mass_prefetch, num_warps=cfg.select_warps,
     )
     return out
 
