@@ -132,11 +132,11 @@ for stage in $stages; do
       python3 benchmarks/gpu_decode.py --lengths 524288 --batches 1 --backends triton \
         --methods ctkvr ctkvr:eager_rows=0 --out "$OUT/ivfeager512" 2>&1 | tee "$OUT/gpu_decode_ivf_eager512.log" \
         | grep -v "^  \|^    " ;;
-    ivfsample)  # ctkvr's / kivf's select: sampled bracket, fused emit, prefetched mass pass (the defaults) against each off
+    ivfsample)  # ctkvr's / kivf's select bracketed from a sample, its emit fused (the default) against the plain search
       python3 -m pytest -q -p no:cacheprovider -o addopts="" tests/test_kernels_ivf.py 2>&1 \
         | tail -2 | tee "$OUT/gpu_ivf_sample_tests.log"
       python3 benchmarks/gpu_decode.py --lengths 131072 32768 --batches 1 8 --profile --torch-plans --backends triton \
-        --methods ctkvr ctkvr:fused_emit=0 ctkvr:mass_prefetch=0 ctkvr:sample_select=0 kivf kivf:sample_select=0 \
+        --methods ctkvr ctkvr:sample_select=0 kivf kivf:sample_select=0 \
         --out "$OUT/ivfsample" 2>&1 | tee "$OUT/gpu_decode_ivf_sample.log" | grep -v "^  \|^    "
       python3 benchmarks/gpu_decode.py --lengths 524288 --batches 1 --backends triton --profile \
         --methods ctkvr ctkvr:sample_select=0 --out "$OUT/ivfsample512" 2>&1 | tee "$OUT/gpu_decode_ivf_sample512.log" \

@@ -275,14 +275,14 @@ def test_kivf_fused_plan_with_tiny_blocks(monkeypatch):
     _run_kivf("question", seed=7, cfg=TINY, monkeypatch=monkeypatch)
 
 
-@pytest.mark.parametrize("search", ["bisection", "sampled", "sampled_fused_emit"])
+@pytest.mark.parametrize("search", ["bisection", "sampled"])
 @pytest.mark.parametrize("kp, rho", [(10, 24), (24, 10), (40, 5)])
 def test_select_kernel_ties_take_the_lowest_slots(kp, rho, search):
     """The group-mass top-K on its own (kernel 3), with exact ties: every slot's logits come from 4
     classes (the same in both heads), so masses tie within a class. The plan row is the kp best
     valid slots, ties taken lowest slot first; the last token's row also gets the rho best (by a
     program of its own); -1 fills what the valid slots cannot. The plain search lists them in slot
-    order; with the sampled search's fused emit the same set comes in another order."""
+    order; the sampled search (`ivf._select_sampled`) may list the same set in another order."""
     rows, g, u, block = 3, 2, 64, 16
     gen = torch.Generator().manual_seed(kp * 100 + rho)
     cls = torch.randint(0, 4, (rows, u), generator=gen)
@@ -302,14 +302,13 @@ def test_select_kernel_ties_take_the_lowest_slots(kp, rho, search):
     t = 1  # every row is a last token's row (T = 1: one row per KV head)
     args = [d(logits), d(pos), d(ml), d(scr), d(out), d(push)]
     ivf._select_kernel[(rows, 2)](*args, t, u, 1, kp, rho, 3 * u, G=g, G_PAD=g, BLOCK=block, BLOCK_S=32,
-                                  HAS_PUSH=True, PRECISE=DEVICE == "cuda", SAMPLE=search != "bisection",
-                                  FUSED_EMIT=search == "sampled_fused_emit", num_warps=4)
+                                  HAS_PUSH=True, PRECISE=DEVICE == "cuda", SAMPLE=search == "sampled", num_warps=4)
     out, push = args[4].cpu(), args[5].cpu()
     for r in range(rows):
         ranked = sorted((int(cls[r, i]), i) for i in range(u) if pos[r, i] >= 0)  # class asc = mass desc, slot asc
         for got, k in ((out[r], kp), (push[r], rho)):
             want = [int(pos[r, i]) for _, i in ranked[:k]]
-            if search == "sampled_fused_emit":
+            if search == "sampled":
                 assert sorted(got[: len(want)].tolist()) == sorted(want)
             else:
                 assert got[: len(want)].tolist() == [x for x in pos[r].tolist() if x in set(want)]  # slot order
@@ -321,10 +320,9 @@ import triton.language as tl  # noqa: E402
 
 
 @triton.jit
-def _threshold_probe(KEYS, SCR, OUT, n, K, BLOCK: tl.constexpr, IN_REGS: tl.constexpr, SAMPLE: tl.constexpr):
+def _threshold_probe(KEYS, SCR, OUT, n, K, BLOCK: tl.constexpr, IN_REGS: tl.constexpr):
     """Row r: (thr, take) of the top-K of KEYS[r, :n] (ints > 0 valid, 0 empty) -> OUT[r, 0:2], by
-    the register search (IN_REGS, n <= BLOCK) or the scratch search with its L2 passes (SAMPLE:
-    bracketed from a strided sample first)."""
+    the register search (IN_REGS, n <= BLOCK) or the scratch search with its L2 passes."""
     r = tl.program_id(0)
     ar = tl.arange(0, BLOCK)
     row = SCR + r * 3 * n
@@ -342,7 +340,7 @@ def _threshold_probe(KEYS, SCR, OUT, n, K, BLOCK: tl.constexpr, IN_REGS: tl.cons
         keys = tl.load(KEYS + r * n + ar, mask=ar < n, other=0)
         thr, take = ivf._top_threshold_regs(keys, n, K, key_min, n_valid, key_max + 1)
     else:
-        thr, take = ivf._top_threshold(row, n, K, key_min, n_valid, key_max + 1, BLOCK, SAMPLE)
+        thr, take = ivf._top_threshold(row, n, K, key_min, n_valid, key_max + 1, BLOCK)
     tl.store(OUT + r * 2, thr)
     tl.store(OUT + r * 2 + 1, take)
 
@@ -368,7 +366,7 @@ def test_threshold_search_selects_the_top_k(in_regs):
     out = torch.zeros(rows, 2, dtype=torch.int32)
     d = lambda x: x.to(DEVICE)  # noqa: E731
     args = [d(keys), d(scr), d(out)]
-    _threshold_probe[(rows,)](*args, n, k, BLOCK=block, IN_REGS=in_regs, SAMPLE=False, num_warps=4)
+    _threshold_probe[(rows,)](*args, n, k, BLOCK=block, IN_REGS=in_regs, num_warps=4)
     _check_thresholds(keys, args[2].cpu(), k)
 
 
@@ -382,37 +380,10 @@ def _check_thresholds(keys, got, k):
         assert chosen == {i for _, i in ranked}, (r, thr, take)
 
 
-def test_sampled_threshold_search_selects_the_top_k_when_the_sample_misleads():
-    """The scratch search bracketed from a strided sample (`ivf._sample_bracket`, every 4th key here)
-    selects exactly the K largest keys whether the real counts confirm the sample's band or refute
-    it on either side: rows whose sampled keys are the row's largest (the band lies above the K-th
-    key), its smallest (below it), ordinary rows, ties at the K-th place, empty slots, and K equal
-    to the count of valid keys."""
-    rows, n, k, block = 8, 256, 80, 64
-    gen = torch.Generator().manual_seed(11)
-    keys = torch.randint(1, 1 << 30, (rows, n), generator=gen, dtype=torch.int64)
-    sampled = torch.arange(block) * n // block
-    rest = torch.ones(n, dtype=torch.bool)
-    rest[sampled] = False
-    srt = torch.sort(keys[0], descending=True).values
-    keys[0, sampled], keys[0, rest] = srt[:block], srt[block:]  # the sample holds the row's largest keys
-    srt = torch.sort(keys[1]).values
-    keys[1, sampled], keys[1, rest] = srt[:block], srt[block:]  # ... its smallest
-    keys[2] = torch.randint(1, 9, (n,), generator=gen)  # ties
-    keys[3, torch.rand(n, generator=gen) < 0.6] = 0  # empty slots
-    keys[4, k:] = 0  # exactly K valid keys
-    keys[5] = torch.arange(n, 0, -1)  # distinct, descending
-    keys = keys.to(torch.int32)
-    d = lambda x: x.to(DEVICE)  # noqa: E731
-    args = [d(keys), d(torch.zeros(rows, 3 * n, dtype=torch.int32)), d(torch.zeros(rows, 2, dtype=torch.int32))]
-    _threshold_probe[(rows,)](*args, n, k, BLOCK=block, IN_REGS=False, SAMPLE=True, num_warps=4)
-    _check_thresholds(keys, args[2].cpu(), k)
-
-
 @triton.jit
-def _sampled_select_probe(KEYS, POSS, SCR, OUT, FUSED, n, K, BLOCK: tl.constexpr):
+def _sampled_select_probe(KEYS, POSS, SCR, OUT, PATH, n, K, BLOCK: tl.constexpr):
     """Row r: `ivf._select_sampled` over KEYS[r, :n] with positions POSS[r, :n] -> OUT[r, :K], and
-    whether the band's path ran -> FUSED[r]."""
+    the path it took -> PATH[r]."""
     r = tl.program_id(0)
     ar = tl.arange(0, BLOCK)
     row = SCR + r * 3 * n
@@ -422,19 +393,21 @@ def _sampled_select_probe(KEYS, POSS, SCR, OUT, FUSED, n, K, BLOCK: tl.constexpr
         tl.store(row + c0 + ar, key, mask=c0 + ar < n)
         n_valid += tl.sum((key > 0).to(tl.int32), 0)
     tl.debug_barrier()
-    fused = ivf._select_sampled(row, POSS + r * n, n, K, n * 0 + 1, n_valid, n * 0 + 0x7F800002, OUT + r * K,
-                                BLOCK)
-    tl.store(FUSED + r, fused)
+    path = ivf._select_sampled(row, POSS + r * n, n, K, n * 0 + 1, n_valid, n * 0 + 0x7F800002, OUT + r * K,
+                               BLOCK)
+    tl.store(PATH + r, path)
 
 
 def test_sampled_select_writes_the_top_k_positions_on_every_path():
-    """`ivf._select_sampled` (the select kernel's sampled search with the emit fused into its counting
-    pass) writes exactly the positions of the K largest keys, ties taken lowest index first, -1
-    after: on rows where the sample's band holds the K-th key (the band's path: ordinary keys, empty
-    slots, ties at the K-th place) and where it does not or cannot (the sample holds the row's largest
-    or smallest keys, exactly K or fewer valid keys: the plain search and emit, which overwrite what
-    the counting pass wrote)."""
-    rows, n, k, block = 8, 2048, 400, 512
+    """`ivf._select_sampled` (the select kernel's search bracketed from a strided sample, every 4th key
+    here, with the emit fused into its counting pass) writes exactly the positions of the K largest
+    keys, ties taken lowest index first, -1 after, on each of its paths: the band holds the K-th key
+    and fits a block (ordinary keys, empty slots, ties across the K-th place); the band holds it but
+    is larger than a block (a run of 700 equal keys); the counts refute the sample's guess on either
+    side (the sample holds the row's largest or its smallest keys: the search goes on above b or
+    below a, and the plain emit overwrites what the counting pass wrote); no search needed (exactly
+    K or fewer valid keys)."""
+    rows, n, k, block = 9, 2048, 400, 512
     gen = torch.Generator().manual_seed(13)
     keys = torch.randperm(1 << 20, generator=gen)[: rows * n].view(rows, n).to(torch.int64) + 1  # distinct
     sampled = torch.arange(block) * n // block
@@ -450,13 +423,15 @@ def test_sampled_select_writes_the_top_k_positions_on_every_path():
     keys[6, k // 2:] = 0  # fewer valid keys than K
     kth = int(torch.sort(keys[7], descending=True).values[k])
     keys[7, (keys[7] >= kth - 30000) & (keys[7] <= kth + 30000)] = kth  # a run of ties across the K-th place
+    order = torch.argsort(keys[8], descending=True)
+    keys[8, order[k - 350: k + 350]] = int(keys[8, order[k]])  # 700 ties around the K-th place: a wide band
     keys = keys.to(torch.int32)
     poss = torch.randperm(1 << 20, generator=gen)[: rows * n].view(rows, n).to(torch.int32)
     d = lambda x: x.to(DEVICE)  # noqa: E731
     args = [d(keys), d(poss), d(torch.zeros(rows, 3 * n, dtype=torch.int32)), d(torch.zeros(rows, k, dtype=torch.int32)),
             d(torch.zeros(rows, dtype=torch.int32))]
     _sampled_select_probe[(rows,)](*args, n, k, BLOCK=block, num_warps=4)
-    out, fused = args[3].cpu(), args[4].cpu().tolist()
+    out, path = args[3].cpu(), args[4].cpu().tolist()
     for r in range(rows):
         row = keys[r].tolist()
         ranked = sorted((-x, i) for i, x in enumerate(row) if x > 0)[:k]
@@ -464,8 +439,10 @@ def test_sampled_select_writes_the_top_k_positions_on_every_path():
         got = out[r].tolist()
         assert sorted(got[: len(want)]) == want, r
         assert all(x == -1 for x in got[len(want):]), r
-    assert fused[0] == fused[4] == fused[7] == 1  # the band held the K-th key (ties across it in row 7)
-    assert fused[1] == fused[2] == fused[5] == fused[6] == 0  # a misleading sample; no search needed
+    assert path[0] == path[4] == path[7] == 1  # the band held the K-th key (ties across it in row 7)
+    assert path[8] == 2  # ... but more keys than a block
+    assert path[1] == path[2] == 3  # a misleading sample, refuted
+    assert path[5] == path[6] == 0  # no search needed
 
 
 def test_unsupported_configurations_keep_the_torch_path():

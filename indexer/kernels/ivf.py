@@ -247,60 +247,27 @@ def _sample_bracket(BUF, off, n, K, key_lo, key_hi, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _kth_largest(BUF, full_off, ping_off, pong_off, n, K, key_lo, n_ge_lo, key_hi, BLOCK: tl.constexpr,
-                 SAMPLE: tl.constexpr = False):
+def _kth_largest(BUF, full_off, ping_off, pong_off, n, K, key_lo, n_ge_lo, key_hi, BLOCK: tl.constexpr):
     """Threshold of the top-K of the int keys BUF[full_off : full_off + n], all < key_hi, with
     n_ge_lo of them >= key_lo (callers pass the smallest valid key, or 0 and n): returns (thr, take)
-    such that the top-K is every key > thr plus the first `take` keys == thr (array order).
+    such that the top-K is every key > thr plus the first `take` keys == thr (array order)."""
+    return _kth_search(BUF, full_off + n * 0, n, ping_off, pong_off, n, K, key_lo + n * 0, key_hi + n * 0, n * 0,
+                       n_ge_lo + n * 0, (K >= n_ge_lo).to(tl.int32), BLOCK)  # K == n_ge_lo: every key >= key_lo
 
-    Bisection on the key value. SAMPLE (n > BLOCK): first a guess [a, b) from a strided sample
-    (`_sample_bracket`) and one pass over the keys that counts those >= b and compacts [a, b) into
-    the ping region; when the counts confirm the guess (fewer than K keys >= b, at least K >= a),
-    the search goes on in that band, else from the side the counts prove. Phase A, while the
-    working set is larger than BLOCK: each step is a pass over the working set in global scratch
-    (L1/L2), and once the undecided band [lo, hi) holds at most half of it, or fits in a block, the
-    band is compacted into the ping/pong region (n ints each; a debug_barrier orders the
-    compaction's stores before other threads read them). Phase B: the band is loaded into registers
-    once and the steps go on there. Stops early when a probe value splits exactly K."""
-    lo = key_lo + n * 0  # count(key >= lo) >= K (+ n * 0: a tensor, also for a literal argument)
-    hi = key_hi + n * 0  # count(key >= hi) == c_hi < K
-    c_hi = n * 0
-    n_band = n_ge_lo + n * 0  # keys in [lo, hi)
-    cur = full_off + n * 0
-    cur_n = n
-    done = (K >= n_ge_lo).to(tl.int32)  # K >= n: everything; K == n_ge_lo: every key >= key_lo
+
+@triton.jit
+def _kth_search(BUF, cur, cur_n, ping_off, pong_off, n, K, lo, hi, c_hi, n_band, done, BLOCK: tl.constexpr):
+    """`_kth_largest` from a known state: the working set BUF[cur : cur + cur_n] holds every key in
+    [lo, hi) (n_band of them) and maybe others; count(key >= lo) >= K; count(key >= hi) = c_hi < K;
+    done: count(key >= lo) == K. (+ n * 0 in the callers: tensors, also for literal arguments.)
+
+    Bisection on the key value. Phase A, while the working set is larger than BLOCK: each step is a
+    pass over the working set in global scratch (L1/L2), and once the undecided band [lo, hi) holds at
+    most half of it, or fits in a block, the band is compacted into the ping/pong region (n ints
+    each, whichever `cur` is not; a debug_barrier orders the compaction's stores before other threads
+    read them). Phase B: the band is loaded into registers once and the steps go on there. Stops
+    early when a probe value splits exactly K."""
     ar = tl.arange(0, BLOCK)
-    if SAMPLE:
-        if (done == 0) & (n > BLOCK):
-            a, b = _sample_bracket(BUF, full_off, n, K, key_lo, key_hi, BLOCK)
-            c_vec = tl.zeros([BLOCK], tl.int32)
-            base = n * 0
-            for c0 in range(0, n, BLOCK):  # count keys >= b; compact [a, b) into ping
-                o = c0 + ar
-                key = tl.load(BUF + full_off + o, mask=o < n, other=-1)
-                c_vec += (key >= b).to(tl.int32)
-                keep = (key >= a) & (key < b) & (o < n)
-                at = base + tl.cumsum(keep.to(tl.int32), 0) - 1
-                tl.store(BUF + ping_off + at, key, mask=keep)
-                base += tl.sum(keep.to(tl.int32), 0)
-            tl.debug_barrier()
-            c_b = tl.sum(c_vec, 0)
-            if c_b >= K:  # the K-th key is >= b
-                lo = b
-                n_band = c_b
-                done = (c_b == K).to(tl.int32)
-            elif c_b + base < K:  # the K-th key is < a
-                hi = a
-                c_hi = c_b + base
-                n_band = n_ge_lo - c_hi
-            else:  # the guess holds: the band is in ping
-                lo = a
-                hi = b
-                c_hi = c_b
-                n_band = base
-                cur = ping_off
-                cur_n = base
-                done = (c_b + base == K).to(tl.int32)
     while (hi - lo > 1) & (done == 0) & (cur_n > BLOCK):
         mid = lo + (hi - lo) // 2
         c_vec = tl.zeros([BLOCK], tl.int32)  # per element over the chunks: one reduction per pass
@@ -373,7 +340,7 @@ def _top_threshold_regs(keys, n, K, key_min, n_valid, key_hi):
 
 
 @triton.jit
-def _top_threshold(ROW, n, K, key_min, n_valid, key_hi, BLOCK: tl.constexpr, SAMPLE: tl.constexpr = False):
+def _top_threshold(ROW, n, K, key_min, n_valid, key_hi, BLOCK: tl.constexpr):
     """`_kth_largest` over a row's keys ROW[0:n] (scratch layout [keys | ping | pong]) when the
     smallest valid key (or any lower bound > 0) and the count of valid keys (> 0) are known: fewer
     valid keys than K select them all (the ties at 0 are the invalid slots, emitted as -1); else the
@@ -382,7 +349,7 @@ def _top_threshold(ROW, n, K, key_min, n_valid, key_hi, BLOCK: tl.constexpr, SAM
         thr = n * 0
         take = K - n_valid
     else:
-        thr, take = _kth_largest(ROW, 0, n, 2 * n, n, K, key_min, n_valid, key_hi, BLOCK, SAMPLE)
+        thr, take = _kth_largest(ROW, 0, n, 2 * n, n, K, key_min, n_valid, key_hi, BLOCK)
     return thr, take
 
 
@@ -733,8 +700,7 @@ def _rerank_kernel(
 
 @triton.jit
 def _row_keys(WS_S, WS_POS, WS_ML, row, r, U, n_parts, G: tl.constexpr, G_PAD: tl.constexpr,
-              BLOCK: tl.constexpr, BLOCK_S: tl.constexpr, PRECISE: tl.constexpr, SAMPLE: tl.constexpr = False,
-              PREFETCH: tl.constexpr = True):
+              BLOCK: tl.constexpr, BLOCK_S: tl.constexpr, PRECISE: tl.constexpr, SAMPLE: tl.constexpr = False):
     """Row r's int keys -> row[0:U] (group mass as float bits + 1, 0 = not a candidate), and a lower
     bound > 0 of the valid keys, their count and an upper bound (exclusive) of all keys. Without
     SAMPLE, or when the row fits one block, the bounds are the smallest valid key and the max + 1,
@@ -751,21 +717,16 @@ def _row_keys(WS_S, WS_POS, WS_ML, row, r, U, n_parts, G: tl.constexpr, G_PAD: t
     ok_g = (ar_g < G)[None, :]
     lse_k = tl.where(ar_g < G, lse, 0.0)  # padded heads (-inf): masked after, without inf - inf
     s_row = WS_S + r * U * G
-    if PREFETCH:
-        pos_nx = tl.load(pos_row + ar, mask=ar < U, other=-1)
-        lg_nx = tl.load(s_row + ar[:, None] * G + ar_g[None, :], mask=(ar < U)[:, None] & ok_g, other=float("-inf"))
+    pos_nx = tl.load(pos_row + ar, mask=ar < U, other=-1)
+    lg_nx = tl.load(s_row + ar[:, None] * G + ar_g[None, :], mask=(ar < U)[:, None] & ok_g, other=float("-inf"))
     for c0 in range(0, U, BLOCK):
         u = c0 + ar
         inn = u < U
-        if PREFETCH:  # the next chunk's loads in flight while this one is computed
-            pos = pos_nx
-            lg = lg_nx
-            nx = u + BLOCK
-            pos_nx = tl.load(pos_row + nx, mask=nx < U, other=-1)
-            lg_nx = tl.load(s_row + nx[:, None] * G + ar_g[None, :], mask=(nx < U)[:, None] & ok_g, other=float("-inf"))
-        else:
-            pos = tl.load(pos_row + u, mask=inn, other=-1)
-            lg = tl.load(s_row + u[:, None] * G + ar_g[None, :], mask=inn[:, None] & ok_g, other=float("-inf"))
+        pos = pos_nx
+        lg = lg_nx
+        nx = u + BLOCK  # the next chunk's loads in flight while this one is computed
+        pos_nx = tl.load(pos_row + nx, mask=nx < U, other=-1)
+        lg_nx = tl.load(s_row + nx[:, None] * G + ar_g[None, :], mask=(nx < U)[:, None] & ok_g, other=float("-inf"))
         mass = tl.sum(tl.where(ok_g, _exp(lg - lse_k[None, :], PRECISE), 0.0), 1)
         valid = (pos >= 0) & (mass == mass)
         key = tl.where(valid, tl.minimum(mass.to(tl.int32, bitcast=True) + 1, KEY_INF), 0)
@@ -797,8 +758,7 @@ def _select_kernel(
     WS_S, WS_POS, WS_ML, SCR, OUT, PUSH,
     T, U, n_parts, KP, RHO, scr_row,
     G: tl.constexpr, G_PAD: tl.constexpr, BLOCK: tl.constexpr, BLOCK_S: tl.constexpr,
-    HAS_PUSH: tl.constexpr, PRECISE: tl.constexpr, SAMPLE: tl.constexpr = False, FUSED_EMIT: tl.constexpr = False,
-    PREFETCH: tl.constexpr = True,
+    HAS_PUSH: tl.constexpr, PRECISE: tl.constexpr, SAMPLE: tl.constexpr = False,
 ):
     """Grid (rows, 1 + HAS_PUSH). Per row: lse per head over the parts (candidates + frame), mass of
     each slot = sum over heads of exp(logit - lse) (candidate_mass) as an int key (float bits + 1;
@@ -818,35 +778,42 @@ def _select_kernel(
     if (w == 0) | push_row:
         row = SCR + (r * tl.num_programs(1) + w) * scr_row
         key_min, n_valid, key_hi = _row_keys(WS_S, WS_POS, WS_ML, row, r, U, n_parts, G, G_PAD, BLOCK, BLOCK_S,
-                                             PRECISE, SAMPLE, PREFETCH)
+                                             PRECISE, SAMPLE)
         if push_row & (w == 0):
             k = RHO
             out = PUSH + h * RHO
         else:
             k = KP
             out = OUT + r * KP
-        if FUSED_EMIT & SAMPLE:
+        if SAMPLE:
             _select_sampled(row, WS_POS + r * U, U, k, key_min, n_valid, key_hi, out, BLOCK)
         else:
-            thr, take = _top_threshold(row, U, k, key_min, n_valid, key_hi, BLOCK, SAMPLE)
+            thr, take = _top_threshold(row, U, k, key_min, n_valid, key_hi, BLOCK)
             _emit(row, WS_POS + r * U, U, thr, take, k, out, BLOCK)
 
 
 @triton.jit
 def _select_sampled(ROW, POS, n, K, key_lo, n_valid, key_hi, OUT, BLOCK: tl.constexpr):
-    """The top-K of the keys ROW[0:n] written as their positions POS[0:n] into OUT[0:K] (the set
-    `_top_threshold` + `_emit` write; valid keys first, -1 after), in one pass over the keys after
-    the sample: `_sample_bracket` guesses a band [a, b); the pass writes the positions of the keys
+    """The top-K of the keys ROW[0:n] (0 = empty; key_lo a lower bound > 0 of the valid ones, n_valid
+    their count, key_hi an upper bound of all) written as their positions POS[0:n] into OUT[0:K] (the
+    set `_top_threshold` + `_emit` write: valid keys first, -1 after), the search bracketed from a
+    sample and the emit fused into its counting pass.
+
+    `_sample_bracket` guesses a band [a, b); one pass over the keys writes the positions of the keys
     >= b into OUT (masked to K slots) and compacts the band's keys and positions into the ping and
     pong regions of ROW (layout [keys n | ping n | pong n]), both counts from one packed scan per
     chunk. When the counts confirm the guess (fewer than K keys >= b, at least K >= a) and the band
     fits one block, the search ends in registers over the band and the band's share of the top-K
-    follows the keys >= b in OUT: OUT lists the same set in another order (the keys >= b in array
-    order, then the band's). Otherwise the plain search and emit run and overwrite OUT. -> 1 when the
-    band's path ran, else 0 (for the tests)."""
+    follows the keys >= b in OUT: OUT holds the same set as the plain emit's, in another order (the
+    keys >= b in array order, then the band's). Otherwise the search goes on from what the counts
+    proved (inside the band, or above b, or below a) and the plain emit rewrites OUT. Returns the
+    path: 0 no search needed or no sample (n_valid <= K or n <= BLOCK), 1 the band in registers, 2
+    the band confirmed but larger than a block, 3 the guess refuted (for the tests)."""
     tl.static_assert(BLOCK < 65536)
     ar = tl.arange(0, BLOCK)
-    fused = n * 0
+    path = n * 0
+    thr = n * 0
+    take = n * 0
     if (n_valid > K) & (n > BLOCK):
         a, b = _sample_bracket(ROW, 0, n, K, key_lo, key_hi, BLOCK)
         n_ge = n * 0
@@ -869,16 +836,30 @@ def _select_sampled(ROW, POS, n, K, key_lo, n_valid, key_hi, OUT, BLOCK: tl.cons
             n_ge += tot & 0xFFFF
             n_bd += tot >> 16
         tl.debug_barrier()  # the band's stores (and OUT's) before other threads read (or rewrite) them
-        if (n_ge < K) & (n_ge + n_bd >= K) & (n_bd <= BLOCK):
-            fused = n * 0 + 1
-            band = tl.load(ROW + n + ar, mask=ar < n_bd, other=-1)
-            bpos = tl.load(ROW + 2 * n + ar, mask=ar < n_bd, other=-1)
-            thr, take = _bisect_regs(band, n, K, a, b, n_ge, (n_ge + n_bd == K).to(tl.int32))
-            _emit_slots(band, bpos, thr, take, n_ge, n * 0, OUT)
-    if fused == 0:
-        thr, take = _top_threshold(ROW, n, K, key_lo, n_valid, key_hi, BLOCK, False)
+        if (n_ge < K) & (n_ge + n_bd >= K):
+            if n_bd <= BLOCK:
+                path = n * 0 + 1
+                band = tl.load(ROW + n + ar, mask=ar < n_bd, other=-1)
+                bpos = tl.load(ROW + 2 * n + ar, mask=ar < n_bd, other=-1)
+                thr, take = _bisect_regs(band, n, K, a, b, n_ge, (n_ge + n_bd == K).to(tl.int32))
+                _emit_slots(band, bpos, thr, take, n_ge, n * 0, OUT)
+            else:  # the search goes on over the band in ping (its positions in pong are not needed)
+                path = n * 0 + 2
+                thr, take = _kth_search(ROW, n * 0 + n, n_bd, n, 2 * n, n, K, a, b, n_ge, n_bd,
+                                        (n_ge + n_bd == K).to(tl.int32), BLOCK)
+        elif n_ge >= K:  # the K-th key is >= b
+            path = n * 0 + 3
+            thr, take = _kth_search(ROW, n * 0, n, n, 2 * n, n, K, b, key_hi + n * 0, n * 0, n_ge,
+                                    (n_ge == K).to(tl.int32), BLOCK)
+        else:  # the K-th key is < a
+            path = n * 0 + 3
+            thr, take = _kth_search(ROW, n * 0, n, n, 2 * n, n, K, key_lo + n * 0, a, n_ge + n_bd,
+                                    n_valid - n_ge - n_bd, n * 0, BLOCK)
+    else:
+        thr, take = _top_threshold(ROW, n, K, key_lo, n_valid, key_hi, BLOCK)
+    if path != 1:
         _emit(ROW, POS, n, thr, take, K, OUT, BLOCK)
-    return fused
+    return path
 
 
 # ---------------------------------------------------------------------------------------------
@@ -932,8 +913,6 @@ class IvfConfig:
     select_warps: int = 8
     eager_rows: bool = True  # rerank: K rows loaded before the dedup atomic answers (rerank 30.1 -> 27.3 us, 128K)
     sample_select: bool = True  # select: bracket the K-th key from a strided sample first (`_kth_largest`)
-    fused_emit: bool = True  # select: with the sample, emit the keys above the band in the counting pass
-    mass_prefetch: bool = True  # select: the mass pass loads the next chunk while computing one
 
 
 DEFAULT_CONFIG = IvfConfig()  # used when a call passes no cfg (tests swap it for tiny blocks)
@@ -1043,8 +1022,7 @@ def _rerank_and_select(q, kv, *, rows: int, u: int, sink: int, window: int, kp: 
         wf["s"], wi["pos"], wf["ml"], wi["scr"], out, push if push is not None else out,
         t, u, n_parts, kp, rho, scr_row,
         G=g, G_PAD=g_pad, BLOCK=_select_block(u, cfg), BLOCK_S=_parts_block(n_parts), HAS_PUSH=push is not None,
-        PRECISE=_precise(), SAMPLE=cfg.sample_select, FUSED_EMIT=cfg.fused_emit,
-        PREFETCH=cfg.mass_prefetch, num_warps=cfg.select_warps,
+        PRECISE=_precise(), SAMPLE=cfg.sample_select, num_warps=cfg.select_warps,
     )
     return out
 
