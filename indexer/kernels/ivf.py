@@ -26,12 +26,17 @@ CTkvr, one layer and decode step (rows = KVH x T, one per KV head and query toke
    softmax state (max, sum) per head. The last program of a row does the same over the frame's rows
    (sink, window, visible request-local slots): that is `frame_lse`.
 3. `_select_kernel`, grid (rows, 1 or 2): log-sum-exp per head over the parts, the group mass of every slot
-   (sum over heads of exp(logit - lse): `candidate_mass`) as an order-preserving int key (float bits
-   + 1; 0 = no candidate), and the exact top-K: bisection on the key value starting at the smallest
-   valid key, over the row's keys in scratch while they are more than a block (the undecided band is
-   compacted whenever it halves), then in registers; it stops when a probe value splits exactly K.
-   One compaction pass writes the positions. The plan row gets the top-min(k, U); the last token's
-   row also the top-rho (the FIFO push), by a second program over the same keys (grid (rows, 2)).
+   (sum over heads of exp(logit - lse): `candidate_mass`; the logits stored [rows, U, G], one
+   [BLOCK, G] tile per chunk, the next chunk's loads issued before this one's exps) as an
+   order-preserving int key (float bits + 1; 0 = no candidate), and the exact top-K
+   (`_select_sampled`, `IvfConfig.sample_select`): a strided sample of one block of keys guesses a
+   band [a, b) around the K-th key; one pass counts the keys >= b and writes their positions to the
+   plan, and compacts the band (keys and positions); when the counts confirm the guess the bisection
+   ends in registers over the band and the band's share of the top-K is written from there (else the
+   bisection goes on from what the counts proved, over scratch in L2 while the working set is more
+   than a block, then in registers, and a plain emit pass writes the positions). The plan row gets
+   the top-min(k, U); the last token's row also the top-rho (the FIFO push), by a second program over
+   the same keys (grid (rows, 2)).
 4. `update()`: `_fifo_push_kernel`, one program: the pending push into ring slot pushes % F, the
    probe-share statistic, pushes += 1 (the torch path's 5-6 small ops).
 
@@ -83,12 +88,13 @@ in a benchmark that replays one layer they sit in the H100's 50 MB L2, in a real
 do not (benchmarks/gpu_ivf.py rotates over layer copies for that reason).
 
 Measured (H100, 2026-11-23, benchmarks/RESULTS.md "ctkvr's select"): the estimate above was off by
-3x. The plan at 128K, B = 1, in device us per step: select 35 (52 when the push and plan sets were
-selected one inside the other by one program), rerank 27, probe 13 (18 with 64-entry blocks); a
-~14-probe bisection per set, each probe over the row's ~5,000 valid keys in L2 while the band is
-larger than a block: latency, not bytes, on the 8-16 SMs a B = 1 step gives it. Holding the whole
-row in registers (one tile of 8192-16384 keys, 16-32 warps) was slower: 76 us, spills and 10 cycles
-per issued instruction.
+3x. The plan at 128K, B = 1, in device us per step: select 35 with the plain bisection (52 when the
+push and plan sets were selected one inside the other by one program; ~14 probes per set, each a
+pass over the row's ~5,000 valid keys in L2 while the band was larger than a block), 19.5 with the
+sampled bracket and the emit fused into its counting pass; rerank 27, probe 13 (18 with 64-entry
+blocks): latency, not bytes, on the 8-16 SMs a B = 1 step gives it. Holding the whole row in
+registers (one tile of 8192-16384 keys, 16-32 warps) was slower: 76 us, spills and 10 cycles per
+issued instruction.
 
 kivf at 128K (ratio 0.05: k = 6554; C = 1448 fp32 centroids, nprobe = 290 for scan 4): probe 8 x 1448
 x 128 x 4 B = 5.9 MB; rerank ~4 x k = 26K probed keys per row -> 8 x 26K x 256 B = 54 MB of K rows
@@ -100,8 +106,8 @@ decode benchmarks); `planner.fused = False` does it for one planner.
 
 Checked without a GPU (Triton 3.6, ahead-of-time compile for sm_90 with the JIT's 16-divisibility
 specialisation of strides, default knobs, D 128 bf16): no register spills; registers per thread:
-probe 134 (4 warps), rerank 154 (4 warps), select 126 (8 warps, block 2048), push 32, kivf probe
-154, kivf clusters 106 (8 warps, block 2048). benchmarks/gpu_decode.py times the plans (`--profile`
+probe 134 (4 warps), rerank 154 (4 warps), select 128 (8 warps, block 2048; the sampled select),
+push 32, kivf probe 154, kivf clusters 106 (8 warps, block 2048). benchmarks/gpu_decode.py times the plans (`--profile`
 for per-kernel device time; IvfConfig knobs as `ctkvr:knob=value` rows), benchmarks/gpu_ivf.py too.
 
 Workspaces (grow-only, per device, stream and purpose, like `decoder/kernels/attention.py`): float32
@@ -912,7 +918,7 @@ class IvfConfig:
     rerank_warps: int = 4
     select_warps: int = 8
     eager_rows: bool = True  # rerank: K rows loaded before the dedup atomic answers (rerank 30.1 -> 27.3 us, 128K)
-    sample_select: bool = True  # select: bracket the K-th key from a strided sample first (`_kth_largest`)
+    sample_select: bool = True  # select: `_select_sampled` (27.6 -> 19.5 us at 128K, H100; RESULTS.md); False: plain
 
 
 DEFAULT_CONFIG = IvfConfig()  # used when a call passes no cfg (tests swap it for tiny blocks)
