@@ -7,7 +7,7 @@
 #                    carry=[".whl", ".old"])
 #   stages: tests | kerneltests | decode | decodecold | decode512 | before_after | kernels | e2e32 | e2e128 |
 #           e2e128rest | e2eprof | e2elayer | attntests | decodeab | psaab | latency | ncu | psasweep | pdlab | e2enow |
-#           offload | psa32sweep | offloadfit | ivfsweep | ivfcpp | cslfsweep | ivfsel | ivfeager | ivfsample | ncusel | e2ectkvr | ncuivf
+#           offload | psa32sweep | offloadfit | ivfsweep | ivfcpp | cslfsweep | ivfsel | ivfeager | ivfsample | ncusel | psaemit | e2ectkvr | ncuivf
 #   (default: tests decode before_after)
 #   .old = the tree before the plan/run redesign (`git archive <commit> decoder indexer storage`), for
 #   the before/after decode comparison.
@@ -155,6 +155,18 @@ for stage in $stages; do
           --backends triton --reps 2 --out "$OUT/ncu_sel_run" > "$OUT/ncu_ctkvr_${k}_source.csv" 2>&1
         grep -i "duration\|registers per\|achieved occ\|warp cycles per issued\|theoretical occ" "$OUT/ncu_ctkvr_${k}.txt" | head -12
         ls -la "$OUT/ncu_ctkvr_${k}_source.csv"; head -c 600 "$OUT/ncu_ctkvr_${k}_source.csv"
+      done ;;
+    psaemit)  # psa's select emit, one packed scan per tile, against the tree before it (.old/psa_head.py: `git show
+      # <commit>:indexer/kernels/psa.py`), alternating old / new twice; psa kernel tests first
+      python3 -m pytest -q -p no:cacheprovider -o addopts="" tests/test_kernels_psa.py 2>&1 | tail -1 \
+        | tee "$OUT/gpu_psa_emit_tests.log"
+      rm -rf /tmp/old && mkdir -p /tmp/old && cp -r benchmarks decoder indexer storage tests /tmp/old/ \
+        && cp .old/psa_head.py /tmp/old/indexer/kernels/psa.py
+      for i in 1 2; do
+        (cd /tmp/old && python3 benchmarks/gpu_decode.py --lengths 32768 131072 --batches 1 8 --profile --backends triton \
+          --methods psa --out "$OUT/psaemit_old$i" 2>&1 | grep "^| .*psa")
+        python3 benchmarks/gpu_decode.py --lengths 32768 131072 --batches 1 8 --profile --backends triton --methods psa \
+          $([ "$i" = 1 ] && echo --torch-plans) --out "$OUT/psaemit_new$i" 2>&1 | grep "^| .*psa"
       done ;;
     e2ectkvr)  # the runner at 128K after ctkvr's select change: dense, ctkvr and saap, B = 1 and 8
       python3 benchmarks/gpu_e2e.py --lengths 131072 --batches 1 8 --methods full ctkvr saap \
