@@ -428,8 +428,8 @@ def test_sampled_select_writes_the_top_k_positions_on_every_path():
     keys = keys.to(torch.int32)
     poss = torch.randperm(1 << 20, generator=gen)[: rows * n].view(rows, n).to(torch.int32)
     d = lambda x: x.to(DEVICE)  # noqa: E731
-    args = [d(keys), d(poss), d(torch.zeros(rows, 3 * n, dtype=torch.int32)), d(torch.zeros(rows, k, dtype=torch.int32)),
-            d(torch.zeros(rows, dtype=torch.int32))]
+    zeros = lambda *shape: d(torch.zeros(*shape, dtype=torch.int32))  # noqa: E731
+    args = [d(keys), d(poss), zeros(rows, 3 * n), zeros(rows, k), zeros(rows)]
     _sampled_select_probe[(rows,)](*args, n, k, BLOCK=block, num_warps=4)
     out, path = args[3].cpu(), args[4].cpu().tolist()
     for r in range(rows):
