@@ -360,12 +360,13 @@ def _top_threshold(ROW, n, K, key_min, n_valid, key_hi, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _emit_slots(key, pos, thr, take, gt_base, eq_base, OUT):
-    """One chunk of an emit: the valid keys (> 0) of `key` above thr, and those equal to it while
-    fewer than `take` have been taken, write their `pos` into OUT at their rank in array order after
-    gt_base + min(eq_base, take) earlier ones. Both running counts come from one scan (the count
-    above thr in the low 16 bits, the count equal in the high ones: a chunk has < 2^16 keys).
-    -> the counts after the chunk."""
+def _emit_ranks(key, thr, take, gt_base, eq_base):
+    """The ranks of one chunk of a selection (thr, take): the valid keys (> 0) above thr, and those
+    equal to it while fewer than `take` have been taken, in array order after gt_base + min(eq_base,
+    take) earlier ones (gt_base / eq_base: the valid keys above / equal to thr in the chunks before).
+    Both running counts come from one scan (above thr in the low 16 bits, equal in the high ones: a
+    chunk has < 2^16 keys; two scans cost the psa select 0.3-0.6 us more on an H100,
+    benchmarks/RESULTS.md). -> (taken mask, slot of each taken key, gt_base, eq_base after it)."""
     gt = (key > thr) & (key > 0)
     eq = (key == thr) & (key > 0)
     both = gt.to(tl.int32) + (eq.to(tl.int32) << 16)
@@ -373,9 +374,17 @@ def _emit_slots(key, pos, thr, take, gt_base, eq_base, OUT):
     n_eq = eq_base + (sc >> 16)  # inclusive
     w = gt | (eq & (n_eq <= take))
     at = gt_base + (sc & 0xFFFF) + tl.minimum(n_eq, take) - 1
-    tl.store(OUT + at, pos, mask=w)
     tot = tl.sum(both, 0)
-    return gt_base + (tot & 0xFFFF), eq_base + (tot >> 16)
+    return w, at, gt_base + (tot & 0xFFFF), eq_base + (tot >> 16)
+
+
+@triton.jit
+def _emit_slots(key, pos, thr, take, gt_base, eq_base, OUT):
+    """One chunk of an emit: the `pos` of the keys `_emit_ranks` takes into OUT at their ranks.
+    -> the counts after the chunk."""
+    w, at, gt_base, eq_base = _emit_ranks(key, thr, take, gt_base, eq_base)
+    tl.store(OUT + at, pos, mask=w)
+    return gt_base, eq_base
 
 
 @triton.jit
@@ -851,7 +860,7 @@ def _select_sampled(ROW, POS, n, K, key_lo, n_valid, key_hi, OUT, BLOCK: tl.cons
                 _emit_slots(band, bpos, thr, take, n_ge, n * 0, OUT)
             else:  # the search goes on over the band in ping (its positions in pong are not needed)
                 path = n * 0 + 2
-                thr, take = _kth_search(ROW, n * 0 + n, n_bd, n, 2 * n, n, K, a, b, n_ge, n_bd,
+                thr, take = _kth_search(ROW, n, n_bd, n, 2 * n, n, K, a, b, n_ge, n_bd,
                                         (n_ge + n_bd == K).to(tl.int32), BLOCK)
         elif n_ge >= K:  # the K-th key is >= b
             path = n * 0 + 3

@@ -126,7 +126,7 @@ import triton
 import triton.language as tl
 
 from indexer.kernels import Workspaces, interpreted  # also makes Triton 3.6's interpreter work with NumPy 2.4
-from indexer.kernels.ivf import _exp, _round_as, _top_threshold, _top_threshold_regs  # shared device helpers
+from indexer.kernels.ivf import _emit_ranks, _exp, _round_as, _top_threshold, _top_threshold_regs  # shared helpers
 from indexer.kernels.pdl import pdl_begin, pdl_launch
 from indexer.psa import ProgressivePlan, dense_part_blocks
 
@@ -330,24 +330,13 @@ def _group_keys(X, hrow, g_ok, b, nb, n_sb, first_w, m_all, inv_z, PRECISE: tl.c
 
 @triton.jit
 def _emit_keys(key, b, thr, take, gt_base, eq_base, CAND, CKEY):
-    """One tile of the selection (thr, take) in block order: the valid keys (> 0) above thr, and
-    those equal to it while fewer than `take` have been taken; gt_base / eq_base: the valid keys
-    above / equal to thr in the tiles before. Block ids and keys to CAND / CKEY at their rank,
-    gt_base + min(eq_base, take) onwards. Both counts come from one scan (above thr in the low 16
-    bits, equal in the high ones: a tile has < 2^16 keys; with two scans the select took 6.4 us at 32K
-    and 11.1 at 128K on an H100, with one 6.1 and 10.5, benchmarks/RESULTS.md). Returns (gt_base,
-    eq_base) after the tile."""
-    gt = (key > thr) & (key > 0)
-    eq = (key == thr) & (key > 0)
-    both = gt.to(tl.int32) + (eq.to(tl.int32) << 16)
-    sc = tl.cumsum(both, 0)
-    n_eq = eq_base + (sc >> 16)  # inclusive
-    w = gt | (eq & (n_eq <= take))
-    at = gt_base + (sc & 0xFFFF) + tl.minimum(n_eq, take) - 1
+    """One tile of the selection (thr, take) in block order (`ivf._emit_ranks`: the counts gt_base /
+    eq_base of the tiles before, one scan): block ids and keys to CAND / CKEY at their ranks.
+    Returns (gt_base, eq_base) after the tile."""
+    w, at, gt_base, eq_base = _emit_ranks(key, thr, take, gt_base, eq_base)
     tl.store(CAND + at, b, mask=w)
     tl.store(CKEY + at, key, mask=w)
-    tot = tl.sum(both, 0)
-    return gt_base + (tot & 0xFFFF), eq_base + (tot >> 16)
+    return gt_base, eq_base
 
 
 # ---------------------------------------------------------------------------------------------
