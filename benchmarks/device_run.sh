@@ -7,7 +7,7 @@
 #                    carry=[".whl", ".old"])
 #   stages: tests | kerneltests | decode | decodecold | decode512 | before_after | kernels | e2e32 | e2e128 |
 #           e2e128rest | e2eprof | e2elayer | attntests | decodeab | psaab | latency | ncu | psasweep | pdlab | e2enow |
-#           offload | psa32sweep | offloadfit | ivfsweep | ivfcpp | cslfsweep | ivfsel | ivfeager | ivfsample | ncusel | psaemit | e2ectkvr | ncuivf
+#           offload | psa32sweep | offloadfit | ivfsweep | ivfcpp | cslfsweep | ivfsel | ivfeager | ivfsample | ncusel | psaemit | psafuse | e2ectkvr | ncuivf
 #   (default: tests decode before_after)
 #   .old = the tree before the plan/run redesign (`git archive <commit> decoder indexer storage`), for
 #   the before/after decode comparison.
@@ -167,6 +167,16 @@ for stage in $stages; do
           --methods psa --out "$OUT/psaemit_old$i" 2>&1 | grep "^| .*psa")
         python3 benchmarks/gpu_decode.py --lengths 32768 131072 --batches 1 8 --profile --backends triton --methods psa \
           $([ "$i" = 1 ] && echo --torch-plans) --out "$OUT/psaemit_new$i" 2>&1 | grep "^| .*psa"
+      done ;;
+    psafuse)  # psa's stop run by the last sums program (the default) against its own launch, twice (in both orders);
+      # the kernel test files first (ivf, psa, attention)
+      python3 -m pytest -q -p no:cacheprovider -o addopts="" tests/test_kernels_psa.py tests/test_kernels_ivf.py \
+        tests/test_triton_attention.py 2>&1 | tail -2 | tee "$OUT/gpu_psa_fuse_tests.log"
+      for i in 1 2; do
+        python3 benchmarks/gpu_decode.py --lengths 32768 131072 --batches 1 8 --profile --backends triton \
+          --methods $([ "$i" = 1 ] && echo "psa psa:fuse_stop=0 --torch-plans" || echo "psa:fuse_stop=0 psa") \
+          --out "$OUT/psafuse$i" 2>&1 \
+          | grep "^| .*psa"
       done ;;
     e2ectkvr)  # the runner at 128K after ctkvr's select change: dense, ctkvr and saap, B = 1 and 8
       python3 benchmarks/gpu_e2e.py --lengths 131072 --batches 1 8 --methods full ctkvr saap \
