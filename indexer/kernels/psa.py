@@ -243,7 +243,7 @@ def _crit_kernel(
 
 @triton.jit(do_not_specialize=["T", "nb", "n_ctx", "s_end", "window", "n_sb", "bs", "n_bt", "K", "scr_row"])
 def _select_kernel(
-    X, PS, QPOS, SCR, CAND, CKEY, NCAND, TICK,
+    X, PS, QPOS, SCR, CAND, CKEY, NCAND,
     T, nb, n_ctx, s_end, window, n_sb, bs, n_bt, K, scr_row,
     G: tl.constexpr, G_PAD: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK: tl.constexpr,
     IN_REGS: tl.constexpr, PRECISE: tl.constexpr, PDL: tl.constexpr = False,
@@ -251,13 +251,11 @@ def _select_kernel(
     """One program per row (KV head, token): the group score of every ranked block (sum over the
     group's heads of the softmax over blocks) as an int key (float bits + 1; 0 = dense-part block),
     the K best keys (ties: lowest block id), and their block ids and keys in block order ->
-    CAND / CKEY [rows, K], their count -> NCAND [rows]; zeroes the row's ticket of the fused stop
-    (TICK, taken in the next launch). IN_REGS (the row's blocks fit one tile of
+    CAND / CKEY [rows, K], their count -> NCAND [rows]. IN_REGS (the row's blocks fit one tile of
     BLOCK keys, and the tile has no element that two threads hold): the keys stay in registers from
     the score to the emit, no scratch round trip."""
     pdl_begin(PDL)
     r = tl.program_id(0)
-    tl.store(TICK + r, 0)
     t = r % T
     ar_g = tl.arange(0, G_PAD)
     g_ok = ar_g < G
@@ -346,26 +344,21 @@ def _emit_keys(key, b, thr, take, gt_base, eq_base, CAND, CKEY):
 
 
 @triton.jit(do_not_specialize=["T", "n_ctx", "n_loc", "nb", "K", "s_end", "window", "n_sb", "first_w0", "F", "bs",
-                               "n_st", "microbatch"])
+                               "n_st"])
 def _sums_kernel(
-    Q, CK, LK, QPOS, CAND, CKEY, NCAND, SID, SMX, SSM, DMX, DSM, TICK,
-    POS, RANKED, BLOCKS, USED, MASS, CAPPED, LEN,  # the stop's outputs (FUSE_STOP)
+    Q, CK, LK, QPOS, CAND, CKEY, NCAND, SID, SMX, SSM, DMX, DSM,
     sq_h, sq_g, sq_t, sck_h, sck_n, slk_h, slk_n,
-    sp_h, sp_t, sr_h, sr_t, sb_h, sb_t, sm_h, sm_g, sm_t, sl_h, sl_t,
-    T, n_ctx, n_loc, nb, K, s_end, window, n_sb, first_w0, F, bs, n_st, qk_scale, microbatch, eps,
+    T, n_ctx, n_loc, nb, K, s_end, window, n_sb, first_w0, F, bs, n_st, qk_scale,
     G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, BS_PAD: tl.constexpr, SLOTS: tl.constexpr,
     BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, LOGIT_DT: tl.constexpr, DOT_FP32: tl.constexpr,
-    PRECISE: tl.constexpr, FUSE_STOP: tl.constexpr, STOP_G_PAD: tl.constexpr, STOP_BLOCK: tl.constexpr,
-    POS_BLOCK: tl.constexpr, EXACT: tl.constexpr, PDL: tl.constexpr = False,
+    PRECISE: tl.constexpr, PDL: tl.constexpr = False,
 ):
     """Programs 0 .. n_st - 1 of a row: SLOTS candidate blocks each. A candidate's rank in the
     order (key desc, block id asc) is the count of candidates before it (the row's K keys, from
     L2); its block's keys are read once for the group's heads, and (block id, max, sum of exp(x -
     max) per head) are written to slot `rank` -> SID [rows, K], SMX / SSM [rows·G, K]. Program
     n_st: the same state over the dense part (the row's sink/window blocks, its visible
-    request-local keys) -> DMX / DSM [rows·G]. FUSE_STOP: each program then takes a ticket of its
-    row (TICK, zeroed by the select kernel) and the row's last one runs the stop rule and writes the
-    plan row (`_stop_row`, one part), so the stop needs no launch of its own."""
+    request-local keys) -> DMX / DSM [rows·G]."""
     pdl_begin(PDL)
     s = tl.program_id(0)
     r = tl.program_id(1)
@@ -434,16 +427,6 @@ def _sums_kernel(
             m, l = _online(m, l, x, PRECISE)
         tl.store(DMX + hrow, m, mask=g_ok)
         tl.store(DSM + hrow, l, mask=g_ok)
-    if FUSE_STOP:
-        tl.debug_barrier()  # every thread's stores before the ticket (taken by one thread, acq_rel)
-        if tl.atomic_add(TICK + r, 1, sem="acq_rel") == n_st:  # the row's last program of n_st + 1
-            _stop_row(
-                r, 0, 1,
-                SID, SMX, SSM, DMX, DSM, NCAND, QPOS, POS, RANKED, BLOCKS, USED, MASS, CAPPED, LEN,
-                sp_h, sp_t, sr_h, sr_t, sb_h, sb_t, sm_h, sm_g, sm_t, sl_h, sl_t,
-                T, n_ctx, nb, K, s_end, window, n_sb, first_w0, F, bs, microbatch, eps,
-                G, STOP_G_PAD, STOP_BLOCK, POS_BLOCK, EXACT, PRECISE, True,
-            )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -459,58 +442,54 @@ def _stop_kernel(
     G: tl.constexpr, G_PAD: tl.constexpr, BLOCK: tl.constexpr, BLOCK_P: tl.constexpr, EXACT: tl.constexpr,
     PRECISE: tl.constexpr, PDL: tl.constexpr = False,
 ):
-    """Programs (part, row): `_stop_row` (`PsaConfig.fuse_stop` off: the stop as its own launch)."""
+    """Programs (part, row): AS_acc, AS_min, P_acc over the ranked candidates (cumulative, in chunks
+    of BLOCK with carries), the first check where every head has P_acc >= eps, and the row's
+    outputs: positions, ranked block ids, blocks / used counts, P_acc at the stop, capped, and the
+    row's filled length (F + used)·bs (`Plan.lengths`: the slots past it are -1). Every part of a
+    row runs the same scan (same inputs, same order: the same stop); part 0 writes the row's
+    counts, ranked ids and dense part, and the parts share the stores of the ranked blocks' tokens
+    (one chunk each at 128K instead of one program's ~13 dependent load-and-store rounds)."""
     pdl_begin(PDL)
-    _stop_row(
-        tl.program_id(1), tl.program_id(0), tl.num_programs(0),
-        SID, SMX, SSM, DMX, DSM, NCAND, QPOS, POS, RANKED, BLOCKS, USED, MASS, CAPPED, LEN,
-        sp_h, sp_t, sr_h, sr_t, sb_h, sb_t, sm_h, sm_g, sm_t, sl_h, sl_t,
-        T, n_ctx, nb, K, s_end, window, n_sb, first_w0, F, bs, microbatch, eps,
-        G, G_PAD, BLOCK, BLOCK_P, EXACT, PRECISE, False,
-    )
-
-
-@triton.jit
-def _stop_row(
-    r, part, n_parts,
-    SID, SMX, SSM, DMX, DSM, NCAND, QPOS, POS, RANKED, BLOCKS, USED, MASS, CAPPED, LEN,
-    sp_h, sp_t, sr_h, sr_t, sb_h, sb_t, sm_h, sm_g, sm_t, sl_h, sl_t,
-    T, n_ctx, nb, K, s_end, window, n_sb, first_w0, F, bs, microbatch, eps,
-    G: tl.constexpr, G_PAD: tl.constexpr, BLOCK: tl.constexpr, BLOCK_P: tl.constexpr, EXACT: tl.constexpr,
-    PRECISE: tl.constexpr, VOLATILE: tl.constexpr,
-):
-    """Part `part` of `n_parts` of row r: AS_acc, AS_min, P_acc over the ranked candidates
-    (cumulative, in chunks of BLOCK with carries), the first check where every head has P_acc >= eps,
-    and the row's outputs: positions, ranked block ids, blocks / used counts, P_acc at the stop,
-    capped, and the row's filled length (F + used)·bs (`Plan.lengths`: the slots past it are -1).
-    Every part of a row runs the same scan (same inputs, same order: the same stop); part 0 writes
-    the row's counts, ranked ids and dense part, and the parts share the stores of the ranked blocks'
-    tokens. VOLATILE: the sums (SID, SMX, SSM, DMX, DSM) were written by other programs of the same
-    launch (the fused stop), so they are read past the L1."""
+    part = tl.program_id(0)
+    n_parts = tl.num_programs(0)
+    r = tl.program_id(1)
     h = (r // T).to(tl.int64)
     t = r % T
     ar_g = tl.arange(0, G_PAD)
     g_ok = ar_g < G
     hrow = r.to(tl.int64) * G + ar_g
     row = r.to(tl.int64) * K
+    ar = tl.arange(0, BLOCK)
+    ar_p = tl.arange(0, BLOCK_P)
+
+    # Every load of the first chunks is issued at once, before the count of candidates is known (the
+    # slots up to K, then masked by n_cand): the chain from launch to the plan's stores is one round
+    # trip to L2 where the candidates fit one chunk (K <= BLOCK: 32K and 128K at the 8B shape) and
+    # this part's slots one store chunk, instead of one per dependent step (count, max, scan, ids).
+    n_cand = tl.load(NCAND + r)
     w_lo, first_w = _window_start(QPOS, t, n_ctx, s_end, window, bs, nb)
+    dm = tl.load(DMX + hrow, mask=g_ok, other=NEG_BIG)
+    dsum = tl.load(DSM + hrow, mask=g_ok, other=0.0)
+    k_msk = g_ok[:, None] & (ar < K)[None, :]
+    mx_n = tl.load(SMX + hrow[:, None] * K + ar[None, :], mask=k_msk, other=NEG_BIG)  # chunk 0 of the scan
+    sm_n = tl.load(SSM + hrow[:, None] * K + ar[None, :], mask=k_msk, other=0.0)
+    bid_n = tl.load(SID + row + ar, mask=ar < K, other=0)
+    u_p = part * BLOCK_P + ar_p  # this part's first chunk of plan slots: their block ids
+    bid_p = tl.load(SID + row + u_p // bs, mask=u_p < K * bs, other=0)
     n_forced = n_sb + tl.maximum(nb - tl.maximum(first_w, n_sb), 0)
     n_ranked = nb - n_forced
-    n_cand = tl.load(NCAND + r)
-    ar = tl.arange(0, BLOCK)
 
     # the common max m of every processed logit (the torch path's), per head
-    dm = tl.load(DMX + hrow, mask=g_ok, other=NEG_BIG, volatile=VOLATILE)
-    m = dm
-    for c0 in range(0, n_cand, BLOCK):
+    mx_n = tl.where(g_ok[:, None] & (ar < n_cand)[None, :], mx_n, NEG_BIG)  # slots past n_cand: stale
+    m = tl.maximum(dm, tl.max(mx_n, 1))
+    for c0 in range(BLOCK, n_cand, BLOCK):
         i = c0 + ar
-        mx = tl.load(SMX + hrow[:, None] * K + i[None, :], mask=g_ok[:, None] & (i < n_cand)[None, :], other=NEG_BIG,
-                     volatile=VOLATILE)
+        mx = tl.load(SMX + hrow[:, None] * K + i[None, :], mask=g_ok[:, None] & (i < n_cand)[None, :], other=NEG_BIG)
         m = tl.maximum(m, tl.max(mx, 1))
-    dsm = tl.load(DSM + hrow, mask=g_ok, other=0.0, volatile=VOLATILE)
-    acc_c = dsm * _exp(dm - m, PRECISE)  # AS_acc before any ranked block
+    acc_c = dsum * _exp(dm - m, PRECISE)  # AS_acc before any ranked block
     min_c = tl.full([G_PAD], float("inf"), tl.float32)
     p_at = tl.full([G_PAD], 1.0, tl.float32)
+    bid0 = tl.where(ar < n_cand, bid_n, -1)  # chunk 0's ranked ids (the RANKED store below)
     first = n_cand
     found = n_cand * 0
     c0 = n_cand * 0
@@ -518,9 +497,9 @@ def _stop_row(
         i = c0 + ar
         ok = i < n_cand
         msk = g_ok[:, None] & ok[None, :]
-        mx = tl.load(SMX + hrow[:, None] * K + i[None, :], mask=msk, other=NEG_BIG, volatile=VOLATILE)
-        sm = tl.load(SSM + hrow[:, None] * K + i[None, :], mask=msk, other=0.0, volatile=VOLATILE)
-        bid = tl.load(SID + row + i, mask=ok, other=0, volatile=VOLATILE)
+        mx = mx_n
+        sm = sm_n
+        bid = bid_n
         ts = tl.where(msk, sm * _exp(mx - m[:, None], PRECISE), 0.0)  # AS of each block at the common max
         acc = acc_c[:, None] + tl.cumsum(ts, 1)
         cnt = tl.minimum((bid + 1) * bs, n_ctx) - bid * bs
@@ -548,6 +527,12 @@ def _stop_row(
         acc_c = tl.max(acc, 1)  # cumsums of sums >= 0 never decrease: the max is the last
         min_c = tl.min(am, 1)
         c0 += BLOCK
+        # the next chunk (masked off, so no traffic, when the scan ends here)
+        i = c0 + ar
+        nxt = (i < n_cand) & (found == 0)
+        mx_n = tl.load(SMX + hrow[:, None] * K + i[None, :], mask=g_ok[:, None] & nxt[None, :], other=NEG_BIG)
+        sm_n = tl.load(SSM + hrow[:, None] * K + i[None, :], mask=g_ok[:, None] & nxt[None, :], other=0.0)
+        bid_n = tl.load(SID + row + i, mask=nxt, other=0)
     used = tl.where(found != 0, first + 1, n_cand)
     pos = POS + h * sp_h + t * sp_t
     if part == 0:
@@ -556,22 +541,27 @@ def _stop_row(
         tl.store(CAPPED + h * sb_h + t * sb_t, ((found == 0) & (n_cand > 0)).to(tl.int8))
         tl.store(LEN + h * sl_h + t * sl_t, ((F + used) * bs).to(tl.int32))
         tl.store(MASS + h * sm_h + ar_g * sm_g + t * sm_t, tl.where(used > 0, p_at, 1.0), mask=g_ok)
-        for c0 in range(0, K, BLOCK):
+        tl.store(RANKED + h * sr_h + t * sr_t + ar, bid0.to(tl.int64), mask=ar < K)
+        for c0 in range(BLOCK, K, BLOCK):
             i = c0 + ar
-            bid = tl.load(SID + row + i, mask=i < n_cand, other=-1, volatile=VOLATILE)
+            bid = tl.load(SID + row + i, mask=i < n_cand, other=-1)
             tl.store(RANKED + h * sr_h + t * sr_t + i, bid.to(tl.int64), mask=i < K)
         for c0 in range(0, F * bs, BLOCK_P):  # the dense-part blocks' tokens outside the frame
-            u = c0 + tl.arange(0, BLOCK_P)
+            u = c0 + ar_p
             f = u // bs
             bid = tl.where(f < n_sb, f, first_w0 + f - n_sb)
             tok = bid * bs + u % bs
             sel = ((bid < n_sb) | (bid >= first_w)) & (tok >= s_end) & (tok < w_lo)
             tl.store(pos + u, tl.where(sel, tok, -1), mask=u < F * bs)
     pos += F * bs
-    for c0 in range(part * BLOCK_P, K * bs, n_parts * BLOCK_P):  # the processed ranked blocks, best first
-        u = c0 + tl.arange(0, BLOCK_P)
+    # the processed ranked blocks, best first: this part's first chunk from the ids loaded up front
+    i = u_p // bs
+    tok = bid_p * bs + u_p % bs
+    tl.store(pos + u_p, tl.where((i < used) & (tok < n_ctx), tok, -1), mask=u_p < K * bs)
+    for c0 in range((part + n_parts) * BLOCK_P, K * bs, n_parts * BLOCK_P):
+        u = c0 + ar_p
         i = u // bs
-        bid = tl.load(SID + row + i, mask=i < used, other=0, volatile=VOLATILE)
+        bid = tl.load(SID + row + i, mask=i < used, other=0)
         tok = bid * bs + u % bs
         tl.store(pos + u, tl.where((i < used) & (tok < n_ctx), tok, -1), mask=u < K * bs)
 
@@ -600,8 +590,7 @@ class PsaConfig:
     scan_block: int = 512  # stop: candidates per chunk of the cumulative scan
     pos_block: int = 1024  # stop: plan slots per store
     stop_warps: int = 4
-    stop_parts: int = 16  # stop: programs per row sharing the plan row's stores (its own launch only)
-    fuse_stop: bool = True  # the row's last sums program runs the stop (False: the stop's own launch)
+    stop_parts: int = 16  # stop: programs per row sharing the plan row's stores
     x_budget: int = 1 << 22  # most criticality floats in the workspace: T is planned in chunks beyond it
 
 
@@ -711,9 +700,9 @@ def progressive_plan(
     wf = _carve(_WORKSPACES.get, dev, torch.float32, x=rows * g * nb, ps=rows * g * n_bt * 2, smx=rows * g * bm,
                 ssm=rows * g * bm, dmx=rows * g, dsm=rows * g)
     wi = _carve(_WORKSPACES.get, dev, torch.int32, scr=rows * scr_row, cand=rows * bm, ckey=rows * bm,
-                sid=rows * bm, ncand=rows, tick=rows)
+                sid=rows * bm, ncand=rows)
     x, ps, smx, ssm, dmx, dsm = (wf[k] for k in ("x", "ps", "smx", "ssm", "dmx", "dsm"))
-    scr, cand, ckey, sid, ncand, tick = (wi[k] for k in ("scr", "cand", "ckey", "sid", "ncand", "tick"))
+    scr, cand, ckey, sid, ncand = (wi[k] for k in ("scr", "cand", "ckey", "sid", "ncand"))
 
     on_gpu = dev.type == "cuda"
     precise = not interpreted()
@@ -740,7 +729,7 @@ def progressive_plan(
             BLOCK_B=cfg.block_b, PRECISE=precise, PDL=bool(pdl), **pdl, num_warps=cfg.crit_warps,
         )
         _select_kernel[(r,)](
-            x, ps, pc, scr, cand, ckey, ncand, tick,
+            x, ps, pc, scr, cand, ckey, ncand,
             tcc, nb, n, s_end, window, n_sb, bs, n_bt, bm, scr_row,
             # BLOCK_P <= 64: Triton 3.6 fails to compile the [G_PAD, BLOCK_P] reductions at 128 and 256
             # for sm_90 (TritonGPUOptimizeThreadLocality; hit at 512K, n_bt = 256, on the H100)
@@ -749,31 +738,26 @@ def progressive_plan(
             BLOCK=min(cfg.select_block, max(16, _pow2(nb))),
             IN_REGS=in_regs, PRECISE=precise, PDL=bool(pdl), **pdl, num_warps=cfg.select_warps,
         )
+        _sums_kernel[(n_st + 1, r)](
+            qc, ctx_k, loc_k, pc, cand, ckey, ncand, sid, smx, ssm, dmx, dsm,
+            qc.stride(0), qc.stride(1), qc.stride(2), ctx_k.stride(0), ctx_k.stride(1),
+            loc_k.stride(0), loc_k.stride(1),
+            tcc, n, loc_k.shape[1], nb, bm, s_end, window, n_sb, first_w0, f, bs, n_st, float(d ** -0.5),
+            G=g, G_PAD=g_pad, D=d, BS_PAD=bs_pad, SLOTS=slots, BLOCK_R=min(cfg.rank_block, max(16, _pow2(bm))),
+            BLOCK_N=cfg.dense_block, LOGIT_DT=logit_dt, DOT_FP32=dot_fp32, PRECISE=precise,
+            PDL=bool(pdl), **pdl, num_warps=cfg.sums_warps,
+        )
         pos_c, rk_c = positions[:, t0:t1], ranked[:, t0:t1]
         bl_c, us_c, ms_c, cp_c = counts[0, :, t0:t1], counts[1, :, t0:t1], mass[:, :, t0:t1], capped[:, t0:t1]
         ln_c = lengths[:, t0:t1]
-        stop_out = (pos_c, rk_c, bl_c, us_c, ms_c, cp_c, ln_c)
-        stop_strides = (pos_c.stride(0), pos_c.stride(1), rk_c.stride(0), rk_c.stride(1), bl_c.stride(0),
-                        bl_c.stride(1), ms_c.stride(0), ms_c.stride(1), ms_c.stride(2), ln_c.stride(0), ln_c.stride(1))
-        stop_block = min(cfg.scan_block, max(16, _pow2(bm)))
-        _sums_kernel[(n_st + 1, r)](
-            qc, ctx_k, loc_k, pc, cand, ckey, ncand, sid, smx, ssm, dmx, dsm, tick, *stop_out,
-            qc.stride(0), qc.stride(1), qc.stride(2), ctx_k.stride(0), ctx_k.stride(1),
-            loc_k.stride(0), loc_k.stride(1), *stop_strides,
-            tcc, n, loc_k.shape[1], nb, bm, s_end, window, n_sb, first_w0, f, bs, n_st, float(d ** -0.5),
-            microbatch, float(eps),
-            G=g, G_PAD=g_pad, D=d, BS_PAD=bs_pad, SLOTS=slots, BLOCK_R=min(cfg.rank_block, max(16, _pow2(bm))),
-            BLOCK_N=cfg.dense_block, LOGIT_DT=logit_dt, DOT_FP32=dot_fp32, PRECISE=precise,
-            FUSE_STOP=cfg.fuse_stop, STOP_G_PAD=_pow2(g), STOP_BLOCK=stop_block, POS_BLOCK=cfg.pos_block,
-            EXACT=eps >= 1.0, PDL=bool(pdl), **pdl, num_warps=cfg.sums_warps,
+        _stop_kernel[(max(1, min(cfg.stop_parts, _cdiv(bm * bs, cfg.pos_block))), r)](
+            sid, smx, ssm, dmx, dsm, ncand, pc, pos_c, rk_c, bl_c, us_c, ms_c, cp_c, ln_c,
+            pos_c.stride(0), pos_c.stride(1), rk_c.stride(0), rk_c.stride(1), bl_c.stride(0), bl_c.stride(1),
+            ms_c.stride(0), ms_c.stride(1), ms_c.stride(2), ln_c.stride(0), ln_c.stride(1),
+            tcc, n, nb, bm, s_end, window, n_sb, first_w0, f, bs, microbatch, float(eps),
+            G=g, G_PAD=_pow2(g), BLOCK=min(cfg.scan_block, max(16, _pow2(bm))), BLOCK_P=cfg.pos_block,
+            EXACT=eps >= 1.0, PRECISE=precise, PDL=bool(pdl), **pdl, num_warps=cfg.stop_warps,
         )
-        if not cfg.fuse_stop:
-            _stop_kernel[(max(1, min(cfg.stop_parts, _cdiv(bm * bs, cfg.pos_block))), r)](
-                sid, smx, ssm, dmx, dsm, ncand, pc, *stop_out, *stop_strides,
-                tcc, n, nb, bm, s_end, window, n_sb, first_w0, f, bs, microbatch, float(eps),
-                G=g, G_PAD=_pow2(g), BLOCK=stop_block, BLOCK_P=cfg.pos_block,
-                EXACT=eps >= 1.0, PRECISE=precise, PDL=bool(pdl), **pdl, num_warps=cfg.stop_warps,
-            )
     return ProgressivePlan(positions, counts[0], ranked, counts[1], mass, capped.view(torch.bool), lengths)
 
 
