@@ -7,7 +7,7 @@
 #                    carry=[".whl", ".old"])
 #   stages: tests | kerneltests | decode | decodecold | decode512 | before_after | kernels | e2e32 | e2e128 |
 #           e2e128rest | e2eprof | e2elayer | attntests | decodeab | psaab | latency | ncu | psasweep | pdlab | e2enow |
-#           offload | psa32sweep | offloadfit | ivfsweep | ivfcpp | cslfsweep | ivfsel | ivfeager | ivfsample | ncusel | psaemit | psafuse | e2ectkvr | ncuivf
+#           offload | psa32sweep | offloadfit | ivfsweep | ivfcpp | cslfsweep | ivfsel | ivfeager | ivfsample | ncusel | psaemit | psafuse | psastop | e2ectkvr | ncuivf
 #   (default: tests decode before_after)
 #   .old = the tree before the plan/run redesign (`git archive <commit> decoder indexer storage`), for
 #   the before/after decode comparison.
@@ -177,6 +177,20 @@ for stage in $stages; do
           --methods $([ "$i" = 1 ] && echo "psa psa:fuse_stop=0 --torch-plans" || echo "psa:fuse_stop=0 psa") \
           --out "$OUT/psafuse$i" 2>&1 \
           | grep "^| .*psa"
+      done ;;
+    psastop)  # psa's stop and select with their first loads issued up front against the tree before them
+      # (.old/psa_head.py: `git show 0fdc0ad:indexer/kernels/psa.py`), alternating twice, with the select's
+      # early criticality off and at 128K too; psa kernel tests first
+      python3 -m pytest -q -p no:cacheprovider -o addopts="" tests/test_kernels_psa.py 2>&1 | tail -1 \
+        | tee "$OUT/gpu_psa_stop_tests.log"
+      rm -rf /tmp/old && mkdir -p /tmp/old && cp -r benchmarks decoder indexer storage tests /tmp/old/ \
+        && cp .old/psa_head.py /tmp/old/indexer/kernels/psa.py
+      for i in 1 2; do
+        (cd /tmp/old && python3 benchmarks/gpu_decode.py --lengths 32768 131072 --batches 1 8 --profile --backends triton \
+          --methods psa --out "$OUT/psastop_old$i" 2>&1 | grep "^| .*psa")
+        python3 benchmarks/gpu_decode.py --lengths 32768 131072 --batches 1 8 --profile --backends triton \
+          --methods psa psa:early_scores=0 psa:early_scores=16384 $([ "$i" = 1 ] && echo --torch-plans) \
+          --out "$OUT/psastop_new$i" 2>&1 | grep "^| .*psa"
       done ;;
     e2ectkvr)  # the runner at 128K after ctkvr's select change: dense, ctkvr and saap, B = 1 and 8
       python3 benchmarks/gpu_e2e.py --lengths 131072 --batches 1 8 --methods full ctkvr saap \
