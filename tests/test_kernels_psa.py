@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import math
 import zlib
-from dataclasses import fields, replace
+from dataclasses import fields
 
 import pytest
 import torch
@@ -196,8 +196,7 @@ def test_ties_take_the_lowest_block_and_are_deterministic(dtype, cfg, monkeypatc
 def test_select_in_registers_equals_the_scratch_path(kind, t, dtype):
     """300 blocks (a 512-key tile: the default 8-warp select keeps the keys in registers) and 40
     blocks with one warp: the in-register select picks the same candidates in the same order as the
-    scratch path (bit-equal plans) and as the torch path, with its criticality loaded before the
-    softmax normalisation (the default at these sizes) or after it."""
+    scratch path (bit-equal plans) and as the torch path."""
     for n, bs, cfg in ((2400, 8, None), (320, 8, REGS)):
         q, ctx_k, loc_k, q_pos = _inputs(zlib.crc32(f"regs-{kind}-{t}-{n}".encode()), n=n, t=t, m=t + 2, dtype=dtype)
         meta = _meta(ctx_k, bs)
@@ -206,10 +205,6 @@ def test_select_in_registers_equals_the_scratch_path(kind, t, dtype):
         _assert_same(got, want, f"registers {kind} n={n}")
         scratch = kernels.progressive_plan(*_dev(q, ctx_k, loc_k, q_pos, meta), bs, cfg=SCRATCH, **kw)
         assert torch.equal(got.positions, scratch.positions) and torch.equal(got.ranked, scratch.ranked)
-        # the criticality loaded after the normalisation instead of before it (`early_scores`)
-        late = replace(cfg or kernels.DEFAULT_CONFIG, early_scores=0)
-        later = kernels.progressive_plan(*_dev(q, ctx_k, loc_k, q_pos, meta), bs, cfg=late, **kw)
-        assert torch.equal(got.positions, later.positions) and torch.equal(got.mass_est, later.mass_est)
 
 
 def test_a_plan_ignores_what_an_earlier_plan_left_in_the_workspace():

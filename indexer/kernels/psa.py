@@ -246,7 +246,7 @@ def _select_kernel(
     X, PS, QPOS, SCR, CAND, CKEY, NCAND,
     T, nb, n_ctx, s_end, window, n_sb, bs, n_bt, K, scr_row,
     G: tl.constexpr, G_PAD: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK: tl.constexpr,
-    IN_REGS: tl.constexpr, EARLY_X: tl.constexpr, PRECISE: tl.constexpr, PDL: tl.constexpr = False,
+    IN_REGS: tl.constexpr, PRECISE: tl.constexpr, PDL: tl.constexpr = False,
 ):
     """One program per row (KV head, token): the group score of every ranked block (sum over the
     group's heads of the softmax over blocks) as an int key (float bits + 1; 0 = dense-part block),
@@ -261,16 +261,13 @@ def _select_kernel(
     g_ok = ar_g < G
     hrow = r.to(tl.int64) * G + ar_g  # X / PS rows of the group's heads
 
-    # The first chunk of the tiles' states and, where the row's criticality fits a small register
-    # tile (EARLY_X), the criticality itself are loaded at once, before any of them is reduced: one
-    # round trip to L2 instead of one per dependent step (same values, same arithmetic).
+    # The first chunk of the tiles' states (maxima and sums) is loaded once, before either is
+    # reduced: one round trip to L2 where the row's tiles fit one chunk (32K and 128K at the 8B
+    # shape), instead of one for the maxima and another for the sums (same values, same arithmetic).
     ar_p = tl.arange(0, BLOCK_P)
     msk0 = g_ok[:, None] & (ar_p < n_bt)[None, :]
     m0 = tl.load(PS + (hrow[:, None] * n_bt + ar_p[None, :]) * 2, mask=msk0, other=NEG_BIG)
     s0 = tl.load(PS + (hrow[:, None] * n_bt + ar_p[None, :]) * 2 + 1, mask=msk0, other=0.0)
-    blk = tl.arange(0, BLOCK)
-    if EARLY_X:
-        x_early = tl.load(X + hrow[:, None] * nb + blk[None, :], mask=g_ok[:, None] & (blk < nb)[None, :], other=0.0)
     _, first_w = _window_start(QPOS, t, n_ctx, s_end, window, bs, nb)
 
     # softmax normalisation per head from the criticality programs' states (fixed order)
@@ -291,10 +288,8 @@ def _select_kernel(
 
     out = r.to(tl.int64) * K
     if IN_REGS:
-        if EARLY_X:
-            kreg = _score_keys(x_early, blk, nb, n_sb, first_w, m_all, inv_z, PRECISE)
-        else:
-            kreg = _group_keys(X, hrow, g_ok, blk, nb, n_sb, first_w, m_all, inv_z, PRECISE)
+        blk = tl.arange(0, BLOCK)
+        kreg = _group_keys(X, hrow, g_ok, blk, nb, n_sb, first_w, m_all, inv_z, PRECISE)
         n_valid = tl.sum((kreg > 0).to(tl.int32), 0)
         key_min = tl.min(tl.where(kreg > 0, kreg, INT_MAX), 0)
         thr, take = _top_threshold_regs(kreg, nb, K, key_min, n_valid, tl.max(kreg, 0) + 1)
@@ -337,16 +332,7 @@ def _group_keys(X, hrow, g_ok, b, nb, n_sb, first_w, m_all, inv_z, PRECISE: tl.c
     bits keep the order); 0 for a dense-part block or b >= nb."""
     ranked = (b < nb) & (b >= n_sb) & (b < first_w)
     x = tl.load(X + hrow[:, None] * nb + b[None, :], mask=g_ok[:, None] & ranked[None, :], other=float("-inf"))
-    return _score_keys(x, b, nb, n_sb, first_w, m_all, inv_z, PRECISE)
-
-
-@triton.jit
-def _score_keys(x, b, nb, n_sb, first_w, m_all, inv_z, PRECISE: tl.constexpr):
-    """`_group_keys` of blocks b from their criticality x [G_PAD, len(b)] as loaded (any value where
-    a block is not ranked or a head is padding: masked here)."""
-    ranked = (b < nb) & (b >= n_sb) & (b < first_w)
-    e = tl.where(ranked[None, :] & (m_all > NEG_BIG)[:, None], _exp(x - m_all[:, None], PRECISE) * inv_z[:, None], 0.0)
-    score = tl.sum(e, 0)
+    score = tl.sum(_exp(x - m_all[:, None], PRECISE) * inv_z[:, None], 0)
     return tl.where(ranked, score.to(tl.int32, bitcast=True) + 1, 0)
 
 
@@ -605,7 +591,6 @@ class PsaConfig:
     pdl: bool = True  # programmatic dependent launch on Hopper and later (`indexer/kernels/pdl.py`)
     regs_select: bool = True  # select: keep a row's keys in registers when they fit (False: the scratch path)
     regs_scores: int = 16384  # select: most G_PAD x BLOCK scores the in-register path holds
-    early_scores: int = 4096  # select: most G_PAD x BLOCK criticality values loaded before the normalisation
     tile_tokens: int = 128  # sums: key rows per program (whole blocks: 4 of 32)
     rank_block: int = 512  # sums: candidate keys per compare chunk of the rank
     dense_block: int = 64  # sums: key rows per chunk of the dense part
@@ -759,8 +744,7 @@ def progressive_plan(
             G=g, G_PAD=_pow2(g), BLOCK_P=max(16, min(64, _pow2(n_bt))),
             BLOCK_C=max(16, min(cfg.score_block, _pow2(nb))),
             BLOCK=min(cfg.select_block, max(16, _pow2(nb))),
-            IN_REGS=in_regs, EARLY_X=in_regs and _pow2(g) * sel_block <= cfg.early_scores, PRECISE=precise,
-            PDL=bool(pdl), **pdl, num_warps=cfg.select_warps,
+            IN_REGS=in_regs, PRECISE=precise, PDL=bool(pdl), **pdl, num_warps=cfg.select_warps,
         )
         _sums_kernel[(n_st + 1, r)](
             qc, ctx_k, loc_k, pc, cand, ckey, ncand, sid, smx, ssm, dmx, dsm,
