@@ -7,7 +7,7 @@
 #                    carry=[".whl", ".old"])
 #   stages: tests | kerneltests | decode | decodecold | decode512 | before_after | kernels | e2e32 | e2e128 |
 #           e2e128rest | e2eprof | e2elayer | attntests | decodeab | psaab | latency | ncu | psasweep | pdlab | e2enow |
-#           offload | psa32sweep | offloadfit | ivfsweep | ivfcpp | cslfsweep | ivfsel | ivfeager | ivfsample | ncusel | psaemit | psafuse | psastop | e2ectkvr | ncuivf
+#           offload | psa32sweep | offloadfit | ivfsweep | ivfcpp | cslfsweep | ivfsel | ivfeager | ivfsample | ncusel | psaemit | psafuse | psastop | rtrip | e2ectkvr | ncuivf
 #   (default: tests decode before_after)
 #   .old = the tree before the plan/run redesign (`git archive <commit> decoder indexer storage`), for
 #   the before/after decode comparison.
@@ -189,8 +189,20 @@ for stage in $stages; do
         (cd /tmp/old && python3 benchmarks/gpu_decode.py --lengths 32768 131072 --batches 1 8 --profile --backends triton \
           --methods psa --out "$OUT/psastop_old$i" 2>&1 | grep "^| .*psa")
         python3 benchmarks/gpu_decode.py --lengths 32768 131072 --batches 1 8 --profile --backends triton \
-          --methods psa psa:early_scores=0 psa:early_scores=16384 $([ "$i" = 1 ] && echo --torch-plans) \
-          --out "$OUT/psastop_new$i" 2>&1 | grep "^| .*psa"
+          --methods psa $([ "$i" = 1 ] && echo --torch-plans) --out "$OUT/psastop_new$i" 2>&1 | grep "^| .*psa"
+      done ;;  # (the 2026-11-23 14:12 UTC run also timed PsaConfig.early_scores, a knob since removed)
+    rtrip)  # psa's sums and the attention's merge with their first loads issued with the count, against the
+      # tree before (.old/{psa,attention}_head.py), alternating twice, psa and csattn; their kernel tests first
+      python3 -m pytest -q -p no:cacheprovider -o addopts="" tests/test_kernels_psa.py tests/test_triton_attention.py \
+        2>&1 | tail -1 | tee "$OUT/gpu_rtrip_tests.log"
+      rm -rf /tmp/old && mkdir -p /tmp/old && cp -r benchmarks decoder indexer storage tests /tmp/old/ \
+        && cp .old/psa_head.py /tmp/old/indexer/kernels/psa.py && cp .old/attention_head.py /tmp/old/decoder/kernels/attention.py
+      for i in 1 2; do
+        (cd /tmp/old && python3 benchmarks/gpu_decode.py --lengths 32768 131072 --batches 1 8 --profile --backends triton \
+          --methods psa csattn --out "$OUT/rtrip_old$i" 2>&1 | grep "^| .*\(psa\|csattn\)")
+        python3 benchmarks/gpu_decode.py --lengths 32768 131072 --batches 1 8 --profile --backends triton \
+          --methods psa csattn $([ "$i" = 1 ] && echo --torch-plans) --out "$OUT/rtrip_new$i" 2>&1 \
+          | grep "^| .*\(psa\|csattn\)"
       done ;;
     e2ectkvr)  # the runner at 128K after ctkvr's select change: dense, ctkvr and saap, B = 1 and 8
       python3 benchmarks/gpu_e2e.py --lengths 131072 --batches 1 8 --methods full ctkvr saap \

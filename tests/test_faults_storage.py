@@ -109,8 +109,10 @@ def test_delete_during_prefill_still_leaves_nothing(settings, lm):
 
 def test_patch_survives_flushdb_and_rebuild(settings, redis_prefix, lm, monkeypatch):
     with TestClient(create_app(settings, lm=lm)) as c:
+        # an expiry an hour out (a 3 s one let a slow build expire before the PATCH: the test was flaky);
+        # a rebuild that read it back instead of the manifest's would show it in `expires_at`
         r = c.post("/v1/contexts", json={"text": passkey_document(16180, n_rep=4), "display_name": "before",
-                                         "ttl_seconds": 3})
+                                         "ttl_seconds": 3600})
         cid = r.json()["id"]
         assert wait_ready(c, cid)["status"] == "ready"
         r = c.patch(f"/v1/contexts/{cid}", json={"ttl_seconds": 0, "display_name": "after"})
@@ -120,7 +122,6 @@ def test_patch_survives_flushdb_and_rebuild(settings, redis_prefix, lm, monkeypa
 
         assert _flush(redis_prefix) > 0
         assert c.get(f"/v1/contexts/{cid}").status_code == 404
-        time.sleep(3.5)  # past the original ttl: a rebuild that read the old expiry would now delete it
         r = c.post("/v1/admin/rebuild-catalog")
         assert r.status_code == 200 and r.json() == {"added": 1, "known": 0}
         time.sleep(3 * settings.janitor_interval_seconds)  # the janitor ran: nothing is due

@@ -381,25 +381,28 @@ def _sums_kernel(
     hrow = r.to(tl.int64) * G + ar_g
     if s < n_st:
         i0 = s * SLOTS
+        # this program's candidates and the first chunk of the row's keys are loaded with the count,
+        # not after it (the slots up to K, masked by the count once it is known): the K rows' gather
+        # starts one round trip to L2 sooner
+        u = tl.arange(0, SLOTS * BS_PAD)
+        us = i0 + u // BS_PAD
+        ua = u % BS_PAD
+        bid = tl.load(CAND + row + us, mask=us < K, other=0)
+        sl = i0 + tl.arange(0, SLOTS)
+        key_i = tl.load(CKEY + row + sl, mask=sl < K, other=0)
+        jr = tl.arange(0, BLOCK_R)
+        kj0 = tl.load(CKEY + row + jr, mask=jr < K, other=0)
         if i0 < n_cand:
-            u = tl.arange(0, SLOTS * BS_PAD)
-            us = i0 + u // BS_PAD
-            ua = u % BS_PAD
-            bid = tl.load(CAND + row + us, mask=us < n_cand, other=0)
             tok = bid * bs + ua
             ok = (us < n_cand) & (ua < bs) & (tok < n_ctx)
             k = tl.load(CK + h * sck_h + tok[:, None].to(tl.int64) * sck_n + offs_d[None, :], mask=ok[:, None],
                         other=0.0)  # in flight while the rank is counted
-            sl = i0 + tl.arange(0, SLOTS)
             sl_ok = sl < n_cand
-            key_i = tl.load(CKEY + row + sl, mask=sl_ok, other=0)
-            rank = tl.zeros([SLOTS], tl.int32)
-            for c0 in range(0, n_cand, BLOCK_R):
-                jj = c0 + tl.arange(0, BLOCK_R)
-                kj = tl.load(CKEY + row + jj, mask=jj < n_cand, other=0)  # 0: below every candidate
-                eq = (kj[None, :] == key_i[:, None]) & (jj[None, :] < sl[:, None])
-                before = (kj[None, :] > key_i[:, None]) | eq  # (key desc, block id asc): slots are in block order
-                rank += tl.sum(before.to(tl.int32), 1)
+            key_i = tl.where(sl_ok, key_i, 0)
+            rank = _before(kj0, jr, key_i, sl, n_cand)
+            for c0 in range(BLOCK_R, n_cand, BLOCK_R):
+                jj = c0 + jr
+                rank += _before(tl.load(CKEY + row + jj, mask=jj < n_cand, other=0), jj, key_i, sl, n_cand)
             x = tl.where(ok[None, :], _logits(q, k, qk_scale, LOGIT_DT, DOT_FP32), float("-inf"))
             x3 = tl.reshape(x, (G_PAD, SLOTS, BS_PAD))
             mb = tl.maximum(tl.max(x3, 2), NEG_BIG)  # [G_PAD, SLOTS]
@@ -435,6 +438,16 @@ def _sums_kernel(
             m, l = _online(m, l, x, PRECISE)
         tl.store(DMX + hrow, m, mask=g_ok)
         tl.store(DSM + hrow, l, mask=g_ok)
+
+
+@triton.jit
+def _before(kj, jj, key_i, sl, n_cand):
+    """Per candidate i (key key_i, slot sl): how many of the keys kj (slots jj) precede it in the
+    order (key desc, block id asc); slots are in block order, and slots past n_cand count as 0 (below
+    every candidate: what they hold is stale)."""
+    kj = tl.where(jj < n_cand, kj, 0)
+    eq = (kj[None, :] == key_i[:, None]) & (jj[None, :] < sl[:, None])
+    return tl.sum(((kj[None, :] > key_i[:, None]) | eq).to(tl.int32), 1)
 
 
 # ---------------------------------------------------------------------------------------------
