@@ -7,7 +7,7 @@
 #                    carry=[".whl", ".old"])
 #   stages: tests | kerneltests | decode | decodecold | decode512 | before_after | kernels | e2e32 | e2e128 |
 #           e2e128rest | e2eprof | e2elayer | attntests | decodeab | psaab | latency | ncu | psasweep | pdlab | e2enow |
-#           offload | psa32sweep | offloadfit | ivfsweep | ivfcpp | cslfsweep | ivfsel | ivfeager | ivfsample | ncusel | psaemit | psafuse | psastop | rtrip | e2ectkvr | ncuivf
+#           offload | psa32sweep | offloadfit | ivfsweep | ivfcpp | cslfsweep | ivfsel | ivfeager | ivfsample | ncusel | psaemit | psafuse | psastop | rtrip | rerankreg | e2ectkvr | ncuivf
 #   (default: tests decode before_after)
 #   .old = the tree before the plan/run redesign (`git archive <commit> decoder indexer storage`), for
 #   the before/after decode comparison.
@@ -204,6 +204,15 @@ for stage in $stages; do
           --methods psa csattn $([ "$i" = 1 ] && echo --torch-plans) --out "$OUT/rtrip_new$i" 2>&1 \
           | grep "^| .*\(psa\|csattn\)"
       done ;;
+    rerankreg)  # ctkvr's rerank under a register cap (4 or 5 programs per SM instead of 3) and at 3 chunks per
+      # program, against the defaults, B = 1 and 8; then the GPU-marked tests
+      python3 benchmarks/gpu_decode.py --lengths 131072 32768 --batches 1 8 --profile --backends triton \
+        --methods ctkvr ctkvr:rerank_maxnreg=128 ctkvr:rerank_maxnreg=96 ctkvr:chunks_per_prog=3 ctkvr \
+        --out "$OUT/rerankreg" 2>&1 | tee "$OUT/gpu_decode_rerankreg.log" | grep "^| .*ctkvr"
+      python3 -m pytest -q -p no:cacheprovider -m gpu -o addopts="" \
+        tests/test_gpu_decode.py tests/test_triton_attention.py tests/test_backends.py tests/test_pipeline.py \
+        tests/test_csattn.py tests/test_saap_device.py tests/test_runner.py tests/test_kernels_*.py \
+        2>&1 | tee "$OUT/gpu_marked_tests.log" | tail -5 ;;
     e2ectkvr)  # the runner at 128K after ctkvr's select change: dense, ctkvr and saap, B = 1 and 8
       python3 benchmarks/gpu_e2e.py --lengths 131072 --batches 1 8 --methods full ctkvr saap \
         --eager-tokens 0 --hf-tokens 0 --tokens 8 --budget-s 450 --out "$OUT/e2ectkvr" 2>&1 \

@@ -925,6 +925,7 @@ class IvfConfig:
     select_block: int = 2048  # select: keys per chunk (capped at next_pow2(U))
     probe_warps: int = 4
     rerank_warps: int = 4
+    rerank_maxnreg: int | None = None  # rerank: register cap per thread on CUDA (None: the compiler's choice)
     select_warps: int = 8
     eager_rows: bool = True  # rerank: K rows loaded before the dedup atomic answers (rerank 30.1 -> 27.3 us, 128K)
     sample_select: bool = True  # select: `_select_sampled` (27.6 -> 19.5 us at 128K, H100; RESULTS.md); False: plain
@@ -1032,6 +1033,7 @@ def _rerank_and_select(q, kv, *, rows: int, u: int, sink: int, window: int, kp: 
         G=g, G_PAD=g_pad, D=d, BLOCK_U=cfg.block_u, P=p, P_PAD=p_pad, BLOCK_T=triton.next_power_of_2(max(n_top, 1)),
         LOG_P=log_p, SOURCE=source, DEDUP=dedup, HAS_FIFO=has_fifo, PRECISE=_precise(),
         EAGER_ROWS=cfg.eager_rows and dedup, num_warps=cfg.rerank_warps,
+        **({"maxnreg": cfg.rerank_maxnreg} if cfg.rerank_maxnreg and q.device.type == "cuda" else {}),
     )
     _select_kernel[(rows, n_sel)](
         wf["s"], wi["pos"], wf["ml"], wi["scr"], out, push if push is not None else out,
