@@ -7,7 +7,7 @@
 #                    carry=[".whl", ".old"])
 #   stages: tests | kerneltests | decode | decodecold | decode512 | before_after | kernels | e2e32 | e2e128 |
 #           e2e128rest | e2eprof | e2elayer | attntests | decodeab | psaab | latency | ncu | psasweep | pdlab | e2enow |
-#           offload | psa32sweep | offloadfit | ivfsweep | ivfcpp | cslfsweep | ivfsel | ivfeager | ivfsample | ncusel | psaemit | psafuse | psastop | rtrip | rerankreg | e2ectkvr | ncuivf
+#           offload | psa32sweep | offloadfit | ivfsweep | ivfcpp | cslfsweep | ivfsel | ivfeager | ivfsample | ncusel | psaemit | psafuse | psastop | rtrip | rerankreg | rerank96 | e2ectkvr | ncuivf
 #   (default: tests decode before_after)
 #   .old = the tree before the plan/run redesign (`git archive <commit> decoder indexer storage`), for
 #   the before/after decode comparison.
@@ -213,6 +213,16 @@ for stage in $stages; do
         tests/test_gpu_decode.py tests/test_triton_attention.py tests/test_backends.py tests/test_pipeline.py \
         tests/test_csattn.py tests/test_saap_device.py tests/test_runner.py tests/test_kernels_*.py \
         2>&1 | tee "$OUT/gpu_marked_tests.log" | tail -5 ;;
+    rerank96)  # the rerank's register cap of 96 (the default) against none, ctkvr and kivf, twice in both
+      # orders; the IVF kernel tests that run the rerank at its defaults first
+      python3 -m pytest -q -p no:cacheprovider -o addopts="" tests/test_kernels_ivf.py \
+        -k "fused_plan_equals_torch or duplicates or graph" 2>&1 | tail -1 | tee "$OUT/gpu_rerank96_tests.log"
+      i=0
+      for m in "ctkvr ctkvr:rerank_maxnreg=0 kivf kivf:rerank_maxnreg=0" "ctkvr:rerank_maxnreg=0 ctkvr kivf:rerank_maxnreg=0 kivf"; do
+        i=$((i + 1))
+        python3 benchmarks/gpu_decode.py --lengths 131072 32768 --batches 1 8 --profile --backends triton --methods $m \
+          $([ $i = 1 ] && echo --torch-plans) --out "$OUT/rerank96_$i" 2>&1 | grep "^| .*\(ctkvr\|kivf\)"
+      done ;;
     e2ectkvr)  # the runner at 128K after ctkvr's select change: dense, ctkvr and saap, B = 1 and 8
       python3 benchmarks/gpu_e2e.py --lengths 131072 --batches 1 8 --methods full ctkvr saap \
         --eager-tokens 0 --hf-tokens 0 --tokens 8 --budget-s 450 --out "$OUT/e2ectkvr" 2>&1 \

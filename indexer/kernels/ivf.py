@@ -925,7 +925,8 @@ class IvfConfig:
     select_block: int = 2048  # select: keys per chunk (capped at next_pow2(U))
     probe_warps: int = 4
     rerank_warps: int = 4
-    rerank_maxnreg: int | None = None  # rerank: register cap per thread on CUDA (None: the compiler's choice)
+    rerank_maxnreg: int | None = 96  # rerank: register cap per thread on CUDA (0 / None: the compiler's, 159 at
+    # the 8B shape, 3 programs per SM); 96: 5 per SM, rerank 27.5 -> 24.0 us at 128K (H100; RESULTS.md)
     select_warps: int = 8
     eager_rows: bool = True  # rerank: K rows loaded before the dedup atomic answers (rerank 30.1 -> 27.3 us, 128K)
     sample_select: bool = True  # select: `_select_sampled` (27.6 -> 19.5 us at 128K, H100; RESULTS.md); False: plain
