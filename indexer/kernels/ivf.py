@@ -106,7 +106,8 @@ decode benchmarks); `planner.fused = False` does it for one planner.
 
 Checked without a GPU (Triton 3.6, ahead-of-time compile for sm_90 with the JIT's 16-divisibility
 specialisation of strides, default knobs, D 128 bf16): no register spills; registers per thread:
-probe 134 (4 warps), rerank 154 (4 warps), select 128 (8 warps, block 2048; the sampled select),
+probe 134 (4 warps), rerank 154 (4 warps; on the GPU it runs capped at 96, `IvfConfig.rerank_maxnreg`:
+5 programs per SM instead of 3, measured in benchmarks/RESULTS.md), select 128 (8 warps, block 2048; the sampled select),
 push 32, kivf probe 154, kivf clusters 106 (8 warps, block 2048). benchmarks/gpu_decode.py times the plans (`--profile`
 for per-kernel device time; IvfConfig knobs as `ctkvr:knob=value` rows), benchmarks/gpu_ivf.py too.
 

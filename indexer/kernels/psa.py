@@ -47,6 +47,13 @@ Kernels (grids from shapes only, no host sync, fixed-shape outputs; rows of one 
    the stop point; writes the plan row (the torch path's layout and order), `ranked` (-1 past the
    candidates), `blocks`, `used`, P_acc at the stop and `capped`.
 
+These kernels are bound by latency at decode shapes (a few µs each, little of it memory time), so
+each issues the loads of its first chunk together, before any of them is reduced or used to mask
+the next: the stop's candidates' sums, ids and its share of the plan row's ids, the sums' candidate
+ids and keys (masked by the count once it is known), the select's tile states. Running the stop in
+the sums' last program instead of its own launch (a ticket per row) was measured and rejected: one
+program storing the whole row is slower than a launch (benchmarks/RESULTS.md).
+
 T > 1 (a question chunk): the same kernels, rows = KVH x T; tokens are planned in chunks of
 `x_budget` / (KVH·G·nb) (32 at 128K) per launch sequence, which bounds the workspace (X: 16 MiB).
 Each token gathers its own candidates' keys, so the key bytes grow with T (27 MB per token at 128K;
@@ -72,7 +79,8 @@ scan and stores a share of its plan row): the select's ~25-30 bisection steps (o
 each), its score pass (16K exp per row) and its compaction are the serial part; when a row's keys
 fit one tile of registers (`regs_select`: nb <= 4096 at the 8B shape) they stay there from the
 score to the emit, without the scratch round trips. Speed, the kernel profile of a step and what
-bounds it: benchmarks/RESULTS.md ("Fused searches", "psa's select in registers").
+bounds it: benchmarks/RESULTS.md ("Fused searches", "psa's select in registers", "One round trip
+less").
 
 Results against the torch path (what may differ):
 * Criticality: the same formulas; on a GPU the dot takes the metadata's dtype (fp16 operands, q
