@@ -20,6 +20,21 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
 export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1
 stages=${*:-tests decode before_after}
 nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem --format=csv | tee "$OUT/gpu.txt"
+# old_new LABEL "METHODS" FILE...: the tree before a kernel change (each FILE from .old/<its name>_head.py, e.g.
+# `git show <commit>:indexer/kernels/psa.py > .old/psa_head.py`) and this tree, alternating twice: gpu_decode at
+# 32K and 128K, B = 1 and 8, with profiles (and the torch planners' agreement in the first run of this tree)
+old_new() {
+  local label=$1 methods=$2 i f
+  shift 2
+  rm -rf /tmp/old && mkdir -p /tmp/old && cp -r benchmarks decoder indexer storage tests /tmp/old/ || return 1
+  for f in "$@"; do cp ".old/$(basename "$f" .py)_head.py" "/tmp/old/$f" || return 1; done
+  for i in 1 2; do
+    (cd /tmp/old && python3 benchmarks/gpu_decode.py --lengths 32768 131072 --batches 1 8 --profile --backends triton \
+      --methods $methods --out "$OUT/${label}_old$i" 2>&1 | grep "^| " | grep -v sdpa)
+    python3 benchmarks/gpu_decode.py --lengths 32768 131072 --batches 1 8 --profile --backends triton \
+      --methods $methods $([ $i = 1 ] && echo --torch-plans) --out "$OUT/${label}_new$i" 2>&1 | grep "^| " | grep -v sdpa
+  done
+}
 for stage in $stages; do
   case $stage in
     tests)
@@ -160,16 +175,10 @@ for stage in $stages; do
       # <commit>:indexer/kernels/psa.py`), alternating old / new twice; psa kernel tests first
       python3 -m pytest -q -p no:cacheprovider -o addopts="" tests/test_kernels_psa.py 2>&1 | tail -1 \
         | tee "$OUT/gpu_psa_emit_tests.log"
-      rm -rf /tmp/old && mkdir -p /tmp/old && cp -r benchmarks decoder indexer storage tests /tmp/old/ \
-        && cp .old/psa_head.py /tmp/old/indexer/kernels/psa.py
-      for i in 1 2; do
-        (cd /tmp/old && python3 benchmarks/gpu_decode.py --lengths 32768 131072 --batches 1 8 --profile --backends triton \
-          --methods psa --out "$OUT/psaemit_old$i" 2>&1 | grep "^| .*psa")
-        python3 benchmarks/gpu_decode.py --lengths 32768 131072 --batches 1 8 --profile --backends triton --methods psa \
-          $([ "$i" = 1 ] && echo --torch-plans) --out "$OUT/psaemit_new$i" 2>&1 | grep "^| .*psa"
-      done ;;
+      old_new psaemit psa indexer/kernels/psa.py ;;
     psafuse)  # psa's stop run by the last sums program (the default) against its own launch, twice (in both orders);
-      # the kernel test files first (ivf, psa, attention)
+      # the kernel test files first (ivf, psa, attention). Runs at commit 441f0f6 only: the change was rejected and
+      # its knob `fuse_stop` removed with it
       python3 -m pytest -q -p no:cacheprovider -o addopts="" tests/test_kernels_psa.py tests/test_kernels_ivf.py \
         tests/test_triton_attention.py 2>&1 | tail -2 | tee "$OUT/gpu_psa_fuse_tests.log"
       for i in 1 2; do
@@ -179,31 +188,15 @@ for stage in $stages; do
           | grep "^| .*psa"
       done ;;
     psastop)  # psa's stop and select with their first loads issued up front against the tree before them
-      # (.old/psa_head.py: `git show 0fdc0ad:indexer/kernels/psa.py`), alternating twice, with the select's
-      # early criticality off and at 128K too; psa kernel tests first
+      # (.old/psa_head.py: `git show 0fdc0ad:indexer/kernels/psa.py`); psa kernel tests first
       python3 -m pytest -q -p no:cacheprovider -o addopts="" tests/test_kernels_psa.py 2>&1 | tail -1 \
         | tee "$OUT/gpu_psa_stop_tests.log"
-      rm -rf /tmp/old && mkdir -p /tmp/old && cp -r benchmarks decoder indexer storage tests /tmp/old/ \
-        && cp .old/psa_head.py /tmp/old/indexer/kernels/psa.py
-      for i in 1 2; do
-        (cd /tmp/old && python3 benchmarks/gpu_decode.py --lengths 32768 131072 --batches 1 8 --profile --backends triton \
-          --methods psa --out "$OUT/psastop_old$i" 2>&1 | grep "^| .*psa")
-        python3 benchmarks/gpu_decode.py --lengths 32768 131072 --batches 1 8 --profile --backends triton \
-          --methods psa $([ "$i" = 1 ] && echo --torch-plans) --out "$OUT/psastop_new$i" 2>&1 | grep "^| .*psa"
-      done ;;  # (the 2026-11-23 14:12 UTC run also timed PsaConfig.early_scores, a knob since removed)
+      old_new psastop psa indexer/kernels/psa.py ;;  # (the 14:12 UTC run also timed a knob since removed)
     rtrip)  # psa's sums and the attention's merge with their first loads issued with the count, against the
       # tree before (.old/{psa,attention}_head.py), alternating twice, psa and csattn; their kernel tests first
       python3 -m pytest -q -p no:cacheprovider -o addopts="" tests/test_kernels_psa.py tests/test_triton_attention.py \
         2>&1 | tail -1 | tee "$OUT/gpu_rtrip_tests.log"
-      rm -rf /tmp/old && mkdir -p /tmp/old && cp -r benchmarks decoder indexer storage tests /tmp/old/ \
-        && cp .old/psa_head.py /tmp/old/indexer/kernels/psa.py && cp .old/attention_head.py /tmp/old/decoder/kernels/attention.py
-      for i in 1 2; do
-        (cd /tmp/old && python3 benchmarks/gpu_decode.py --lengths 32768 131072 --batches 1 8 --profile --backends triton \
-          --methods psa csattn --out "$OUT/rtrip_old$i" 2>&1 | grep "^| .*\(psa\|csattn\)")
-        python3 benchmarks/gpu_decode.py --lengths 32768 131072 --batches 1 8 --profile --backends triton \
-          --methods psa csattn $([ "$i" = 1 ] && echo --torch-plans) --out "$OUT/rtrip_new$i" 2>&1 \
-          | grep "^| .*\(psa\|csattn\)"
-      done ;;
+      old_new rtrip "psa csattn" indexer/kernels/psa.py decoder/kernels/attention.py ;;
     rerankreg)  # ctkvr's rerank under a register cap (4 or 5 programs per SM instead of 3) and at 3 chunks per
       # program, against the defaults, B = 1 and 8; then the GPU-marked tests
       python3 benchmarks/gpu_decode.py --lengths 131072 32768 --batches 1 8 --profile --backends triton \
