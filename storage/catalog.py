@@ -75,6 +75,24 @@ def encode_fields(fields: dict) -> dict:
     return enc
 
 
+def update_existing(r: redis.Redis, key: str, mapping: dict) -> bool:
+    """HSET `mapping` on the hash at `key` only if it exists (False if not): a write after the
+    record was deleted or lost never recreates it as a partial record without its status."""
+    with r.pipeline() as pipe:
+        while True:
+            try:
+                pipe.watch(key)
+                if not pipe.exists(key):
+                    pipe.reset()
+                    return False
+                pipe.multi()
+                pipe.hset(key, mapping=mapping)
+                pipe.execute()
+                return True
+            except redis.WatchError:
+                continue
+
+
 class Catalog:
     """The context records under one key prefix (see the module docstring)."""
 
@@ -115,21 +133,7 @@ class Catalog:
 
     def update(self, cid: PromptHash, **fields) -> bool:
         """Set fields on an existing record; False if the record is gone (deleted meanwhile)."""
-        enc = encode_fields(fields)
-        key = self.k_ctx(cid)
-        with self.r.pipeline() as pipe:
-            while True:
-                try:
-                    pipe.watch(key)
-                    if not pipe.exists(key):
-                        pipe.reset()
-                        return False
-                    pipe.multi()
-                    pipe.hset(key, mapping=enc)
-                    pipe.execute()
-                    return True
-                except redis.WatchError:
-                    continue
+        return update_existing(self.r, self.k_ctx(cid), encode_fields(fields))
 
     def register(
         self,
@@ -213,13 +217,24 @@ class Catalog:
         rec = {"expires_at": "", **record, "id": sid, "status": "ready", "progress": 1.0, "methods": json.dumps(methods),
                "created_at": manifest_summary.get("created_at", now), "updated_at": now,
                "error_code": "", "error_message": "", "attempts": 1}
-        if not self.r.hsetnx(key, "id", sid):
-            return False
-        self.r.hset(key, mapping={k: ("" if v is None else v) for k, v in rec.items()})
-        self.r.zadd(self.k_contexts, {sid: rec["created_at"]})
-        if rec.get("expires_at"):
-            self.r.zadd(self.k_expiry, {sid: float(rec["expires_at"])})
-        return True
+        # One transaction: a reader sees no record or the whole one (an HSETNX of the id followed by
+        # an HSET of the rest let a GET in between read a record with an id and no status).
+        with self.r.pipeline() as pipe:
+            while True:
+                try:
+                    pipe.watch(key)
+                    if pipe.exists(key):
+                        pipe.reset()
+                        return False
+                    pipe.multi()
+                    pipe.hset(key, mapping={k: ("" if v is None else v) for k, v in rec.items()})
+                    pipe.zadd(self.k_contexts, {sid: rec["created_at"]})
+                    if rec.get("expires_at"):
+                        pipe.zadd(self.k_expiry, {sid: float(rec["expires_at"])})
+                    pipe.execute()
+                    return True
+                except redis.WatchError:
+                    continue
 
     def set_ttl(self, cid: PromptHash, ttl_seconds: int | None) -> None:
         self.set_expiry(cid, time.time() + ttl_seconds if ttl_seconds else None)

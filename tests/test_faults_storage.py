@@ -209,3 +209,53 @@ def test_readyz_reports_storage_that_cannot_be_written(settings, lm):
         storage = r.json()["checks"]["storage"]
         assert storage["ok"] is False and "cannot be written" in storage["error"]
         assert c.get("/readyz").json()["checks"]["storage"]["ok"] is True
+
+
+class _Watched(redis.Redis):
+    """A client that, after every command it sends itself, reads the context's record through a
+    second connection and keeps what it saw: a record caught without its status is a torn write."""
+
+    def __init__(self, key: str, **kw):
+        super().__init__(**kw)
+        self._key, self._peek, self.seen = key, redis.Redis.from_url(REDIS_URL), []
+
+    def execute_command(self, *args, **options):
+        out = super().execute_command(*args, **options)
+        h = self._peek.hgetall(self._key)
+        if h:
+            self.seen.append(set(h))
+        return out
+
+
+def test_catalog_rebuild_never_shows_a_record_without_its_status(redis_prefix):
+    """`add_ready` (the catalog rebuild after Redis lost its data) writes a record in one step: a GET
+    between its writes used to read `{id}` alone and answer 500 (KeyError 'status'; CI, stop 24)."""
+    from storage.catalog import Catalog
+    from storage.keys import PromptHash
+
+    cid = PromptHash("ab" * 32)
+    probe = Catalog(redis.Redis.from_url(REDIS_URL), redis_prefix)
+    client = _Watched(probe.k_ctx(cid), connection_pool=redis.ConnectionPool.from_url(REDIS_URL))
+    cat = Catalog(client, redis_prefix)
+    assert cat.add_ready(cid, {"model": "m", "n_tokens": 3}, {}, {"created_at": 1.0})
+    assert all(b"status" in fields for fields in client.seen), client.seen
+    assert probe.get(cid)["status"] == "ready" and probe.get(cid)["n_tokens"] == 3
+    assert not cat.add_ready(cid, {"model": "other"}, {}, {})  # known: unchanged
+    assert probe.get(cid)["model"] == "m"
+
+
+def test_updates_after_the_record_is_gone_write_nothing(redis_prefix):
+    """A worker's progress write after Redis lost the record (or after a delete) must not recreate
+    it as a partial hash that reads back without a status: contexts and training jobs alike."""
+    from service.jobs.train_records import TrainJobs
+    from storage.catalog import Catalog
+    from storage.keys import PromptHash, TrainJobId
+
+    r = redis.Redis.from_url(REDIS_URL)
+    cat, cid = Catalog(r, redis_prefix), PromptHash("cd" * 32)
+    assert not cat.update(cid, progress=0.5)
+    assert not r.exists(cat.k_ctx(cid))
+    jobs = TrainJobs(r, redis_prefix, queue=None)  # update and get never touch the queue
+    jid = TrainJobId("ef" * 32)
+    assert not jobs.update(jid, phase="layer 3")
+    assert jobs.get(jid) is None

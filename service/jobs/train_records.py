@@ -17,7 +17,7 @@ import time
 import redis
 
 from service.jobs.queue import LeasedQueue
-from storage.catalog import decode_hash, encode_fields
+from storage.catalog import decode_hash, encode_fields, update_existing
 from storage.keys import TrainJobId
 
 
@@ -125,8 +125,9 @@ class TrainJobs:
         h = self.r.hgetall(self.k_train(jid))
         return decode_hash(h) if h else None
 
-    def update(self, jid: TrainJobId, **fields) -> None:
-        self.r.hset(self.k_train(jid), mapping=encode_fields(fields))
+    def update(self, jid: TrainJobId, **fields) -> bool:
+        """Set fields on an existing job record; False (nothing written) if it is gone."""
+        return update_existing(self.r, self.k_train(jid), encode_fields(fields))
 
     def end(self, jid: TrainJobId, fingerprint: str, **fields) -> None:
         """Final status of a job (done / failed / cancelled); frees the model's training slot."""
