@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import fcntl
 import os
 import uuid
 from pathlib import Path
@@ -15,6 +16,11 @@ MODEL_CACHE = Path(os.environ.get("CTXCACHE_TEST_MODEL_CACHE", ROOT / ".cache" /
 REDIS_URL = os.environ.get("CTXCACHE_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
 
 HAS_CUDA = torch.cuda.is_available()
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # `make test` runs the suite in one worker process per core (pytest-xdist): one torch thread
+    # each, since OpenMP threads spin-waiting for a core the other worker holds make every small op
+    # several times slower (see `one_torch_thread`).
+    torch.set_num_threads(1)
 GPU_SKIP_REASON = "no CUDA device on this machine (CPU CI); GPU paths run on the device tool, see benchmarks/"
 if not HAS_CUDA:
     # Triton kernels run through Triton's interpreter on CPU tensors (tests/test_triton_attention.py):
@@ -118,13 +124,16 @@ def saap_small_model(lm) -> Path:
     for src in [*sorted((ROOT / "training").glob("*.py")), ROOT / "indexer/saap.py", ROOT / "indexer/clustering.py"]:
         h.update(src.read_bytes())
     out = MODEL_CACHE / "saap" / f"small-{h.hexdigest()[:16]}"
-    if not (out / "manifest.json").exists():
-        n = torch.get_num_threads()
-        torch.set_num_threads(1)
-        try:
-            train_saap(lm, settings, out_dir=out, progress=False)
-        finally:
-            torch.set_num_threads(n)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with open(out.parent / f"{out.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # parallel test workers: one trains, the others wait and reuse it
+        if not (out / "manifest.json").exists():
+            n = torch.get_num_threads()
+            torch.set_num_threads(1)
+            try:
+                train_saap(lm, settings, out_dir=out, progress=False)
+            finally:
+                torch.set_num_threads(n)
     return out
 
 
