@@ -78,3 +78,58 @@ def test_drop_decode_spares_a_leased_request(tmp_path, redis_prefix, lm):
         queue.r.delete(queue.k_lease(job["rid"]))
         assert queue.unleased() == [job["_raw"]]
         assert queue.drop_unleased(job["_raw"]) and _active(queue) == set()
+
+
+def _prefill_queue(prefix):
+    import redis
+
+    from conftest import REDIS_URL
+    from service.jobs.queue import Queues
+
+    return Queues.create(redis.Redis.from_url(REDIS_URL), prefix)
+
+
+def _job(n: int) -> dict:
+    from storage.keys import PromptHash
+
+    return {"id": PromptHash(f"{n:064x}"), "kind": "build", "queued_at": 0.0}
+
+
+def test_requeue_is_one_step_and_never_takes_a_leased_job(redis_prefix):
+    """`LeasedQueue.requeue`: a held job stays; a job whose lease is gone goes back to the head of
+    the queue exactly once, however many janitors try (the old LREM then LPUSH could lose it between
+    the two, had its process died there)."""
+    q = _prefill_queue(redis_prefix).prefill
+    q.push(_job(1))
+    q.push(_job(2))
+    held = q.claim(0, lease_s=60, worker="w")
+    assert not q.requeue(held["_raw"])  # its worker holds the lease
+    assert q.depth() == (1, 1)
+    q.r.delete(q._lease_of(held))  # the worker died: its lease expired
+    assert q.requeue(held["_raw"]) and not q.requeue(held["_raw"])  # a second janitor finds nothing to move
+    assert q.depth() == (2, 0) and q.queued()[0]["id"] == held["id"]  # at the head, once
+
+
+def test_janitor_requeues_a_dead_workers_job_on_its_second_sweep_only(redis_prefix):
+    """A claim moves the job into the active list and then sets its lease: a sweep in between sees a
+    job without a lease. The janitor requeues only jobs it saw unleased on the sweep before, so a
+    claim in flight is not built twice, and a crashed worker's job still comes back."""
+    from types import SimpleNamespace
+
+    from service.jobs.janitor import Janitor
+
+    queues = _prefill_queue(redis_prefix)
+    janitor = Janitor(SimpleNamespace(queues=queues))
+    q = queues.prefill
+    q.push(_job(3))
+    q.push(_job(4))
+    claiming = q.r.lmove(q.k_queue, q.k_active, "LEFT", "RIGHT")  # a worker's claim, halfway
+    assert janitor._requeue_orphans(q) == 0  # first seen unleased: left alone
+    q.r.set(q.k_lease(f"{3:064x}"), "w", ex=60)  # ... the claim completes
+    assert janitor._requeue_orphans(q) == 0 and q.depth() == (1, 1)
+    dead = q.claim(0, lease_s=60, worker="w-dead")
+    q.r.delete(q._lease_of(dead))  # that worker died
+    assert janitor._requeue_orphans(q) == 0  # seen once
+    assert janitor._requeue_orphans(q) == 1  # seen twice: back on the queue
+    assert q.depth() == (1, 1) and q.queued()[0]["id"] == dead["id"]
+    assert {r.decode() for r in q.r.lrange(q.k_active, 0, -1)} == {claiming.decode()}

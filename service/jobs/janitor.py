@@ -24,6 +24,7 @@ class Janitor(Loop):
         super().__init__(rt)
         self.on_delete = on_delete
         self._unleased: dict[str, float] = {}  # active decode request (queued JSON) -> first seen without lease
+        self._orphans: dict[str, set[str]] = {}  # prefill / train queue -> its jobs seen without a lease last sweep
 
     def tick(self) -> None:
         self.sweep()
@@ -37,9 +38,18 @@ class Janitor(Loop):
             if self.on_delete:
                 self.on_delete(cid)
             expired += 1
-        requeued = sum(q.requeue_unleased() for q in (self.rt.queues.prefill, self.rt.queues.train))
+        requeued = sum(self._requeue_orphans(q) for q in (self.rt.queues.prefill, self.rt.queues.train))
         store.gc_temp(older_than_s=max(3600.0, 10 * self.rt.settings.job_lease_seconds))
         return {"expired": expired, "requeued": requeued, "decode_dropped": self._drop_orphaned_decodes()}
+
+    def _requeue_orphans(self, queue) -> int:
+        """Requeue the prefill / training jobs of crashed workers: those without a lease on this sweep
+        and the one before (a worker's claim moves the job into the active list, then sets its
+        lease: a job seen once without one may be mid-claim; requeued, it would be built twice)."""
+        now = set(queue.unleased())
+        moved = sum(queue.requeue(raw) for raw in now & self._orphans.get(queue.name, set()))
+        self._orphans[queue.name] = now
+        return moved
 
     def _drop_orphaned_decodes(self) -> int:
         """Remove active decode requests whose worker died and that no API waits on (the API and the

@@ -10,8 +10,9 @@ A worker moves a job from the queue to the active list (LMOVE/BLMOVE: atomic, so
 take one job) and sets its lease. When it is done (answered, failed, cancelled) it removes the job
 and the lease. A job in the active list without a lease lost its worker; what then happens depends
 on the kind of work: prefill and training jobs are put back on their queue by the janitor
-(`requeue_unleased`); a decode request is resubmitted once by the API waiting on it
-(`service/api/decode_client.py`), and the janitor drops those nobody waits on (`drop_unleased`).
+(`requeue`, once it saw the job unleased on two sweeps: a claim is two commands); a decode
+request is resubmitted once by the API waiting on it (`service/api/decode_client.py`), and the
+janitor drops those nobody waits on (`drop_unleased`).
 
 Jobs are dicts; typed ids in them (`storage.keys.PromptHash`) are written with `to_string` when a
 job is queued and parsed back with `from_string` when it is claimed (the queue's `typed` fields),
@@ -28,6 +29,15 @@ from dataclasses import dataclass
 import redis
 
 from storage.keys import PromptHash, TrainJobId
+
+
+# KEYS: the job's lease, the active list, the queue; ARGV: the job's JSON. Moves it unless leased.
+_REQUEUE = """
+if redis.call('EXISTS', KEYS[1]) == 1 then return 0 end
+if redis.call('LREM', KEYS[2], 1, ARGV[1]) == 0 then return 0 end
+redis.call('LPUSH', KEYS[3], ARGV[1])
+return 1
+"""
 
 
 def encode(job: dict) -> str:
@@ -63,6 +73,7 @@ class LeasedQueue:
         self._lease = f"{prefix}{lease}:"
         self.id_field = id_field
         self.typed = typed or {}
+        self._requeue = None  # the requeue script, registered on first use
 
     def k_lease(self, job_id: str) -> str:
         return f"{self._lease}{job_id}"
@@ -137,15 +148,15 @@ class LeasedQueue:
             leased = pipe.execute()
         return [_text(raw) for raw, held in zip(raws, leased) if not held]
 
-    def requeue_unleased(self) -> int:
-        """Put the jobs whose worker stopped heart-beating (crashed) back on the queue, at its head.
-        Returns how many."""
-        n = 0
-        for raw in self.unleased():
-            if self.r.lrem(self.k_active, 1, raw):
-                self.r.lpush(self.k_queue, raw)
-                n += 1
-        return n
+    def requeue(self, raw: str) -> bool:
+        """Put one active job (its queued JSON) back at the head of the queue unless a worker holds
+        its lease; True if it moved. One atomic step (a script): a crash cannot drop the job between
+        leaving the active list and rejoining the queue, two janitors cannot queue it twice, and a
+        lease taken since the caller looked wins."""
+        if self._requeue is None:
+            self._requeue = self.r.register_script(_REQUEUE)
+        return bool(self._requeue(keys=[self._lease_of(json.loads(raw)), self.k_active, self.k_queue], args=[raw]))
+
 
     def drop_unleased(self, raw: str) -> bool:
         """Remove one active job (its queued JSON) unless a worker leased it meanwhile; True if it
