@@ -17,9 +17,9 @@ REDIS_URL = os.environ.get("CTXCACHE_TEST_REDIS_URL", "redis://127.0.0.1:6379/0"
 
 HAS_CUDA = torch.cuda.is_available()
 if os.environ.get("PYTEST_XDIST_WORKER"):
-    # `make test` runs the suite in one worker process per core (pytest-xdist): one torch thread
-    # each, since OpenMP threads spin-waiting for a core the other worker holds make every small op
-    # several times slower (see `one_torch_thread`).
+    # `make test` runs the suite in worker processes (pytest-xdist, one per core on CI): one torch
+    # thread each, since OpenMP threads spin-waiting for a core another worker holds make every small
+    # op several times slower (see `one_torch_thread`).
     torch.set_num_threads(1)
 GPU_SKIP_REASON = "no CUDA device on this machine (CPU CI); GPU paths run on the device tool, see benchmarks/"
 if not HAS_CUDA:

@@ -157,7 +157,6 @@ class LeasedQueue:
             self._requeue = self.r.register_script(_REQUEUE)
         return bool(self._requeue(keys=[self._lease_of(json.loads(raw)), self.k_active, self.k_queue], args=[raw]))
 
-
     def drop_unleased(self, raw: str) -> bool:
         """Remove one active job (its queued JSON) unless a worker leased it meanwhile; True if it
         was removed."""
