@@ -28,6 +28,9 @@ if not HAS_CUDA:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
+INTERPRETER_SKIP_REASON = "runs Triton's CPU interpreter (emulating a GPU's program order); this machine compiles for its GPU"
+
+
 def pytest_collection_modifyitems(config, items):
     skip = pytest.mark.skip(reason=GPU_SKIP_REASON)
     skipped = 0
@@ -35,6 +38,8 @@ def pytest_collection_modifyitems(config, items):
         if "gpu" in item.keywords and not HAS_CUDA:
             item.add_marker(skip)
             skipped += 1
+        if "interpreter" in item.keywords and HAS_CUDA:
+            item.add_marker(pytest.mark.skip(reason=INTERPRETER_SKIP_REASON))
     if skipped:
         config._ctxcache_gpu_skipped = skipped
 
