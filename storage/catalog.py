@@ -75,22 +75,28 @@ def encode_fields(fields: dict) -> dict:
     return enc
 
 
-def update_existing(r: redis.Redis, key: str, mapping: dict) -> bool:
-    """HSET `mapping` on the hash at `key` only if it exists (False if not): a write after the
-    record was deleted or lost never recreates it as a partial record without its status."""
+def write_if(r: redis.Redis, key: str, exists: bool, write: Callable[[redis.client.Pipeline], object]) -> bool:
+    """Run the commands `write` queues on a pipeline as one transaction, only if the key's existence
+    is `exists` when it runs (WATCH/MULTI, retried on a concurrent write); False if it is not."""
     with r.pipeline() as pipe:
         while True:
             try:
                 pipe.watch(key)
-                if not pipe.exists(key):
+                if bool(pipe.exists(key)) != exists:
                     pipe.reset()
                     return False
                 pipe.multi()
-                pipe.hset(key, mapping=mapping)
+                write(pipe)
                 pipe.execute()
                 return True
             except redis.WatchError:
                 continue
+
+
+def update_existing(r: redis.Redis, key: str, mapping: dict) -> bool:
+    """HSET `mapping` on the hash at `key` only if it exists (False if not): a write after the
+    record was deleted or lost never recreates it as a partial record without its status."""
+    return write_if(r, key, True, lambda pipe: pipe.hset(key, mapping=mapping))
 
 
 class Catalog:
@@ -217,24 +223,15 @@ class Catalog:
         rec = {"expires_at": "", **record, "id": sid, "status": "ready", "progress": 1.0, "methods": json.dumps(methods),
                "created_at": manifest_summary.get("created_at", now), "updated_at": now,
                "error_code": "", "error_message": "", "attempts": 1}
+        def write(pipe) -> None:
+            pipe.hset(key, mapping={k: ("" if v is None else v) for k, v in rec.items()})
+            pipe.zadd(self.k_contexts, {sid: rec["created_at"]})
+            if rec.get("expires_at"):
+                pipe.zadd(self.k_expiry, {sid: float(rec["expires_at"])})
+
         # One transaction: a reader sees no record or the whole one (an HSETNX of the id followed by
         # an HSET of the rest let a GET in between read a record with an id and no status).
-        with self.r.pipeline() as pipe:
-            while True:
-                try:
-                    pipe.watch(key)
-                    if pipe.exists(key):
-                        pipe.reset()
-                        return False
-                    pipe.multi()
-                    pipe.hset(key, mapping={k: ("" if v is None else v) for k, v in rec.items()})
-                    pipe.zadd(self.k_contexts, {sid: rec["created_at"]})
-                    if rec.get("expires_at"):
-                        pipe.zadd(self.k_expiry, {sid: float(rec["expires_at"])})
-                    pipe.execute()
-                    return True
-                except redis.WatchError:
-                    continue
+        return write_if(self.r, key, False, write)
 
     def set_ttl(self, cid: PromptHash, ttl_seconds: int | None) -> None:
         self.set_expiry(cid, time.time() + ttl_seconds if ttl_seconds else None)
