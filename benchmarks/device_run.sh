@@ -7,7 +7,7 @@
 #                    carry=[".whl", ".old"])
 #   stages: tests | kerneltests | decode | decodecold | decode512 | before_after | kernels | e2e32 | e2e128 |
 #           e2e128rest | e2eprof | e2elayer | attntests | decodeab | psaab | latency | ncu | psasweep | pdlab | e2enow |
-#           offload | psa32sweep | offloadfit | ivfsweep | ivfcpp | cslfsweep | ivfsel | ivfeager | ivfsample | ncusel | psaemit | psafuse | psastop | rtrip | rerankreg | rerank96 | e2ectkvr | ncuivf | verify
+#           offload | psa32sweep | offloadfit | ivfsweep | ivfcpp | cslfsweep | ivfsel | ivfeager | ivfsample | ncusel | psaemit | psafuse | psastop | rtrip | rerankreg | rerank96 | e2ectkvr | ncuivf | verify | repro
 #   (default: tests decode before_after)
 #   .old = the tree before the plan/run redesign (`git archive <commit> decoder indexer storage`), for
 #   the before/after decode comparison.
@@ -248,6 +248,14 @@ for stage in $stages; do
       python3 benchmarks/gpu_e2e.py --lengths 131072 --batches 1 8 --methods full psa saap --profile \
         --eager-tokens 0 --hf-tokens 0 --tokens 8 --budget-s 450 --out "$OUT/e2enow" 2>&1 \
         | tee "$OUT/gpu_e2e_now.log" | tail -16 ;;
+    repro)  # session 13: plan rows in a canonical order (the radix select's compaction by published counts, CTkvr's
+      # dedup by probe rank) against the tree before (.old/{select,ivf}_head.py), alternating twice, the four methods
+      # they plan for; the GPU-marked tests first (the bitwise-reproducibility test among them)
+      python3 -m pytest -q -p no:cacheprovider -m gpu -o addopts="" \
+        tests/test_gpu_decode.py tests/test_triton_attention.py tests/test_backends.py tests/test_pipeline.py \
+        tests/test_csattn.py tests/test_saap_device.py tests/test_runner.py tests/test_kernels_*.py \
+        2>&1 | tee "$OUT/gpu_marked_tests.log" | tail -6
+      old_new repro "topk csattn lfps ctkvr" indexer/kernels/select.py indexer/kernels/ivf.py ;;
     verify)  # session 12: the GPU-marked tests of the tree, then every method's decode table (the `decode` stage)
       python3 -m pytest -q -p no:cacheprovider -m gpu -o addopts="" \
         tests/test_gpu_decode.py tests/test_triton_attention.py tests/test_backends.py tests/test_pipeline.py \

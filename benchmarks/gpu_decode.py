@@ -225,6 +225,26 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-12))
 
 
+def repeatability(step, req, out0: torch.Tensor, repeats: int = 20) -> dict:
+    """The same step run `repeats` more times (eager): how many gave the first run's plan rows bit for
+    bit (order included), the same sets of positions, and the same attention output bit for bit. A
+    plan whose row order follows a race between programs (an atomic counter, a dedup bit) keeps its
+    sets and changes its order, and the bf16 attention over another order rounds otherwise."""
+    pos0 = None if req.plan.positions is None else req.plan.positions.clone()
+    set0 = None if pos0 is None else pos0.sort(dim=-1).values
+    out0 = out0.clone()
+    same_rows = same_sets = same_out = 0
+    for _ in range(repeats):
+        out = step()[0]
+        pos = req.plan.positions
+        if pos0 is None or torch.equal(pos, pos0):
+            same_rows += 1
+        if pos0 is None or torch.equal(pos.sort(dim=-1).values, set0):
+            same_sets += 1
+        same_out += int(torch.equal(out, out0))
+    return {"repeats": repeats, "same_rows": same_rows, "same_sets": same_sets, "same_output": same_out}
+
+
 def has_fused_path(planner) -> bool:
     return hasattr(planner, "fused") or hasattr(planner, "use_kernels")
 
@@ -330,6 +350,7 @@ def run_length(n: int, batches: list[int], methods: list[str], backends: list[st
                         return fork_join(streams, [r.step for r in reqs])
 
                     outs = step()
+                    repeat = repeatability(step, reqs[0], outs[0]) if b == 1 else None
                     want = ref_backend.run(reqs[0].q, reqs[0].kv, reqs[0].plan, reqs[0].sink, reqs[0].window, scale)
                     err = rel(outs[0], want)
                     k_plan = None if reqs[0].plan.positions is None else int(reqs[0].plan.positions.shape[-1])
@@ -350,7 +371,7 @@ def run_length(n: int, batches: list[int], methods: list[str], backends: list[st
                                      "sdpa_ms": sdpa[b, mode], "sdpa_slice_ms": sdpa_slice[b, mode],
                                      "ratio": ratio(sdpa[b, mode], ms), "plan_k": k_plan,
                                      "plan_filled": valid, "err_vs_torch_ref": err, "l2": l2_of(mode),
-                                     "graph": reasons.get(mode),
+                                     "graph": reasons.get(mode), "repeat": repeat,
                                      "profile": prof if mode == "graph" else None})
                     g_txt = "not captured" if graph is None else f"{graph:.3f} ms ({ratio(sdpa[b, 'graph'], graph)}x sdpa)"
                     if prof:
@@ -360,7 +381,9 @@ def run_length(n: int, batches: list[int], methods: list[str], backends: list[st
                     w_txt = "" if warm is None else f" (warm L2 {warm:.3f} ms, {ratio(sdpa[b, 'graph_warm_l2'], warm)}x)"
                     print(f"  {spec_name:9s} {be_name:9s} B={b}: eager {eager:.3f} ms ({sdpa[b, 'eager'] / eager:.2f}x sdpa), "
                           f"graph {g_txt}{w_txt}, K={k_plan} filled={valid if valid is None else round(valid, 3)} err={err:.1e}"
-                          f"{'' if why == 'ok' else ' graph: ' + why}", flush=True)
+                          f"{'' if why == 'ok' else ' graph: ' + why}"
+                          f"{'' if repeat is None else ' repeats (rows/sets/output) %(same_rows)d/%(same_sets)d/%(same_output)d of %(repeats)d' % repeat}",
+                          flush=True)
                     if torch_plans and b == 1 and be_name == "triton" and has_fused_path(reqs[0].planner):
                         rows += torch_plan_rows(reqs[0], method, params, arrays, layer, sp, be, n, sdpa, reps, name)
                     del reqs

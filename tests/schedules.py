@@ -6,7 +6,8 @@ whatever order its scheduler picks, several at a time. A kernel whose result dep
 and varies on a GPU. `program_order("reverse" | "shuffle")` runs every launch inside it with its
 programs in reversed or seeded-shuffled order, so a test can compare outcomes across orders on the
 CPU. Programs still run one at a time (no interleaving inside a program), which covers what the
-kernels here rely on: atomics and tickets between programs, never a wait for another program.
+kernels here rely on: atomics and tickets between programs, and waits only for programs that took an
+earlier ticket (select.py's compaction), which in a sequential run have finished.
 
 Written against Triton 3.6's `GridExecutor.__call__` (the version pyproject.toml pins): the same
 steps, with the loop over the grid permuted.

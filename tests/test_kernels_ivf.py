@@ -301,7 +301,7 @@ def test_select_kernel_ties_take_the_lowest_slots(kp, rho, search):
     d = lambda x: x.to(DEVICE)  # noqa: E731
     t = 1  # every row is a last token's row (T = 1: one row per KV head)
     args = [d(logits), d(pos), d(ml), d(scr), d(out), d(push)]
-    ivf._select_kernel[(rows, 2)](*args, t, u, 1, kp, rho, 3 * u, G=g, G_PAD=g, BLOCK=block, BLOCK_S=32,
+    ivf._select_kernel[(rows, 2)](*args, args[1], t, u, 1, kp, rho, 3 * u, 1, G=g, G_PAD=g, BLOCK=block, BLOCK_S=32,
                                   HAS_PUSH=True, PRECISE=DEVICE == "cuda", SAMPLE=search == "sampled", num_warps=4)
     out, push = args[4].cpu(), args[5].cpu()
     for r in range(rows):

@@ -123,29 +123,73 @@ def test_ties_infinities_and_short_rows_keep_the_contract(kind, r, u, k):
     _compare(score, k)
 
 
+def _canonical_row(score: torch.Tensor, k: int) -> torch.Tensor:
+    """What the kernel writes, row by row, in plain torch: the indices of the scores above the k-th
+    largest in index order, then the first of those equal to it (lowest index first) up to k, then
+    -1. [R, U] -> [R, k] int32. (Rows without -0.0: the kernel's key orders -0.0 below +0.0.)"""
+    out = torch.full((score.shape[0], k), -1, dtype=torch.int32)
+    for r, row in enumerate(score):
+        finite = row > float("-inf")
+        n = min(k, int(finite.sum()))
+        if n == 0:
+            continue
+        thr = row[finite].topk(n).values[-1]
+        above = (finite & (row > thr)).nonzero().flatten()
+        equal = (row == thr).nonzero().flatten()[: n - above.numel()]
+        out[r, :n] = torch.cat([above, equal]).int()
+    return out
+
+
+@pytest.mark.parametrize("order", ["forward", "reverse", "shuffle"])
+@pytest.mark.parametrize("cfg", [SMALL, sel.SelectConfig(block=256, tiles=1)], ids=["small-blocks", "one-tile-programs"])
+@pytest.mark.parametrize("kind", ["normal", "ties", "neg_inf"])
+def test_rows_are_canonical_index_order_with_lowest_index_ties(cfg, kind, order):
+    """The row is a function of the scores alone: above-threshold indices in index order, then the
+    tied ones lowest index first, whatever order the programs run in. Each program publishes its
+    share's counts and writes at their prefix, so no race between programs decides an index's slot
+    or which tied score is taken. (The earlier design, a per-row atomic slot counter, passes in the
+    interpreter's forward order and fails reversed or shuffled: its rows list the programs' shares
+    in the order they ran, as on a GPU, where the rows then changed from run to run.) On a GPU the
+    order is the hardware's: the other two orders are the interpreter's only."""
+    if order != "forward" and DEVICE == "cuda":
+        pytest.skip("program orders are the interpreter's (tests/schedules.py)")
+    from schedules import program_order
+
+    score = _scores(kind, 3, 1500, _gen("canon", kind))
+    with program_order(order, seed=7):
+        for k in (1, 75, 1600):
+            got = sel.topk_unordered(score.to(DEVICE), k, cfg=cfg).cpu()
+            assert torch.equal(got, _canonical_row(score, k)), (kind, k)
+
+
 @pytest.mark.parametrize("cfg", [SMALL, sel.SelectConfig(shift1=21, shift2=10, block=256),
                                  sel.SelectConfig(shift1=23, shift2=12, window=32, block=512, tiles=1)],
                          ids=["small-blocks", "quarter-octave", "octave-win32"])
 @pytest.mark.parametrize("kind", ["normal", "wide", "ties", "neg_inf"])
 def test_launch_configurations(cfg, kind):
-    """Several programs per row and tiles per program (the per-row atomics across programs), and
-    the other digit layouts the benchmark sweeps."""
+    """Several programs per row and tiles per program (the histograms' atomics and the compaction's
+    published counts across programs), and the other digit layouts the benchmark sweeps."""
     score = _scores(kind, 3, 1500, _gen("cfg", cfg, kind))
     _compare(score, 75, cfg=cfg)
 
 
 def test_the_workspace_cleans_itself_between_calls():
-    """Calls of different shapes share a workspace; each leaves its level-1 histograms zeroed (the
-    next call relies on it: there is no memset) and gives the right answer."""
+    """Calls of different shapes share a workspace (one per row layout); each leaves its level-1
+    histograms zeroed (the next call relies on it: there is no memset) and gives the right answer.
+    A call with more programs per row has longer rows (its published counts), so it takes a
+    workspace of its own: same bins, another row length."""
     sel.clear_workspace()
+    rows_seen = set()
     for i, (r, u, k) in enumerate([(3, 1000, 60), (2, 300, 17), (4, 500, 500), (1, 1500, 3), (3, 1000, 60)]):
         kind = ("normal", "ties", "neg_inf", "wide", "equal")[i]
         score = _scores(kind, r, u, _gen("ws", i))
         _compare(score, k, cfg=SMALL)
         nb1 = SMALL.bins()[0]
-        (ws,) = [w for key, w in sel._WORKSPACE.items() if key[2] == SMALL.bins()]
         row = sel.launch_sizes(r, u, 4, SMALL).row
+        rows_seen.add(row)
+        (ws,) = [w for key, w in sel._WORKSPACE.items() if key[2] == SMALL.bins() and key[3] == row]
         assert int(ws.view(-1, row)[:, :nb1].abs().sum()) == 0
+    assert len(rows_seen) > 1 and len(sel._WORKSPACE) == len(rows_seen)  # both cases ran
 
 
 def test_rows_beyond_one_launch(monkeypatch):

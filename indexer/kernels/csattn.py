@@ -62,12 +62,13 @@ cosines: other summation orders, ~1 ulp): it differs only where two cosines are 
 tau'-th place, or the best cosine is that close to `backoff`. Ties: among equal cosines the lowest
 centroid id is taken (torch.topk's rule on CUDA; on the CPU its order is unspecified); keys whose
 exact sums are equal get the same score, and ties at the K-th score are broken by `topk_positions`
-(arbitrary among the tied keys, like torch.topk). The scores are deterministic bit for bit run to
-run; the set of positions too, except for keys tied exactly at the K-th score (the select's atomic
-counters pick among them, on the torch path as well). Such ties are real with the paper's scoring
-(uniform weights, missing score 0: a key's score is a sum of a few fp16 values), rare with the
-defaults. Rows list positions in the select's order (any order, -1 last), on both paths: compare
-them as sets.
+(the kernels: lowest position first; torch.topk on the torch path: its own pick). The scores are
+deterministic bit for bit run to run, and so is the plan row, order included: the select writes
+positions in index order (before 2026-11-28 its atomic counters picked among keys tied at the K-th
+score and ordered the row by the programs' arrival, so a GPU's rows changed from run to run; benchmarks/
+RESULTS.md, "Reproducible plans"). Such ties are real with the paper's scoring (uniform weights,
+missing score 0: a key's score is a sum of a few fp16 values), rare with the defaults. Rows list
+positions in the select's order (-1 last) on both paths, torch's its own: compare them as sets.
 
 Chunks: the accumulator [KVH, t, N] int64 and the scores [KVH, t, N] fp32 are workspaces of t =
 min(T, `scores_per_chunk` // (KVH · N)) query tokens (>= 1): 16M cells by default, 192 MiB at most

@@ -13,14 +13,16 @@ CTkvr, one layer and decode step (rows = KVH x T, one per KV head and query toke
    to the same head of BLOCK_C entries (persisted centroids, then the request's FIFO ring), rounded
    to the centroids' dtype (the torch path's einsum output), max over the group, -inf for evicted /
    empty entries; the block's `probe` best (cosine desc, entry id asc) -> a workspace. It also zeroes
-   its share of the row's dedup bitmap (one bit per context position) and writes the pending FIFO
+   its share of the row's dedup map (P_PAD bits per context position: which probe ranks hold it)
+   and writes the pending FIFO
    push's query (the last token, unit norm, in the centroids' dtype).
 2. `_rerank_kernel`, grid (ceil(U / BLOCK_U) + 1, rows), U = probe x rho candidate slots: each
    program merges the blocks' bests into the row's `probe` entries (a few hundred floats from L2,
    the same merge in every program: cheaper than a launch), takes BLOCK_U slots of the concatenated
    lists (slot u = list u // rho, item u % rho: the torch path's candidate layout), drops positions
-   outside the selectable range (sink, window) and duplicates (atomic test-and-set in the row's
-   bitmap: the first slot to set a position keeps it), loads the K row of each selectable slot once
+   outside the selectable range (sink, window) and marks each slot's probe rank in the row's map
+   (an atomic or: the first slot to set any of a position's bits counts its logit in the lse, one
+   per position), loads the K row of each selectable slot once
    for the whole GQA group (issued before the atomic answers, so a duplicate's row is read too:
    `IvfConfig.eager_rows`) and writes the G logits q.k / sqrt(D) (-inf where dropped) plus its partial
    softmax state (max, sum) per head. The last program of a row does the same over the frame's rows
@@ -28,7 +30,9 @@ CTkvr, one layer and decode step (rows = KVH x T, one per KV head and query toke
 3. `_select_kernel`, grid (rows, 1 or 2): log-sum-exp per head over the parts, the group mass of every slot
    (sum over heads of exp(logit - lse): `candidate_mass`; the logits stored [rows, U, G], one
    [BLOCK, G] tile per chunk, the next chunk's loads issued before this one's exps) as an
-   order-preserving int key (float bits + 1; 0 = no candidate), and the exact top-K
+   order-preserving int key (float bits + 1; 0 = no candidate, also a duplicate whose position a
+   lower probe rank holds: the lowest rank's slot survives, `_survivors`, so the row is the same
+   whichever program won an atomic), and the exact top-K
    (`_select_sampled`, `IvfConfig.sample_select`): a strided sample of one block of keys guesses a
    band [a, b) around the K-th key; one pass counts the keys >= b and writes their positions to the
    plan, and compacts the band (keys and positions); when the counts confirm the guess the bisection
@@ -49,9 +53,12 @@ nothing) and `_select_kernel` as for CTkvr.
 
 Results against the torch path. Positions: the same *set* per row. Order: the torch path returns
 best first; a fused row lists its positions in candidate-slot order (probe rank, then list order),
--1 slots last in both: no consumer depends on the order (the attention backends take positions as a
-set; a FIFO entry's list is always recalled whole), and sorting the 2560 selected per row would cost
-more than the whole selection. Ties: equal values at the k-th place are taken lowest index first
+-1 slots last in both. The attention backends take positions as a set (a FIFO entry's list is
+always recalled whole), but the fused row's order must not follow a race: the bf16 attention over
+the same positions in another order rounds otherwise (benchmarks/RESULTS.md, "Reproducible plans").
+Slot order is a function of the inputs since a duplicate's surviving slot is the lowest probe
+rank's, not the first program's to set a bit (and the select is one program per row); sorting the
+2560 selected per row would cost more than the whole selection. Ties: equal values at the k-th place are taken lowest index first
 (probe: entry id; rerank: candidate slot), which is what torch.topk does on CUDA (its gather pass
 fills the values equal to the k-th in index order) -- torch.topk on the CPU orders ties otherwise.
 Probe ties are common in bf16 (cosines rounded to bf16, like the torch path's einsum output); mass
@@ -68,7 +75,7 @@ G 4, D 128, bf16; C = 2048 centroids, F = 64, probe 4, rho = 2560, k = 1024, T =
 
 | kernel | reads | writes | floor at 3 TB/s |
 |---|---|---|---|
-| probe | centroids 8 x 2112 x 4 x 128 x 2 B = 17.3 MB | bests; bitmap zeroing 8 x 16 KB | 5.8 us |
+| probe | centroids 8 x 2112 x 4 x 128 x 2 B = 17.3 MB | bests; map zeroing 8 x 64 KB | 5.8 us |
 | rerank | list ids 0.3 MB; K rows <= 8 x 10240 x 256 B = 21 MB (1) | logits 1.3 MB, positions 0.3 MB | <= 7.3 us |
 | select | logits + positions 1.6 MB (L2) | scratch (L2), plan 32 KB, push 80 KB | ~0.5 us |
 | total | ~40 MB | | ~13.5 us |
@@ -113,7 +120,7 @@ for per-kernel device time; IvfConfig knobs as `ctkvr:knob=value` rows), benchma
 
 Workspaces (grow-only, per device, stream and purpose, like `decoder/kernels/attention.py`): float32
 and int32 buffers for the probe bests, logits, partial softmax states, positions, keys, select
-scratch and the bitmap (KVH x T x ceil(N / 32) words). The bitmap is zeroed by kernel 1 of every
+scratch and the dedup map (KVH x T x ceil(N x P_PAD / 32) words). The map is zeroed by kernel 1 of every
 plan, so a plan never depends on what an earlier (possibly interrupted) plan left there. Every
 launch size is a host int from shapes: no host sync, CUDA-graph capturable (stream order makes reuse
 safe; a graph captured on a side stream gets its own workspace; two graphs captured on one stream
@@ -137,7 +144,8 @@ from indexer.kernels import Workspaces, interpreted  # also makes Triton 3.6's i
 NEG_BIG: tl.constexpr = tl.constexpr(-1.0e30)  # initial running max: finite, so exp(m_old - m_new) is never nan
 INT_MAX: tl.constexpr = tl.constexpr(2147483647)
 KEY_INF: tl.constexpr = tl.constexpr(0x7F800001)  # key of mass +inf (bits + 1)
-MAX_PROBE = 64  # CTkvr entries probed per row (the merge is unrolled per pick); more: torch. kivf: any nprobe
+MAX_PROBE = 32  # CTkvr entries probed per row (the merge is unrolled per pick, and a position's probe-rank bits
+# fill one 32-bit word of the dedup map at most); more: torch. kivf: any nprobe
 SUPPORTED_HEAD_DIMS = (16, 32, 64, 128, 256)
 
 
@@ -177,7 +185,8 @@ def _round_as(x, DT: tl.constexpr):
 def _lse_parts(ML, n_parts, G: tl.constexpr, G_PAD: tl.constexpr, BLOCK_S: tl.constexpr, PRECISE: tl.constexpr):
     """ML [n_parts, G_PAD, 2] float64 (running max, sum of exp(x - max)) -> [G_PAD] fp32 log-sum-exp
     per head. The sums are float64 so the result does not depend on how candidates fall into parts:
-    which duplicate slot survives the rerank's dedup is decided by atomics (it varies run to run),
+    which duplicate slot counts a position's logit is decided by the rerank's atomics (it varies run
+    to run),
     and fp32 partial sums would round differently for each split, moving the masses by ulps and
     flipping near-ties at the K-th place (a GPU run saw plans differ between two identical runs)."""
     ar_g = tl.arange(0, G_PAD)
@@ -593,6 +602,30 @@ def _kivf_clusters_kernel(
 # Candidates + rerank logits (shared)
 
 
+@triton.jit
+def _position_bits(pos, PB: tl.constexpr):
+    """The PB bits of each position in its word of CTkvr's dedup map (PB a power of two <= 32: a
+    position's bits never straddle two words), as an int32 mask."""
+    if PB == 32:
+        return pos * 0 - 1
+    else:
+        return ((1 << PB) - 1) << ((pos * PB) & 31)
+
+
+@triton.jit
+def _survivors(BITMAP, NW, r, pos, u, RHO, PB: tl.constexpr):
+    """CTkvr's dedup, decided: slot u (probe rank u // RHO) keeps position pos >= 0 when no lower
+    rank set the position's bit in the row's map (the rerank's atomics are all done: this runs in
+    the next launch). The lowest rank's slot survives, whichever program set its bit first, so the
+    plan row's order (slot order) is the same on every run."""
+    ok = pos >= 0
+    at = pos * PB
+    word = tl.load(BITMAP + r * NW + (at >> 5), mask=ok, other=0)
+    rank = u // RHO
+    lower = ((1 << rank) - 1).to(tl.int32) << (at & 31)  # rank < PB <= 32 bits below this one's
+    return ok & ((word & lower) == 0)
+
+
 @triton.jit(do_not_specialize=["T", "n_ctx", "n_loc", "s_end", "window", "U", "C", "RHO", "n_top", "NW",
                                "n_slot_progs", "chunks_per_prog"])
 def _rerank_kernel(
@@ -688,10 +721,17 @@ def _rerank_kernel(
             k_ptr = CK + h * sck_h + pos[:, None].to(tl.int64) * sck_n + offs_d[None, :]
             if EAGER_ROWS:  # load every selectable row before the dedup's atomic answers: the two overlap
                 kt = tl.load(k_ptr, mask=ok[:, None], other=0.0).to(tl.float32)
-            if DEDUP:  # the first slot to set a position's bit keeps it
-                bit = (1 << (pos & 31)).to(tl.int32)
-                old = tl.atomic_or(BITMAP + r64 * NW + (pos >> 5), bit, mask=ok, sem="relaxed")
-                ok = ok & ((old & bit) == 0)
+            first = ok
+            if DEDUP:
+                # bit p_idx of the position's P_PAD bits: which probe ranks hold it. The slot of the
+                # lowest rank is the one the select keeps (`_survivors`: a function of the lists,
+                # not of the programs' race); the first slot to set any of the position's bits
+                # counts its logit in the lse (one per position, whichever it is: same value).
+                at = pos * P_PAD + p_idx
+                bit = (1 << (at & 31)).to(tl.int32)
+                old = tl.atomic_or(BITMAP + r64 * NW + (at >> 5), bit, mask=ok, sem="relaxed")
+                first = ok & ((old & _position_bits(pos, P_PAD)) == 0)
+                ok = ok & ((old & bit) == 0)  # a list that held a position twice: one slot of it
             if not EAGER_ROWS:
                 kt = tl.load(k_ptr, mask=ok[:, None], other=0.0).to(tl.float32)
             lg = tl.full([BLOCK_U, G_PAD], float("-inf"), tl.float32)
@@ -701,6 +741,8 @@ def _rerank_kernel(
                 lg = tl.where(ar_g[None, :] == g, sg[:, None], lg)
             tl.store(WS_S + (r64 * U + u[:, None]) * G + ar_g[None, :], lg, mask=in_u[:, None] & (ar_g < G)[None, :])
             tl.store(WS_POS + r64 * U + u, tl.where(ok, pos, -1), mask=in_u)
+            if DEDUP:
+                lg = tl.where(first[:, None], lg, float("-inf"))
             m_new = tl.maximum(m_v, tl.max(lg, 0))
             l_v = (l_v * _exp(m_v - m_new, PRECISE).to(tl.float64)
                    + tl.sum(_exp(lg - m_new[None, :], PRECISE).to(tl.float64), 0))
@@ -715,9 +757,11 @@ def _rerank_kernel(
 
 
 @triton.jit
-def _row_keys(WS_S, WS_POS, WS_ML, row, r, U, n_parts, G: tl.constexpr, G_PAD: tl.constexpr,
-              BLOCK: tl.constexpr, BLOCK_S: tl.constexpr, PRECISE: tl.constexpr, SAMPLE: tl.constexpr = False):
-    """Row r's int keys -> row[0:U] (group mass as float bits + 1, 0 = not a candidate), and a lower
+def _row_keys(WS_S, WS_POS, WS_ML, row, r, U, n_parts, BITMAP, NW, RHO, G: tl.constexpr, G_PAD: tl.constexpr,
+              BLOCK: tl.constexpr, BLOCK_S: tl.constexpr, PRECISE: tl.constexpr, SAMPLE: tl.constexpr = False,
+              DEDUP: tl.constexpr = False, PB: tl.constexpr = 1):
+    """Row r's int keys -> row[0:U] (group mass as float bits + 1, 0 = not a candidate: DEDUP, also
+    a CTkvr slot whose position a lower probe rank holds, `_survivors`), and a lower
     bound > 0 of the valid keys, their count and an upper bound (exclusive) of all keys. Without
     SAMPLE, or when the row fits one block, the bounds are the smallest valid key and the max + 1,
     from a second pass over the stored keys (which every thread reads alike: a thread's own copy of
@@ -740,6 +784,8 @@ def _row_keys(WS_S, WS_POS, WS_ML, row, r, U, n_parts, G: tl.constexpr, G_PAD: t
         inn = u < U
         pos = pos_nx
         lg = lg_nx
+        if DEDUP:  # (its map word's load in flight with the next chunk's and the masses)
+            pos = tl.where(_survivors(BITMAP, NW, r, pos, u, RHO, PB), pos, -1)
         nx = u + BLOCK  # the next chunk's loads in flight while this one is computed
         pos_nx = tl.load(pos_row + nx, mask=nx < U, other=-1)
         lg_nx = tl.load(s_row + nx[:, None] * G + ar_g[None, :], mask=(nx < U)[:, None] & ok_g, other=float("-inf"))
@@ -769,12 +815,13 @@ def _row_keys(WS_S, WS_POS, WS_ML, row, r, U, n_parts, G: tl.constexpr, G_PAD: t
     return key_min, n_valid, key_hi
 
 
-@triton.jit(do_not_specialize=["T", "U", "n_parts", "KP", "RHO", "scr_row"])
+@triton.jit(do_not_specialize=["T", "U", "n_parts", "KP", "RHO", "scr_row", "NW"])
 def _select_kernel(
-    WS_S, WS_POS, WS_ML, SCR, OUT, PUSH,
-    T, U, n_parts, KP, RHO, scr_row,
+    WS_S, WS_POS, WS_ML, SCR, OUT, PUSH, BITMAP,
+    T, U, n_parts, KP, RHO, scr_row, NW,
     G: tl.constexpr, G_PAD: tl.constexpr, BLOCK: tl.constexpr, BLOCK_S: tl.constexpr,
     HAS_PUSH: tl.constexpr, PRECISE: tl.constexpr, SAMPLE: tl.constexpr = False,
+    DEDUP: tl.constexpr = False, PB: tl.constexpr = 1,
 ):
     """Grid (rows, 1 + HAS_PUSH). Per row: lse per head over the parts (candidates + frame), mass of
     each slot = sum over heads of exp(logit - lse) (candidate_mass) as an int key (float bits + 1;
@@ -793,8 +840,8 @@ def _select_kernel(
         push_row = t == T - 1
     if (w == 0) | push_row:
         row = SCR + (r * tl.num_programs(1) + w) * scr_row
-        key_min, n_valid, key_hi = _row_keys(WS_S, WS_POS, WS_ML, row, r, U, n_parts, G, G_PAD, BLOCK, BLOCK_S,
-                                             PRECISE, SAMPLE)
+        key_min, n_valid, key_hi = _row_keys(WS_S, WS_POS, WS_ML, row, r, U, n_parts, BITMAP, NW, RHO, G, G_PAD,
+                                             BLOCK, BLOCK_S, PRECISE, SAMPLE, DEDUP, PB)
         if push_row & (w == 0):
             k = RHO
             out = PUSH + h * RHO
@@ -1039,9 +1086,11 @@ def _rerank_and_select(q, kv, *, rows: int, u: int, sink: int, window: int, kp: 
     )
     _select_kernel[(rows, n_sel)](
         wf["s"], wi["pos"], wf["ml"], wi["scr"], out, push if push is not None else out,
-        t, u, n_parts, kp, rho, scr_row,
+        bitmap if bitmap is not None else placeholder,
+        t, u, n_parts, kp, rho, scr_row, bitmap.shape[-1] if bitmap is not None else 1,
         G=g, G_PAD=g_pad, BLOCK=_select_block(u, cfg), BLOCK_S=_parts_block(n_parts), HAS_PUSH=push is not None,
-        PRECISE=_precise(), SAMPLE=cfg.sample_select, num_warps=cfg.select_warps,
+        PRECISE=_precise(), SAMPLE=cfg.sample_select, DEDUP=dedup, PB=p_pad if dedup else 1,
+        num_warps=cfg.select_warps,
     )
     return out
 
@@ -1094,7 +1143,7 @@ def ctkvr_plan(q: torch.Tensor, kv, cent: torch.Tensor, lists: torch.Tensor, fif
     p_pad = triton.next_power_of_2(p)
     n_blocks = _cdiv(c + f, cfg.block_c)
     n_top = n_blocks * p_pad
-    nw = max(1, _cdiv(n, 32))
+    nw = max(1, _cdiv(n * p_pad, 32))  # the dedup map: p_pad bits (probe ranks) per context position
     words_per_prog = _cdiv(nw, n_blocks)
     i_carve = _Carve({"topi": rows * n_top, "bitmap": rows * nw})
     topv = _workspace(dev, torch.float32, rows * n_top, "probe")

@@ -38,8 +38,10 @@ heads per KV head, C = the candidate cap (`max_candidates`·N), K = the plan's b
    fp32 products and sums on CUDA cores, one head at a time.
    `_state_kernel`, grid (P, rows): per chunk of positions the softmax state per head (online max /
    sum) of the flagged logits, in position order. A separate launch because the candidate list's
-   order comes from the select kernel's atomic counters and changes from run to run: per-tile states
-   of the score kernel would hold different candidates each run and round differently.
+   order came from the select kernel's atomic counters and changed from run to run: per-tile states
+   of the score kernel would have held different candidates each run and rounded differently. (The
+   select writes its rows in index order since 2026-11-28, so the states could now move into the
+   score kernel, one launch less; not done.)
 6. `_mass_kernel`, grid (P, rows): merges the frame's and the chunks' softmax states into the per-head
    normaliser (fixed order) and writes the group mass (sum over ranking heads of exp(s - max) / sum)
    of every candidate, -inf elsewhere, into the [rows, N] buffer; its program (0, 0) also writes the
@@ -519,7 +521,7 @@ def _score_kernel(Q, CK, CAND, LOGIT, T, N, C, sq_h, sq_g, sq_t, sck_h, sck_n, s
 @triton.jit(do_not_specialize=["N", "chunk"])
 def _state_kernel(FLAG, LOGIT, K4P, N, chunk, GP: tl.constexpr, BR: tl.constexpr, PRECISE: tl.constexpr):
     """The softmax state per head (online max / sum) of the candidates' logits in a chunk of
-    positions, in position order (the candidate list's order changes from run to run)."""
+    positions, in position order (not the candidate list's: see the module docstring, step 5)."""
     p = tl.program_id(0).to(tl.int64)
     r = tl.program_id(1).to(tl.int64)
     ar_g = tl.arange(0, GP)

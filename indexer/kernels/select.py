@@ -2,17 +2,20 @@
 scores of each row, in any order (what a plan needs: the backend attends a set of positions).
 
     score [..., U] float32 (any finite value; -inf = never chosen)  ->  idx [..., k] int32
-    -1 where the row has fewer than k finite scores; ties at the k-th value broken arbitrarily, but
-    every returned index is distinct and every unreturned finite score <= every returned one.
+    -1 where the row has fewer than k finite scores; every returned index is distinct and every
+    unreturned finite score <= every returned one.
 
 `topk_positions` dispatches: the Triton kernels below on CUDA tensors (and on CPU tensors under
 Triton's interpreter when `CTXCACHE_TRITON_SELECT=1`, the tests' mode), else `topk_torch`
 (`torch.topk(sorted=False)` + -1 masking: the reference and the CPU path).
 `CTXCACHE_TRITON_SELECT=0` forces torch everywhere (A/B runs). Both return the same *set* per row
-for tie-free inputs; the order differs (torch's unsorted order is its own; the kernel's depends on
-which program wins a per-row atomic counter, so it can change from run to run). Ties at the k-th
-value: the kernel takes the tied scores of whichever tiles reach the counter first (arbitrary, like
-torch); the selected *values* always equal torch's.
+for tie-free inputs; the order differs (torch's unsorted order is its own). The kernel's row is a
+function of the scores alone, the same on every run: the indices above the k-th largest score in
+index order, then those equal to it, lowest index first, up to k (torch takes some of the tied
+ones; the selected *values* always equal torch's). A plan's order matters although a plan is a set:
+the bf16 attention over the same positions in another order rounds differently (benchmarks/
+RESULTS.md, "Reproducible plans"), so an order that followed the programs' race made decode steps
+differ from run to run.
 
 Algorithm: exact radix select on the order-preserving uint32 key of float32 (key(x) = bits ^
 0x80000000 for x >= +0, ~bits for x < 0: larger float, larger key), three digit levels, four
@@ -39,20 +42,25 @@ host sync):
   a row inside one half-octave (e.g. uniform in [1, 2)): every score is a level-2 candidate, one
   atomic each (the benchmark's `narrow` input measures it).
 * `_compact_kernel`: finds b3, i.e. the exact k-th key thr and `need` (how many scores equal to
-  thr to take); writes the indices of scores with key > thr at positions from a per-row atomic
-  counter (one atomic per tile + an in-tile cumsum), the first `need` scores with key == thr
-  (a second counter) after them, and -1 in slots [min(k, finite), k).
+  thr to take); each program counts its share's scores above thr and equal to it, publishes both
+  counts, waits until every earlier share's are published (a share is a ticket, taken at the
+  program's start: the programs it waits for have started, and wait only for earlier tickets, so
+  no order of the grid deadlocks), and writes its indices at their prefix (an in-tile cumsum on
+  top): those above thr in index order at [0, n_gt), the first `need` equal to it at [n_gt,
+  total), -1 in slots [min(k, finite), k). The count pass reads the share's tiles once more
+  (from L2) where a program has more than one.
 
 Each program of levels 2, 3 and the compaction finds its threshold from the previous level's
 histogram itself (redundantly; the first program of the row also stores it for the next level), so
 no extra launch sits between the levels; each program issues its first tile's load before that
-search and prefetches the next tile while processing one. The workspace (int32, per (device, stream, bin layout),
-grow-only) holds per row the three histograms, two counters and the thresholds; it cleans itself:
-level 1 zeroes the level-2/3 histograms and the counters (which it does not use), level 3 zeroes
-the level-1 histogram (no longer needed), so every launch sequence starts from zeroed histograms
-without a memset. Like the attention kernels' workspace: warm a stream up before capturing a graph
-on it, and do not replay two graphs captured on one stream concurrently on different streams. A
-buffer that grows is kept alive (`_RETIRED`): a graph captured with it may still replay.
+search and prefetches the next tile while processing one. The workspace (int32, per (device, stream,
+row layout), grow-only) holds per row the three histograms, the ticket, the thresholds and the
+shares' published counts; it cleans itself: level 1 zeroes the level-2/3 histograms, the ticket and
+the counts (which it does not use), level 3 zeroes the level-1 histogram (no longer needed), so
+every launch sequence starts from zeroed histograms without a memset. Like the attention kernels'
+workspace: warm a stream up before capturing a graph on it, and do not replay two graphs captured on
+one stream concurrently on different streams. A buffer that grows is kept alive (`_RETIRED`): a
+graph captured with it may still replay.
 
 Bytes and operations, R = 8, U = 131072, k = 6554 (the 128K plan at 5 %):
 * scores: R·U·4 B = 4 MiB, read by each of the four launches: from HBM once (~1.4 µs at 3 TB/s),
@@ -150,10 +158,11 @@ class SelectLaunch:
     tiles: int  # tiles of BLOCK scores per program
     nb: tuple[int, int, int]  # bins per level
     row: int  # workspace int32 per row
+    p_pad: int  # next power of two >= P: the compaction's published counts per row (two arrays)
 
 
 MAX_ROWS_PER_LAUNCH = 65535  # CUDA's grid.y limit
-N_COUNTERS = 2  # per row: next slot for scores above the threshold, for scores equal to it
+N_COUNTERS = 2  # per row: the compaction's ticket (which share of the row a program takes), spare
 N_STATE = 6  # per row: b1, need1, total, b2, need2, spare
 
 
@@ -179,23 +188,27 @@ def launch_sizes(r: int, u: int, sm_count: int, cfg: SelectConfig = SelectConfig
         tiles = -(-n_tiles // per_row)
     programs = -(-n_tiles // tiles)
     nb = cfg.bins()
-    row = sum(nb) + N_COUNTERS + N_STATE
+    p_pad = 1 << max(programs - 1, 0).bit_length()
+    row = sum(nb) + N_COUNTERS + N_STATE + 2 * p_pad
     row = -(-row // 16) * 16
-    return SelectLaunch(programs, tiles, nb, row)
+    return SelectLaunch(programs, tiles, nb, row, p_pad)
 
 
-# Workspace per (device, stream, bin layout): grow-only, zero-initialised; its level-1 histograms
-# are zero again after every launch sequence (module docstring), the rest is zeroed by level 1.
+# Workspace per (device, stream, row layout): grow-only, zero-initialised; its level-1 histograms
+# are zero again after every launch sequence (module docstring), the rest is zeroed by level 1. The
+# row's length (bins and the compaction's published counts, which grow with the programs per row)
+# is part of the key: rows of another length would put a level-1 histogram where another layout
+# left counts.
 _WORKSPACE: dict[tuple, torch.Tensor] = {}
 
 
-def _ws_key(device: torch.device, nb: tuple[int, int, int]) -> tuple:
+def _ws_key(device: torch.device, nb: tuple[int, int, int], row: int) -> tuple:
     stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
-    return str(device), stream, nb
+    return str(device), stream, nb, row
 
 
 def _workspace(device: torch.device, rows: int, row: int, nb: tuple[int, int, int]) -> torch.Tensor:
-    key = _ws_key(device, nb)
+    key = _ws_key(device, nb, row)
     buf = _WORKSPACE.get(key)
     if buf is None or buf.numel() < rows * row:
         old = 0 if buf is None else buf.numel() // row
@@ -242,7 +255,7 @@ def topk_unordered(score: torch.Tensor, k: int, *, cfg: SelectConfig = SelectCon
     ls = launch_sizes(rows, u, _sm_count(score.device), cfg)
     nb1, nb2, nb3 = ls.nb
     ws = _workspace(score.device, rows, ls.row, ls.nb)
-    common = dict(NB1=nb1, NB2=nb2, NB3=nb3, S1=cfg.shift1, S2=cfg.shift2, ROW=ls.row,
+    common = dict(NB1=nb1, NB2=nb2, NB3=nb3, S1=cfg.shift1, S2=cfg.shift2, ROW=ls.row, P_PAD=ls.p_pad,
                   BLOCK=cfg.block, WIN=cfg.window, num_warps=cfg.num_warps)
     try:
         for r0 in range(0, r, rows):  # one pass for any planner's shape; grid.y is limited to 65535
@@ -254,7 +267,7 @@ def topk_unordered(score: torch.Tensor, k: int, *, cfg: SelectConfig = SelectCon
             _compact_kernel[grid](xs, ws, os_, u, x.stride(0), ls.tiles, k, **common)
     except BaseException:
         # a launch that never ran would leave a level-1 histogram dirty: start the next call afresh
-        dirty = _WORKSPACE.pop(_ws_key(score.device, ls.nb), None)
+        dirty = _WORKSPACE.pop(_ws_key(score.device, ls.nb, ls.row), None)
         if dirty is not None:
             _RETIRED.append(dirty)
         raise
@@ -304,7 +317,8 @@ if triton is not None:
     @triton.jit(do_not_specialize=["n_cols", "stride_r", "tiles"])
     def _level1_kernel(S, WS, n_cols, stride_r, tiles,
                        NB1: tl.constexpr, NB2: tl.constexpr, NB3: tl.constexpr, S1: tl.constexpr,
-                       S2: tl.constexpr, ROW: tl.constexpr, BLOCK: tl.constexpr, WIN: tl.constexpr):
+                       S2: tl.constexpr, ROW: tl.constexpr, P_PAD: tl.constexpr, BLOCK: tl.constexpr,
+                       WIN: tl.constexpr):
         p = tl.program_id(0)
         row = tl.program_id(1).to(tl.int64)
         n_prog = tl.num_programs(0)
@@ -312,8 +326,9 @@ if triton is not None:
         src = S + row * stride_r
         offs = p * tiles * BLOCK + tl.arange(0, BLOCK)
         x = tl.load(src + offs, mask=offs < n_cols, other=float("-inf"))  # in flight during what follows
-        # zero this row's level-2/3 histograms and counters (used by the next launches only)
-        ZLEN: tl.constexpr = NB2 + NB3 + 2
+        # zero this row's level-2/3 histograms, ticket, state and published counts (used by the next
+        # launches only; level 2 writes the state after this launch)
+        ZLEN: tl.constexpr = NB2 + NB3 + 8 + 2 * P_PAD
         zb = tl.arange(0, 256)
         for z0 in range(p * 256, ZLEN, n_prog * 256):
             tl.store(ws + NB1 + z0 + zb, 0, mask=z0 + zb < ZLEN)
@@ -338,7 +353,8 @@ if triton is not None:
     @triton.jit(do_not_specialize=["n_cols", "stride_r", "tiles", "k"])
     def _level2_kernel(S, WS, n_cols, stride_r, tiles, k,
                        NB1: tl.constexpr, NB2: tl.constexpr, NB3: tl.constexpr, S1: tl.constexpr,
-                       S2: tl.constexpr, ROW: tl.constexpr, BLOCK: tl.constexpr, WIN: tl.constexpr):
+                       S2: tl.constexpr, ROW: tl.constexpr, P_PAD: tl.constexpr, BLOCK: tl.constexpr,
+                       WIN: tl.constexpr):
         p = tl.program_id(0)
         row = tl.program_id(1).to(tl.int64)
         ws = WS + row * ROW
@@ -365,7 +381,8 @@ if triton is not None:
     @triton.jit(do_not_specialize=["n_cols", "stride_r", "tiles"])
     def _level3_kernel(S, WS, n_cols, stride_r, tiles,
                        NB1: tl.constexpr, NB2: tl.constexpr, NB3: tl.constexpr, S1: tl.constexpr,
-                       S2: tl.constexpr, ROW: tl.constexpr, BLOCK: tl.constexpr, WIN: tl.constexpr):
+                       S2: tl.constexpr, ROW: tl.constexpr, P_PAD: tl.constexpr, BLOCK: tl.constexpr,
+                       WIN: tl.constexpr):
         p = tl.program_id(0)
         row = tl.program_id(1).to(tl.int64)
         n_prog = tl.num_programs(0)
@@ -399,16 +416,22 @@ if triton is not None:
     @triton.jit(do_not_specialize=["n_cols", "stride_r", "tiles", "k"])
     def _compact_kernel(S, WS, OUT, n_cols, stride_r, tiles, k,
                         NB1: tl.constexpr, NB2: tl.constexpr, NB3: tl.constexpr, S1: tl.constexpr,
-                        S2: tl.constexpr, ROW: tl.constexpr, BLOCK: tl.constexpr, WIN: tl.constexpr):
-        p = tl.program_id(0)
+                        S2: tl.constexpr, ROW: tl.constexpr, P_PAD: tl.constexpr, BLOCK: tl.constexpr,
+                        WIN: tl.constexpr):
+        # The program's share of the row is its ticket: the order programs start in, not its
+        # program id, so every program whose counts this one waits for below has started (and waits
+        # for nothing but earlier tickets): no deadlock, whatever order the GPU runs the grid in.
         row = tl.program_id(1).to(tl.int64)
         n_prog = tl.num_programs(0)
         ws = WS + row * ROW
-        src = S + row * stride_r
-        offs = p * tiles * BLOCK + tl.arange(0, BLOCK)
-        x = tl.load(src + offs, mask=offs < n_cols, other=float("-inf"))  # in flight during what follows
         cnt = ws + NB1 + NB2 + NB3
         st = cnt + 2
+        pub = st + 6  # [P_PAD] counts above thr + 1, then [P_PAD] counts equal to it + 1, per share
+        p = tl.atomic_add(cnt, 1, sem="relaxed")
+        src = S + row * stride_r
+        base = p * tiles * BLOCK
+        offs = base + tl.arange(0, BLOCK)
+        x0 = tl.load(src + offs, mask=offs < n_cols, other=float("-inf"))  # in flight during what follows
         b1 = tl.load(st)
         total = tl.load(st + 2)
         b2 = tl.load(st + 3)
@@ -422,21 +445,51 @@ if triton is not None:
         for f0 in range(total + p * 256, k, n_prog * 256):  # fewer than k finite scores: -1
             tl.store(dst + f0 + fb, -1, mask=f0 + fb < k)
 
+        # 1. this share's counts (above thr, equal to it), published at once
+        c_gt = p * 0
+        c_eq = p * 0
+        x = x0
+        for t in range(0, tiles):
+            nxt = offs + BLOCK
+            x_next = tl.load(src + nxt, mask=(nxt < n_cols) & (t + 1 < tiles), other=float("-inf"))
+            key = _ordered_key(x)
+            ok = x > float("-inf")
+            c_gt += tl.sum((ok & (key > thr)).to(tl.int32), 0)
+            c_eq += tl.sum((ok & (key == thr)).to(tl.int32), 0)
+            x = x_next
+            offs = nxt
+        tl.atomic_xchg(pub + p, c_gt + 1, sem="release")
+        tl.atomic_xchg(pub + P_PAD + p, c_eq + 1, sem="release")
+        # 2. the counts of every earlier share (0 = not published yet: read again)
+        j = tl.arange(0, P_PAD)
+        early = j < p
+        g = tl.atomic_add(pub + j, 0, mask=early, sem="acquire")
+        e = tl.atomic_add(pub + P_PAD + j, 0, mask=early, sem="acquire")
+        while tl.min(tl.where(early, tl.minimum(g, e), 1), 0) == 0:
+            g = tl.atomic_add(pub + j, 0, mask=early, sem="acquire")
+            e = tl.atomic_add(pub + P_PAD + j, 0, mask=early, sem="acquire")
+        at_gt = tl.sum(tl.where(early, g - 1, 0), 0)
+        at_eq = tl.sum(tl.where(early, e - 1, 0), 0)
+        # 3. the share's indices at their ranks in index order: above thr first, then the first
+        # `need` equal to it (lowest index first); one share's tiles are in L2 since step 1
+        offs = base + tl.arange(0, BLOCK)
+        x = x0
+        if tiles > 1:
+            x = tl.load(src + offs, mask=offs < n_cols, other=float("-inf"))
         for t in range(0, tiles):
             nxt = offs + BLOCK  # prefetch the next tile while this one is processed
             x_next = tl.load(src + nxt, mask=(nxt < n_cols) & (t + 1 < tiles), other=float("-inf"))
             key = _ordered_key(x)
             ok = x > float("-inf")
             gt = ok & (key > thr)
-            n = tl.sum(gt.to(tl.int32), 0)
-            if n > 0:
-                at = tl.atomic_add(cnt, n, sem="relaxed") + tl.cumsum(gt.to(tl.int32), 0) - 1
-                tl.store(dst + at, offs, mask=gt)
+            gt_i = gt.to(tl.int32)
+            tl.store(dst + at_gt + tl.cumsum(gt_i, 0) - 1, offs, mask=gt)
+            at_gt += tl.sum(gt_i, 0)
             eq = ok & (key == thr)
-            n = tl.sum(eq.to(tl.int32), 0)
-            if n > 0:
-                rank = tl.atomic_add(cnt + 1, n, sem="relaxed") + tl.cumsum(eq.to(tl.int32), 0) - 1
-                tl.store(dst + n_gt + rank, offs, mask=eq & (rank < need))
+            eq_i = eq.to(tl.int32)
+            rank = at_eq + tl.cumsum(eq_i, 0) - 1
+            tl.store(dst + n_gt + rank, offs, mask=eq & (rank < need))
+            at_eq += tl.sum(eq_i, 0)
             x = x_next
             offs = nxt
 
