@@ -7,7 +7,7 @@
 #                    carry=[".whl", ".old"])
 #   stages: tests | kerneltests | decode | decodecold | decode512 | before_after | kernels | e2e32 | e2e128 |
 #           e2e128rest | e2eprof | e2elayer | attntests | decodeab | psaab | latency | ncu | psasweep | pdlab | e2enow |
-#           offload | psa32sweep | offloadfit | ivfsweep | ivfcpp | cslfsweep | ivfsel | ivfeager | ivfsample | ncusel | psaemit | psafuse | psastop | rtrip | rerankreg | rerank96 | e2ectkvr | ncuivf | verify | repro
+#           offload | psa32sweep | offloadfit | ivfsweep | ivfcpp | cslfsweep | ivfsel | ivfeager | ivfsample | ncusel | psaemit | psafuse | psastop | rtrip | rerankreg | rerank96 | e2ectkvr | ncuivf | verify | repro | e2eh200
 #   (default: tests decode before_after)
 #   .old = the tree before the plan/run redesign (`git archive <commit> decoder indexer storage`), for
 #   the before/after decode comparison.
@@ -256,6 +256,11 @@ for stage in $stages; do
         tests/test_csattn.py tests/test_saap_device.py tests/test_runner.py tests/test_kernels_*.py \
         2>&1 | tee "$OUT/gpu_marked_tests.log" | tail -6
       old_new repro "topk csattn lfps ctkvr" indexer/kernels/select.py indexer/kernels/ivf.py ;;
+    e2eh200)  # session 13 (H200): the runner at 128K, dense against streaming (the frame alone: the floor of any
+      # method on this attention kernel) and the three best methods, B = 1 and 8, kernel profiles of one B = 1 token
+      python3 benchmarks/gpu_e2e.py --lengths 131072 --batches 1 8 --methods full streaming psa ctkvr saap --profile \
+        --eager-tokens 0 --hf-tokens 0 --tokens 8 --budget-s 430 --out "$OUT/e2eh200" 2>&1 \
+        | tee "$OUT/gpu_e2e_h200.log" | tail -24 ;;
     verify)  # session 12: the GPU-marked tests of the tree, then every method's decode table (the `decode` stage)
       python3 -m pytest -q -p no:cacheprovider -m gpu -o addopts="" \
         tests/test_gpu_decode.py tests/test_triton_attention.py tests/test_backends.py tests/test_pipeline.py \
