@@ -7,7 +7,7 @@
 #                    carry=[".whl", ".old"])
 #   stages: tests | kerneltests | decode | decodecold | decode512 | before_after | kernels | e2e32 | e2e128 |
 #           e2e128rest | e2eprof | e2elayer | attntests | decodeab | psaab | latency | ncu | psasweep | pdlab | e2enow |
-#           offload | psa32sweep | offloadfit | ivfsweep | ivfcpp | cslfsweep | ivfsel | ivfeager | ivfsample | ncusel | psaemit | psafuse | psastop | rtrip | rerankreg | rerank96 | e2ectkvr | ncuivf | verify | repro | e2eh200
+#           offload | psa32sweep | offloadfit | ivfsweep | ivfcpp | cslfsweep | ivfsel | ivfeager | ivfsample | ncusel | psaemit | psafuse | psastop | rtrip | rerankreg | rerank96 | e2ectkvr | ncuivf | verify | repro | e2eh200 | pushab | decode512h200
 #   (default: tests decode before_after)
 #   .old = the tree before the plan/run redesign (`git archive <commit> decoder indexer storage`), for
 #   the before/after decode comparison.
@@ -261,6 +261,27 @@ for stage in $stages; do
       python3 benchmarks/gpu_e2e.py --lengths 131072 --batches 1 8 --methods full streaming psa ctkvr saap --profile \
         --eager-tokens 0 --hf-tokens 0 --tokens 8 --budget-s 430 --out "$OUT/e2eh200" 2>&1 \
         | tee "$OUT/gpu_e2e_h200.log" | tail -24 ;;
+    pushab)  # session 13: CTkvr's FIFO push over KVH x chunks programs (a ticket for the counter) against one program
+      # (.old/ivf_head.py), the runner at 128K, B = 1 and 8, old then new (a run prefills the 8B model at 128K: 42 s);
+      # its GPU tests first
+      python3 -m pytest -q -p no:cacheprovider -o addopts="" tests/test_kernels_ivf.py 2>&1 | tail -2 \
+        | tee "$OUT/gpu_push_tests.log"
+      python3 -m pytest -q -p no:cacheprovider -m gpu -o addopts="" tests/test_runner.py tests/test_gpu_decode.py \
+        -k "ctkvr or runner or graph_replay" 2>&1 | tail -2 | tee -a "$OUT/gpu_push_tests.log"
+      rm -rf /tmp/old && mkdir -p /tmp/old && cp -r benchmarks decoder indexer storage tests /tmp/old/ \
+        && cp .old/ivf_head.py /tmp/old/indexer/kernels/ivf.py || exit 1
+      for i in 1; do
+        (cd /tmp/old && python3 benchmarks/gpu_e2e.py --lengths 131072 --batches 1 8 --methods full ctkvr --profile \
+          --eager-tokens 0 --hf-tokens 0 --tokens 8 --budget-s 200 --out "$OUT/push_old$i" 2>&1 | grep "^| 131072")
+        python3 benchmarks/gpu_e2e.py --lengths 131072 --batches 1 8 --methods full ctkvr --profile \
+          --eager-tokens 0 --hf-tokens 0 --tokens 8 --budget-s 200 --out "$OUT/push_new$i" 2>&1 | grep "^| 131072"
+      done ;;
+    decode512h200)  # session 13 (H200): the 512K row, one invocation per method (each keeps its rows if the call runs
+      # out of time; each times SDPA full again in its own run)
+      for m in ctkvr psa saap csattn streaming; do
+        python3 benchmarks/gpu_decode.py --lengths 524288 --batches 1 --backends triton --methods $m \
+          --out "$OUT/512k_$m" 2>&1 | tee "$OUT/gpu_decode_512k_$m.log" | grep "^| 524288"
+      done ;;
     verify)  # session 12: the GPU-marked tests of the tree, then every method's decode table (the `decode` stage)
       python3 -m pytest -q -p no:cacheprovider -m gpu -o addopts="" \
         tests/test_gpu_decode.py tests/test_triton_attention.py tests/test_backends.py tests/test_pipeline.py \

@@ -41,8 +41,9 @@ CTkvr, one layer and decode step (rows = KVH x T, one per KV head and query toke
    than a block, then in registers, and a plain emit pass writes the positions). The plan row gets
    the top-min(k, U); the last token's row also the top-rho (the FIFO push), by a second program over
    the same keys (grid (rows, 2)).
-4. `update()`: `_fifo_push_kernel`, one program: the pending push into ring slot pushes % F, the
-   probe-share statistic, pushes += 1 (the torch path's 5-6 small ops).
+4. `update()`: `_fifo_push_kernel`, grid (KVH, ceil(rho / 1024)): the pending push into ring slot
+   pushes % F, a chunk of a head's list per program; the last program (a ticket) adds the
+   probe-share statistic and sets pushes += 1 (the torch path's 5-6 small ops).
 
 kivf: `_kivf_probe_kernel` (logits of the query heads against the C centroids + partial softmax
 state), `_kivf_clusters_kernel` (per row: the group-summed softmax, its top-nprobe by the same
@@ -929,34 +930,40 @@ def _select_sampled(ROW, POS, n, K, key_lo, n_valid, key_hi, OUT, BLOCK: tl.cons
 # CTkvr FIFO push (update)
 
 
-@triton.jit(do_not_specialize=["KVH", "cap", "RHO", "rows"])
+@triton.jit(do_not_specialize=["cap", "RHO", "rows"])
 def _fifo_push_kernel(
-    FCENT, FLISTS, PUSHES, SHARE, PQ, PL, HITS,
+    FCENT, FLISTS, PUSHES, SHARE, PQ, PL, HITS, TICKET,
     sfc_h, sfc_c, sfc_g, sfl_h, sfl_c, spq_h, spq_g,
-    KVH, cap, RHO, rows, n_probed,
+    cap, RHO, rows, n_probed,
     G: tl.constexpr, D: tl.constexpr, BLOCK: tl.constexpr,
 ):
-    """One program: pending query [KVH, G, D] and list [KVH, RHO] into ring slot pushes % cap, the
-    probe share (FIFO hits / probed entries) added to SHARE, pushes += 1."""
+    """Grid (KVH, ceil(RHO / BLOCK)): program (h, c) copies chunk c of head h's pending list (c = 0:
+    also its pending query) into ring slot pushes % cap. The last program to take the ticket (every
+    other one has read `pushes` by then) adds the probe share (FIFO hits / probed entries) to SHARE,
+    sets pushes += 1 and puts the ticket back to 0 for the next push on this stream."""
+    h = tl.program_id(0).to(tl.int64)
+    c = tl.program_id(1)
     n = tl.load(PUSHES)
     slot = n % cap
-    offs_d = tl.arange(0, D)
-    ar = tl.arange(0, BLOCK)
-    for h in range(0, KVH):
+    o = c * BLOCK + tl.arange(0, BLOCK)
+    lv = tl.load(PL + h * RHO + o, mask=o < RHO, other=-1)
+    if c == 0:
+        offs_d = tl.arange(0, D)
         for g in tl.static_range(G):
             qv = tl.load(PQ + h * spq_h + g * spq_g + offs_d)
             tl.store(FCENT + h * sfc_h + slot * sfc_c + g * sfc_g + offs_d, qv)
-        for c0 in range(0, RHO, BLOCK):
-            o = c0 + ar
-            lv = tl.load(PL + h * RHO + o, mask=o < RHO, other=-1)
-            tl.store(FLISTS + h * sfl_h + slot * sfl_c + o, lv, mask=o < RHO)
-    hits = rows * 0
-    for c0 in range(0, rows, BLOCK):
-        o = c0 + ar
-        hits += tl.sum(tl.load(HITS + o, mask=o < rows, other=0), 0)
-    share = hits.to(tl.float32) / n_probed
-    tl.store(SHARE, tl.load(SHARE) + share)
-    tl.store(PUSHES, n + 1)
+    tl.store(FLISTS + h * sfl_h + slot * sfl_c + o, lv, mask=o < RHO)
+    ticket = tl.atomic_add(TICKET, 1, sem="acq_rel")
+    if ticket == tl.num_programs(0) * tl.num_programs(1) - 1:
+        ar = tl.arange(0, BLOCK)
+        hits = rows * 0
+        for c0 in range(0, rows, BLOCK):
+            i = c0 + ar
+            hits += tl.sum(tl.load(HITS + i, mask=i < rows, other=0), 0)
+        share = hits.to(tl.float32) / n_probed
+        tl.store(SHARE, tl.load(SHARE) + share)
+        tl.store(PUSHES, n + 1)
+        tl.store(TICKET, 0)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -986,10 +993,11 @@ MAX_PROBE_BESTS = 16384  # CTkvr: blocks x next_pow2(probe) bests merged by ever
 _WORKSPACES = Workspaces()
 
 
-def _workspace(device: torch.device, dtype: torch.dtype, numel: int, tag: str) -> torch.Tensor:
+def _workspace(device: torch.device, dtype: torch.dtype, numel: int, tag: str, zero: bool = False) -> torch.Tensor:
     """A grow-only buffer per (device, stream, dtype, tag): `tag` separates buffers that one plan
-    uses at the same time (the probe's outputs, read by the rerank, vs the rerank/select's own)."""
-    return _WORKSPACES.get(device, tag, numel, dtype)
+    uses at the same time (the probe's outputs, read by the rerank, vs the rerank/select's own);
+    `zero`: a new buffer starts zeroed (the push's ticket, which its last program resets)."""
+    return _WORKSPACES.get(device, tag, numel, dtype, zero=zero)
 
 
 def clear_workspace() -> None:
@@ -1176,16 +1184,20 @@ def ctkvr_plan(q: torch.Tensor, kv, cent: torch.Tensor, lists: torch.Tensor, fif
 
 def fifo_push(fifo, pending, n_probed: int) -> None:
     """CTkvr's update: commit `pending` (from `ctkvr_plan`) into the ring `fifo` (`_Fifo`: cent,
-    lists, pushes, share) in one launch; n_probed = rows x probe (the denominator of the share)."""
+    lists, pushes, share) in one launch of KVH x ceil(rho / 1024) programs (one program copying every
+    head's list in turn took 19 us per layer at the 8B shape, H200: a chain of dependent copies);
+    n_probed = rows x probe (the denominator of the share)."""
     pend_q, pend_l, hits = pending
     kvh, cap, g, d = fifo.cent.shape
     rho = fifo.lists.shape[2]
-    _fifo_push_kernel[(1,)](
-        fifo.cent, fifo.lists, fifo.pushes, fifo.share, pend_q, pend_l, hits,
+    block = 1024
+    ticket = _workspace(fifo.pushes.device, torch.int32, 1, "push-ticket", zero=True)  # self-resetting
+    _fifo_push_kernel[(kvh, _cdiv(rho, block))](
+        fifo.cent, fifo.lists, fifo.pushes, fifo.share, pend_q, pend_l, hits, ticket,
         fifo.cent.stride(0), fifo.cent.stride(1), fifo.cent.stride(2),
         fifo.lists.stride(0), fifo.lists.stride(1), pend_q.stride(0), pend_q.stride(1),
-        kvh, cap, rho, hits.numel(), float(n_probed),
-        G=g, D=d, BLOCK=1024, num_warps=4,
+        cap, rho, hits.numel(), float(n_probed),
+        G=g, D=d, BLOCK=block, num_warps=4,
     )
 
 
