@@ -245,6 +245,13 @@ def repeatability(step, req, out0: torch.Tensor, repeats: int = 20) -> dict:
     return {"repeats": repeats, "same_rows": same_rows, "same_sets": same_sets, "same_output": same_out}
 
 
+def repeat_text(repeat: dict | None) -> str:
+    if repeat is None:
+        return ""
+    return (f" repeats (rows/sets/output) {repeat['same_rows']}/{repeat['same_sets']}/{repeat['same_output']}"
+            f" of {repeat['repeats']}")
+
+
 def has_fused_path(planner) -> bool:
     return hasattr(planner, "fused") or hasattr(planner, "use_kernels")
 
@@ -381,9 +388,7 @@ def run_length(n: int, batches: list[int], methods: list[str], backends: list[st
                     w_txt = "" if warm is None else f" (warm L2 {warm:.3f} ms, {ratio(sdpa[b, 'graph_warm_l2'], warm)}x)"
                     print(f"  {spec_name:9s} {be_name:9s} B={b}: eager {eager:.3f} ms ({sdpa[b, 'eager'] / eager:.2f}x sdpa), "
                           f"graph {g_txt}{w_txt}, K={k_plan} filled={valid if valid is None else round(valid, 3)} err={err:.1e}"
-                          f"{'' if why == 'ok' else ' graph: ' + why}"
-                          f"{'' if repeat is None else ' repeats (rows/sets/output) %(same_rows)d/%(same_sets)d/%(same_output)d of %(repeats)d' % repeat}",
-                          flush=True)
+                          f"{'' if why == 'ok' else ' graph: ' + why}{repeat_text(repeat)}", flush=True)
                     if torch_plans and b == 1 and be_name == "triton" and has_fused_path(reqs[0].planner):
                         rows += torch_plan_rows(reqs[0], method, params, arrays, layer, sp, be, n, sdpa, reps, name)
                     del reqs

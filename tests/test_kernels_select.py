@@ -142,7 +142,8 @@ def _canonical_row(score: torch.Tensor, k: int) -> torch.Tensor:
 
 @pytest.mark.parametrize("order", ["forward", pytest.param("reverse", marks=pytest.mark.interpreter),
                                    pytest.param("shuffle", marks=pytest.mark.interpreter)])
-@pytest.mark.parametrize("cfg", [SMALL, sel.SelectConfig(block=256, tiles=1)], ids=["small-blocks", "one-tile-programs"])
+@pytest.mark.parametrize("cfg", [SMALL, sel.SelectConfig(block=256, tiles=1)],
+                         ids=["small-blocks", "one-tile-programs"])
 @pytest.mark.parametrize("kind", ["normal", "ties", "neg_inf"])
 def test_rows_are_canonical_index_order_with_lowest_index_ties(cfg, kind, order):
     """The row is a function of the scores alone: above-threshold indices in index order, then the

@@ -13,17 +13,16 @@ CTkvr, one layer and decode step (rows = KVH x T, one per KV head and query toke
    to the same head of BLOCK_C entries (persisted centroids, then the request's FIFO ring), rounded
    to the centroids' dtype (the torch path's einsum output), max over the group, -inf for evicted /
    empty entries; the block's `probe` best (cosine desc, entry id asc) -> a workspace. It also zeroes
-   its share of the row's dedup map (P_PAD bits per context position: which probe ranks hold it)
-   and writes the pending FIFO
-   push's query (the last token, unit norm, in the centroids' dtype).
+   its share of the row's dedup map (P_PAD bits per context position: which probe ranks hold it) and
+   writes the pending FIFO push's query (the last token, unit norm, in the centroids' dtype).
 2. `_rerank_kernel`, grid (ceil(U / BLOCK_U) + 1, rows), U = probe x rho candidate slots: each
    program merges the blocks' bests into the row's `probe` entries (a few hundred floats from L2,
    the same merge in every program: cheaper than a launch), takes BLOCK_U slots of the concatenated
    lists (slot u = list u // rho, item u % rho: the torch path's candidate layout), drops positions
    outside the selectable range (sink, window) and marks each slot's probe rank in the row's map
    (an atomic or: the first slot to set any of a position's bits counts its logit in the lse, one
-   per position), loads the K row of each selectable slot once
-   for the whole GQA group (issued before the atomic answers, so a duplicate's row is read too:
+   per position), loads the K row of each selectable slot once for the whole GQA group (issued
+   before the atomic answers, so a duplicate's row is read too:
    `IvfConfig.eager_rows`) and writes the G logits q.k / sqrt(D) (-inf where dropped) plus its partial
    softmax state (max, sum) per head. The last program of a row does the same over the frame's rows
    (sink, window, visible request-local slots): that is `frame_lse`.
@@ -59,7 +58,8 @@ always recalled whole), but the fused row's order must not follow a race: the bf
 the same positions in another order rounds otherwise (benchmarks/RESULTS.md, "Reproducible plans").
 Slot order is a function of the inputs since a duplicate's surviving slot is the lowest probe
 rank's, not the first program's to set a bit (and the select is one program per row); sorting the
-2560 selected per row would cost more than the whole selection. Ties: equal values at the k-th place are taken lowest index first
+2560 selected per row would cost more than the whole selection. Ties: equal values at the k-th
+place are taken lowest index first
 (probe: entry id; rerank: candidate slot), which is what torch.topk does on CUDA (its gather pass
 fills the values equal to the k-th in index order) -- torch.topk on the CPU orders ties otherwise.
 Probe ties are common in bf16 (cosines rounded to bf16, like the torch path's einsum output); mass
@@ -116,13 +116,15 @@ Checked without a GPU (Triton 3.6, ahead-of-time compile for sm_90 with the JIT'
 specialisation of strides, default knobs, D 128 bf16): no register spills; registers per thread:
 probe 134 (4 warps), rerank 154 (4 warps; on the GPU it runs capped at 96, `IvfConfig.rerank_maxnreg`:
 5 programs per SM instead of 3, measured in benchmarks/RESULTS.md), select 128 (8 warps, block 2048; the sampled select),
-push 32, kivf probe 154, kivf clusters 106 (8 warps, block 2048). benchmarks/gpu_decode.py times the plans (`--profile`
+push 32, kivf probe 154, kivf clusters 106 (8 warps, block 2048); select and push not checked again since their
+2026-11-28 changes (the dedup map's survivor check, the push over KVH x chunks programs). benchmarks/gpu_decode.py
+times the plans (`--profile`
 for per-kernel device time; IvfConfig knobs as `ctkvr:knob=value` rows), benchmarks/gpu_ivf.py too.
 
 Workspaces (grow-only, per device, stream and purpose, like `decoder/kernels/attention.py`): float32
 and int32 buffers for the probe bests, logits, partial softmax states, positions, keys, select
-scratch and the dedup map (KVH x T x ceil(N x P_PAD / 32) words). The map is zeroed by kernel 1 of every
-plan, so a plan never depends on what an earlier (possibly interrupted) plan left there. Every
+scratch and the dedup map (KVH x T x ceil(N x P_PAD / 32) words). The map is zeroed by kernel 1
+of every plan, so a plan never depends on what an earlier (possibly interrupted) plan left there. Every
 launch size is a host int from shapes: no host sync, CUDA-graph capturable (stream order makes reuse
 safe; a graph captured on a side stream gets its own workspace; two graphs captured on one stream
 must not be replayed concurrently on different streams). Outputs (plan, pending push) are allocated
@@ -187,8 +189,7 @@ def _lse_parts(ML, n_parts, G: tl.constexpr, G_PAD: tl.constexpr, BLOCK_S: tl.co
     """ML [n_parts, G_PAD, 2] float64 (running max, sum of exp(x - max)) -> [G_PAD] fp32 log-sum-exp
     per head. The sums are float64 so the result does not depend on how candidates fall into parts:
     which duplicate slot counts a position's logit is decided by the rerank's atomics (it varies run
-    to run),
-    and fp32 partial sums would round differently for each split, moving the masses by ulps and
+    to run), and fp32 partial sums would round differently for each split, moving the masses by ulps and
     flipping near-ties at the K-th place (a GPU run saw plans differ between two identical runs)."""
     ar_g = tl.arange(0, G_PAD)
     ok_g = ar_g < G
