@@ -1,4 +1,5 @@
-"""Timing helpers shared by the GPU benchmark scripts (gpu_decode.py).
+"""Timing helpers shared by the GPU benchmark scripts (gpu_decode.py), and how they name a method's
+variant (`method_spec`).
 
 `Timing(device)`: medians of CUDA-event-timed calls on a GPU, of host-clock calls (synchronized)
 elsewhere, so a script's `--device cpu` smoke run exercises the same code; and CUDA-graph replays,
@@ -131,3 +132,28 @@ class RotatingInput:
     def next(self) -> None:
         self._i = (self._i + 1) % len(self.values)
         self.buf.copy_(self.values[self._i])
+
+
+def method_spec(spec: str) -> tuple[str, dict, str]:
+    """A benchmark's method argument: "name[@param=value,...][:knob=value,...]" -> (name, param
+    overrides, knobs). "psa@max_ratio=0.05" is psa with that `MethodParams` field changed (a second
+    operating point of a method in the same run, e.g. psa capped at the budget rho); the knobs after
+    ":" are the kernel config's (gpu_decode.py's `plan_knobs`). Values parse as int, then float,
+    then true/false, else stay strings."""
+    head, _, knobs = spec.partition(":")
+    name, _, params = head.partition("@")
+    overrides = {}
+    for item in filter(None, params.split(",")):
+        key, eq, text = item.partition("=")
+        if not eq:
+            raise SystemExit(f"{spec!r}: a parameter needs a value (name@param=value)")
+        for cast in (int, float):
+            try:
+                value = cast(text)
+                break
+            except ValueError:
+                continue
+        else:
+            value = {"true": True, "false": False}.get(text.lower(), text)
+        overrides[key] = value
+    return name, overrides, knobs

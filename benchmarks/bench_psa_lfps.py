@@ -66,6 +66,8 @@ CONFIGS = [
     ("psa eps=0.9", "psa", {"eps": 0.9}),
     ("psa eps=0.95", "psa", {"eps": 0.95}),
     ("psa eps=0.95 cap 25%", "psa", {"eps": 0.95, "max_ratio": 0.25}),
+    ("psa eps=0.95 cap 10%", "psa", {"eps": 0.95, "max_ratio": 0.10}),  # the GPU benchmarks' operating point
+    ("psa eps=0.95 cap 5%", "psa", {"eps": 0.95, "max_ratio": 0.05}),  # capped at the budget rho
     ("lfps 5%", "lfps", {"ratio": 0.05}),
     ("lfps 5% no-bypass", "lfps", {"ratio": 0.05, "bypass": False}),
     ("lfps 10%", "lfps", {"ratio": 0.10}),

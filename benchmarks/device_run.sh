@@ -7,7 +7,7 @@
 #                    carry=[".whl", ".old"])
 #   stages: tests | kerneltests | decode | decodecold | decode512 | before_after | kernels | e2e32 | e2e128 |
 #           e2e128rest | e2eprof | e2elayer | attntests | decodeab | psaab | latency | ncu | psasweep | pdlab | e2enow |
-#           offload | psa32sweep | offloadfit | ivfsweep | ivfcpp | cslfsweep | ivfsel | ivfeager | ivfsample | ncusel | psaemit | psafuse | psastop | rtrip | rerankreg | rerank96 | e2ectkvr | ncuivf | verify | repro | e2eh200 | pushab | decode512h200
+#           offload | psa32sweep | offloadfit | ivfsweep | ivfcpp | cslfsweep | ivfsel | ivfeager | ivfsample | ncusel | psaemit | psafuse | psastop | rtrip | rerankreg | rerank96 | e2ectkvr | ncuivf | verify | repro | e2eh200 | pushab | decode512h200 | s14ab | s14e2e
 #   (default: tests decode before_after)
 #   .old = the tree before the plan/run redesign (`git archive <commit> decoder indexer storage`), for
 #   the before/after decode comparison.
@@ -289,6 +289,27 @@ for stage in $stages; do
         2>&1 | tee "$OUT/gpu_marked_tests.log" | tail -4
       python3 benchmarks/gpu_decode.py --lengths 32768 131072 --batches 1 8 --profile --torch-plans --backends triton \
         --out "$OUT/decode" 2>&1 | tee "$OUT/gpu_decode.log" | grep "^| " ;;
+    s14ab)  # session 14: lfps's score kernel with the flags and softmax states folded in (2 launches less) against
+      # the tree before (.old/lfps_head.py), alternating twice; psa capped at rho (max_ratio 0.05) next to the
+      # benchmark's 10% in one run; the lfps GPU tests first
+      python3 -m pytest -q -p no:cacheprovider -o addopts="" tests/test_kernels_lfps.py 2>&1 | tail -2 \
+        | tee "$OUT/gpu_lfps_tests.log"
+      python3 -m pytest -q -p no:cacheprovider -m gpu -o addopts="" tests/test_gpu_decode.py tests/test_runner.py \
+        -k "lfps or reproducible" 2>&1 | tail -2 | tee -a "$OUT/gpu_lfps_tests.log"
+      python3 benchmarks/gpu_decode.py --lengths 32768 131072 --batches 1 8 --profile --backends triton \
+        --methods psa psa@max_ratio=0.05 --torch-plans --out "$OUT/psacap" 2>&1 | grep "^| " | grep -v sdpa_slice
+      old_new lfpsab "lfps" indexer/kernels/lfps.py ;;
+    s14e2e)  # session 14: the runner at 128K with psa capped at rho (max_ratio 0.05) next to its 10% cap, dense and
+      # streaming in the same run; then lfps's score-kernel knobs with the folded states (tiles per program, states
+      # merged per step); the lfps kernel tests first
+      python3 -m pytest -q -p no:cacheprovider -o addopts="" tests/test_kernels_lfps.py 2>&1 | tail -2 \
+        | tee "$OUT/gpu_lfps_tests.log"
+      python3 benchmarks/gpu_e2e.py --lengths 131072 --batches 1 8 --methods full streaming psa psa@max_ratio=0.05 \
+        --profile --eager-tokens 0 --hf-tokens 0 --tokens 8 --budget-s 330 --out "$OUT/e2ecap" 2>&1 \
+        | tee "$OUT/gpu_e2e_cap.log" | grep "^| 131072"
+      python3 benchmarks/gpu_decode.py --lengths 32768 131072 --batches 1 8 --profile --backends triton \
+        --methods lfps lfps:score_tiles=4 lfps:score_tiles=4,block_states=256 --out "$OUT/lfpsknobs" 2>&1 \
+        | grep "^| " | grep -v sdpa_slice ;;
     decode512)
       python3 benchmarks/gpu_decode.py --lengths 524288 --batches 1 --backends triton \
         --methods streaming topk csattn ctkvr lfps psa saap --out "$OUT/512k" 2>&1 | tee "$OUT/gpu_decode_512k.log" \

@@ -25,7 +25,9 @@ SDPA B = 8 is one batched call. Every step's output is checked against `torch_re
 
 Budgets (rho 5% where the method has a ratio): topk, csattn (alpha 0.1, the paper's 64-128K
 setting), kivf, lfps ratio 0.05; ctkvr at its paper operating point (k = 1024, lists 2560, probe 4);
-psa eps 0.95 with at most `--psa-max-ratio` of the blocks; saap C = 1024, nprobe 32 (~3%).
+psa eps 0.95 with at most `--psa-max-ratio` of the blocks; saap C = 1024, nprobe 32 (~3%). A method
+argument "name@param=value" runs another operating point in the same run (`_gpu_timing.method_spec`;
+e.g. psa@max_ratio=0.05, psa capped at rho), its rows named so.
 
 Fused searches against their torch path (`--torch-plans`, B = 1, the triton backend): the same request
 is opened a second time with the planner's fused kernels switched off (`planner.fused = False`, saap:
@@ -63,7 +65,7 @@ import torch.nn.functional as F
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from benchmarks._gpu_timing import BF, D, G, H, KVH, M_LOCAL, THETA, Timing, kernel_profile  # noqa: E402
+from benchmarks._gpu_timing import BF, D, G, H, KVH, M_LOCAL, THETA, Timing, kernel_profile, method_spec  # noqa: E402
 from decoder.backends import backend_names, get_backend  # noqa: E402
 from decoder.runner import fork_join  # noqa: E402
 from indexer.rope import apply_rope  # noqa: E402
@@ -109,7 +111,9 @@ def make_inputs(n: int, mix: Mixture, seed: int):
     return q, k, v
 
 
-def method_params(name: str, saap_dir: Path | None, psa_max_ratio: float):
+def method_params(name: str, saap_dir: Path | None, psa_max_ratio: float, overrides: dict | None = None):
+    """The method and its operating point (the module docstring's budgets), `overrides` on top
+    ("psa@max_ratio=0.05": `method_spec`)."""
     m = get_method(name)
     kw = {
         "topk": {"ratio": 0.05},
@@ -122,6 +126,7 @@ def method_params(name: str, saap_dir: Path | None, psa_max_ratio: float):
     }.get(name, {})
     if name == "psa" and "max_ratio" not in m.Params.model_fields:
         kw.pop("max_ratio")
+    kw.update(overrides or {})
     return m, m.Params(**kw)
 
 
@@ -317,10 +322,10 @@ def run_length(n: int, batches: list[int], methods: list[str], backends: list[st
 
     ref_backend = get_backend("torch_ref")
     for spec_name in methods:
-        name, _, knobs = spec_name.partition(":")
+        name, overrides, knobs = method_spec(spec_name)
         restore = plan_knobs(name, knobs)
         try:
-            method, params = method_params(name, saap_dir, psa_max_ratio)
+            method, params = method_params(name, saap_dir, psa_max_ratio, overrides)
             layers = 2 if name == "saap" else 1
             layer = layers - 1
             sp = sp2 if name == "saap" else sp1
@@ -335,7 +340,7 @@ def run_length(n: int, batches: list[int], methods: list[str], backends: list[st
                 T.sync()
                 b_s = time.perf_counter() - t0
                 nbytes = sum(a[layer].numel() * a[layer].element_size() for a in arrays.values())
-                builds.append({"n": n, "method": name, "build_s": b_s, "prefill_layer_ms": t_prefill,
+                builds.append({"n": n, "method": spec_name, "build_s": b_s, "prefill_layer_ms": t_prefill,
                                "build_over_prefill": b_s * 1e3 / t_prefill, "index_bytes_per_layer": nbytes})
                 print(f"  {name}: build {b_s:.2f} s ({b_s * 1e3 / t_prefill:.1f}x the layer's prefill), "
                       f"{nbytes / 2**20:.1f} MiB per layer", flush=True)
@@ -390,13 +395,13 @@ def run_length(n: int, batches: list[int], methods: list[str], backends: list[st
                           f"graph {g_txt}{w_txt}, K={k_plan} filled={valid if valid is None else round(valid, 3)} err={err:.1e}"
                           f"{'' if why == 'ok' else ' graph: ' + why}{repeat_text(repeat)}", flush=True)
                     if torch_plans and b == 1 and be_name == "triton" and has_fused_path(reqs[0].planner):
-                        rows += torch_plan_rows(reqs[0], method, params, arrays, layer, sp, be, n, sdpa, reps, name)
+                        rows += torch_plan_rows(reqs[0], method, params, arrays, layer, sp, be, n, sdpa, reps, spec_name)
                     del reqs
             del arrays
             torch.cuda.empty_cache() if DEV == "cuda" else None
         except Exception as e:  # noqa: BLE001 - one method failing must not hide the others' numbers
             traceback.print_exc()
-            rows.append({"n": n, "method": name, "error": f"{type(e).__name__}: {str(e)[:300]}"})
+            rows.append({"n": n, "method": spec_name, "error": f"{type(e).__name__}: {str(e)[:300]}"})
         finally:
             restore()
     return rows, builds

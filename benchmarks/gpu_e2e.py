@@ -45,7 +45,9 @@ Rows (one per n, batch, runner, method, backend), written to $OUT/gpu_e2e.json a
   Offload rows also give pcie_floor_ms (the K/V rows over the measured pinned H2D bandwidth).
 
 Budgets as in gpu_decode.py: csattn alpha 0.1 rho 5%, ctkvr k 1024 lists 2560, kivf / lfps 5%, psa
-eps 0.95 capped at 10% of the blocks, saap nprobe 32. Question 16 tokens; 16 timed steps after
+eps 0.95 capped at 10% of the blocks, saap nprobe 32. A method argument "name@param=value,..." runs
+another operating point in the same run (e.g. psa@max_ratio=0.05: psa capped at rho), its rows
+labelled so (`benchmarks/_gpu_timing.method_spec`). Question 16 tokens; 16 timed steps after
 the question, one eager warm-up step and the capture. --budget-s stops starting new measurements
 after that many seconds (rows are saved as they come), so one call survives a 10-minute limit.
 """
@@ -72,7 +74,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
 
-from benchmarks._gpu_timing import kernel_profile  # noqa: E402
+from benchmarks._gpu_timing import kernel_profile, method_spec  # noqa: E402
 from decoder.backends import get_backend  # noqa: E402
 from decoder.backends.offload import mapped  # noqa: E402
 from decoder.generate import ContextKV, generate  # noqa: E402
@@ -196,9 +198,11 @@ class RealKeys:
         return undo_rope(self.ctx_k[layer][:, pos].float(), pos, self.theta)  # [KVH, n, D]
 
 
-def method_params(name: str, saap_dir: Path | None):
+def method_params(name: str, saap_dir: Path | None, overrides: dict | None = None):
+    """The method and its operating point (METHOD_PARAMS), `overrides` on top ("psa@max_ratio=0.05":
+    `method_spec`)."""
     m = get_method(name)
-    kw = dict(METHOD_PARAMS.get(name, {}))
+    kw = dict(METHOD_PARAMS.get(name, {}), **(overrides or {}))
     if name == "saap":
         kw["model_dir"] = str(saap_dir)
     for k in list(kw):
@@ -517,10 +521,11 @@ def main() -> None:
             host_ctx: dict[str, ContextKV] = {}  # offload backend -> its view of the host copies
             host_copy: dict[str, list[torch.Tensor]] = {}  # "kv/k" / "kv/v" -> per-layer pinned copies
             on_host = [be for be in backends if get_backend(be).host_arrays]
-            for name in a.methods:
+            for label in a.methods:  # "name" or "name@param=value,..." (rows keep the label)
+                name, overrides, _ = method_spec(label)
                 per_layer = reader = None
                 if bench.over_budget():
-                    bench.add({"n": n, "batch": None, "runner": "-", "method": name, "error": "skipped: time budget"})
+                    bench.add({"n": n, "batch": None, "runner": "-", "method": label, "error": "skipped: time budget"})
                     continue
                 try:
                     if name == "hf":
@@ -528,7 +533,7 @@ def main() -> None:
                             if be not in on_host:
                                 bench.hf(n, ctx, be)
                         continue
-                    method, params = method_params(name, Path(tmp) / "saap")
+                    method, params = method_params(name, Path(tmp) / "saap", overrides)
                     if name == "saap" and not (Path(tmp) / "saap" / "manifest.json").exists():
                         from synthetic import write_saap_model
 
@@ -550,7 +555,7 @@ def main() -> None:
                     extra = {"build_s": build_s, "index_layers": 1 if tile else L, "prefill_s": t_prefill}
                     if per_layer is not None:
                         extra["index_bytes"] = sum(v.numel() * v.element_size() for v in per_layer[0].values()) * L
-                    log(f"  {name}: index built in {build_s:.1f} s")
+                    log(f"  {label}: index built in {build_s:.1f} s")
                     reader = None if per_layer is None else IndexReader(lambda nm, l, p=per_layer: p[l][nm],
                                                                         sorted(per_layer[0]))
                     for be in backends:
@@ -560,28 +565,28 @@ def main() -> None:
                             if bench.over_budget():
                                 break
                             for fl in ((None, False) if a.layer_ab else (None,)):
-                                bench.runner(n, ctx, name, method, params, reader, be, b, True, a.tokens, extra, fl)
+                                bench.runner(n, ctx, label, method, params, reader, be, b, True, a.tokens, extra, fl)
                             if a.fit_check and b > 1 and not bench.over_budget():  # B copies: do they fit?
-                                bench.runner(n, ctx, name, method, params, reader, be, b, True, a.tokens, extra,
+                                bench.runner(n, ctx, label, method, params, reader, be, b, True, a.tokens, extra,
                                              contexts="copies")
                             if b == 1 and a.eager_tokens and not bench.over_budget():
-                                bench.runner(n, ctx, name, method, params, reader, be, b, False, a.eager_tokens, extra)
+                                bench.runner(n, ctx, label, method, params, reader, be, b, False, a.eager_tokens, extra)
                     for be in on_host if name in a.offload_methods else ():
                         if a.offload_contexts == "copies":  # each request copies its own context from the GPU's
                             for b in a.offload_batches:
                                 if not bench.over_budget():
-                                    bench.runner(n, ctx, name, method, params, reader, be, b, True, a.tokens, extra)
+                                    bench.runner(n, ctx, label, method, params, reader, be, b, True, a.tokens, extra)
                             continue
                         if be not in host_ctx:
                             host_ctx[be] = host_context({"kv/k": ctx_k, "kv/v": ctx_v}, get_backend(be).host_arrays,
                                                         host_copy, dev)
                         for b in a.offload_batches:
                             if not bench.over_budget():
-                                bench.runner(n, host_ctx[be], name, method, params, reader, be, b, True, a.tokens,
+                                bench.runner(n, host_ctx[be], label, method, params, reader, be, b, True, a.tokens,
                                              extra)
                 except Exception as e:  # noqa: BLE001 - one method failing must not hide the others' numbers
                     traceback.print_exc()
-                    bench.add({"n": n, "batch": None, "runner": "-", "method": name,
+                    bench.add({"n": n, "batch": None, "runner": "-", "method": label,
                                "error": f"{type(e).__name__}: {str(e)[:300]}"})
                 del per_layer, reader
                 if dev == "cuda":

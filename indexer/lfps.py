@@ -129,9 +129,9 @@ moments, thresholds, expansion and capped-candidate scores in two launches over 
 fused radix select (`indexer/kernels/select.py`) for the C candidates and again for the K plan
 positions, the candidates' exact logits for the whole GQA group (straight from the candidate list,
 each key row read once, on tensor cores for bf16 keys with the query split into three bf16 pieces:
-as accurate as fp32), their softmax normalisers and group mass in three more, the chosen rows'
-softmax state in two, and update() as a decay launch plus one scatter launch per token: 18 launches
-instead of a dozen passes over [KVH, T, N] tensors, two torch.topk and a C-row gather. This torch
+as accurate as fp32; the same launch flags them and sums their softmax states), the group mass in
+one more, the chosen rows' softmax state in two, and update() as a decay launch plus one scatter
+launch per token: 17 launches at T = 1 instead of a dozen passes over [KVH, T, N] tensors, two torch.topk and a C-row gather. This torch
 code is the reference and the CPU path (and the question step's `_prompt_search` stays torch); the
 fused search gives the same candidate sets and plan rows (as sets: the kernels list positions in
 another order), the same bypass decisions, and tables equal up to rounding (table moments in float64

@@ -31,9 +31,10 @@ lk = pytest.importorskip("indexer.kernels.lfps", reason="triton is not installed
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-TINY = lk.LfpsConfig(block=32, block_score=16, block_moments=64, block_k=32, block_decay=128)
+TINY = lk.LfpsConfig(block=32, block_score=16, block_moments=64, block_k=32, block_decay=128, block_states=2)
 TABLE_RTOL, TABLE_ATOL = 1e-5, 1e-8
 M_CAP = 16
+NEG_BIG = float(torch.tensor(-1e30, dtype=torch.float32))  # the kernels' empty running max
 
 
 def _spec(kvh, g, d):
@@ -169,53 +170,80 @@ def test_fused_search_with_bf16_keys_and_score_knobs(cfg, monkeypatch):
     _run("bf16", cfg=lk.LfpsConfig(**cfg), monkeypatch=monkeypatch)
 
 
-def _logits_and_states(q, ck, cand, *, mma, block, tiles, chunk=64):
-    """The score kernel's logits [rows, N, GP] (NaN where it wrote nothing) and the state kernel's
-    per-chunk softmax states [rows, P, 2, GP] for the candidate list cand [KVH, T, C]."""
+def _score(q, ck, cand, *, mma, block, tiles):
+    """The score kernel's logits [rows, N, GP] (NaN where it wrote nothing), flags [rows, N] and its
+    programs' softmax states [rows, P, 2, GP] for the candidate list cand [KVH, T, C]."""
     kvh, g, t, d = q.shape
     n, c, rows = ck.shape[1], cand.shape[-1], kvh * t
     gp, dp = lk._pow2(g, 2), lk._pow2(d, 16)
     logit = torch.full((rows, n, gp), float("nan"), device=q.device)
     flag = torch.zeros(rows, n, dtype=torch.int8, device=q.device)
-    lk._mark_kernel[(lk._cdiv(c, 32), rows)](cand, flag, n, c, BLOCK=32)
-    lk._score_kernel[(lk._cdiv(c, block * tiles), rows)](
-        q, ck, cand, logit, t, n, c, q.stride(0), q.stride(1), q.stride(2), ck.stride(0), ck.stride(1), d ** -0.5,
-        G=g, GP=gp, D=d, DP=dp, BR=block, TILES=tiles, MMA=mma, NQ=lk._pow2(3 * gp, 16), NUM_STAGES=1,
-        INTERPRETED=lk.interpreted())
-    pc = lk._cdiv(n, chunk)
-    states = torch.empty(rows, pc, 2, gp, device=q.device)
-    lk._state_kernel[(pc, rows)](flag, logit, states, n, chunk, GP=gp, BR=32, PRECISE=q.is_cuda)
-    return logit, states
+    ps = lk._cdiv(c, block * tiles)
+    states = torch.full((rows, ps, 2, gp), float("nan"), device=q.device)
+    lk._score_kernel[(ps, rows)](
+        q, ck, cand, logit, flag, states, t, n, c, q.stride(0), q.stride(1), q.stride(2), ck.stride(0), ck.stride(1),
+        d ** -0.5, G=g, GP=gp, D=d, DP=dp, BR=block, TILES=tiles, MMA=mma, NQ=lk._pow2(3 * gp, 16), NUM_STAGES=1,
+        INTERPRETED=lk.interpreted(), PRECISE=q.is_cuda)
+    return logit, flag, states
 
 
 @pytest.mark.parametrize("dtype,mma,block,tiles", [(torch.bfloat16, True, 16, 1), (torch.bfloat16, True, 32, 3),
                                                     (torch.bfloat16, False, 16, 2), (torch.float32, False, 8, 1)])
-def test_score_kernel_logits_and_states(dtype, mma, block, tiles):
-    """The score kernel against float64 q·k·scale on a shuffled candidate list with empty slots:
-    the candidates' logits to 2e-6 relative + 1e-5 (fp32 products, or exact bf16 products of the
-    three-piece query summed in fp32 on tensor cores), -inf in the padded head column, nothing
-    written elsewhere; and a permuted list (the select kernel's order changes from run to run) gives
-    bit-identical logits and softmax states (the state kernel sums in position order)."""
+def test_score_kernel_logits_flags_and_states(dtype, mma, block, tiles):
+    """The score kernel against float64 on a shuffled candidate list with empty slots: the candidates'
+    logits q·k·scale to 2e-6 relative + 1e-5 (fp32 products, or exact bf16 products of the three-piece
+    query summed in fp32 on tensor cores), -inf in the padded head column, nothing written elsewhere;
+    the candidates' flags set and no other; each program's softmax state (max, sum of exp(x - max)
+    per head) equal to that of its own slots' logits to 1e-5 relative (an empty program: max -1e30,
+    sum 0). A permuted list gives bit-identical logits and flags, and states that merge into the same
+    normaliser; the same list twice gives the same bits."""
     kvh, g, t, d, n, c = 2, 3, 2, 32, 300, 90
     gen = torch.Generator().manual_seed(7)
     q = (torch.randn(kvh, g, t, d, generator=gen) * 1.5).to(DEVICE)
     ck = torch.randn(kvh, n, d, generator=gen).to(dtype).to(DEVICE)
     cand = torch.stack([torch.randperm(n, generator=gen)[:c] for _ in range(kvh * t)]).view(kvh, t, c).int()
     cand[..., ::7] = -1  # empty slots anywhere
+    cand[0, 0, :block * tiles] = -1  # one program with nothing to score
     cand = cand.to(DEVICE)
-    logit, states = _logits_and_states(q, ck, cand, mma=mma, block=block, tiles=tiles)
+    logit, flag, states = _score(q, ck, cand, mma=mma, block=block, tiles=tiles)
     want = torch.einsum("hgtd,hnd->htng", q.double().cpu(), ck.double().cpu()) * d ** -0.5  # [KVH, T, N, G]
     got = logit.cpu().view(kvh, t, n, -1)
     on = torch.zeros(kvh * t, n, dtype=torch.bool)
     slots = cand.view(kvh * t, c).long().cpu()
     row = torch.arange(kvh * t)[:, None].expand_as(slots)
     on[row[slots >= 0], slots[slots >= 0]] = True
+    assert torch.equal(flag.cpu().bool(), on)
     on = on.view(kvh, t, n)
     torch.testing.assert_close(got[..., :g][on].double(), want[on], rtol=2e-6, atol=1e-5)
     assert bool((got[..., g:][on] == float("-inf")).all()) and bool(got[~on].isnan().all())
+
+    lg = logit.cpu().double()  # the states against the kernel's own logits, per program's slots
+    per = block * tiles
+    for r in range(kvh * t):
+        for p in range(states.shape[1]):
+            sl = slots[r, p * per:(p + 1) * per]
+            x = lg[r, sl[sl >= 0], :g]  # [n_p, G]
+            m, s = states[r, p, 0, :g].cpu().double(), states[r, p, 1, :g].cpu().double()
+            if x.shape[0] == 0:
+                assert bool((m == NEG_BIG).all()) and bool((s == 0).all())
+                continue
+            assert torch.equal(m, x.max(0).values)
+            torch.testing.assert_close(s, torch.exp(x - m).sum(0), rtol=1e-5, atol=0)
+    assert states[0, 0, 1].abs().sum() == 0  # the empty program
+
+    def normaliser(st):
+        m, s = st[:, :, 0, :g].double(), st[:, :, 1, :g].double()
+        mx = m.max(1, keepdim=True).values
+        return mx.squeeze(1), (s * torch.exp(m - mx)).sum(1)
+
+    again = _score(q, ck, cand, mma=mma, block=block, tiles=tiles)
+    assert all(torch.equal(x.nan_to_num(), y.nan_to_num()) for x, y in zip((logit, flag, states), again))
     perm = torch.randperm(c, generator=gen).to(DEVICE)
-    logit2, states2 = _logits_and_states(q, ck, cand[..., perm].contiguous(), mma=mma, block=block, tiles=tiles)
-    assert torch.equal(logit.nan_to_num(), logit2.nan_to_num()) and torch.equal(states, states2)
+    logit2, flag2, states2 = _score(q, ck, cand[..., perm].contiguous(), mma=mma, block=block, tiles=tiles)
+    assert torch.equal(logit.nan_to_num(), logit2.nan_to_num()) and torch.equal(flag, flag2)
+    (m1, z1), (m2, z2) = normaliser(states.cpu()), normaliser(states2.cpu())
+    assert torch.equal(m1, m2)
+    torch.testing.assert_close(z1, z2, rtol=1e-5, atol=0)
 
 
 def test_fused_path_is_deterministic():

@@ -25,9 +25,9 @@ heads per KV head, C = the candidate cap (`max_candidates`·N), K = the plan's b
    window), and writes the capped-candidate score V[j] + S[t - j] or -inf into a [rows, N] buffer;
    zeroes the row's candidate flags (int8 [rows, N]); counts the expanded set (statistics).
 4. `topk_positions(buf, C)` (`indexer/kernels/select.py`, the fused radix select, 4 launches): the
-   candidate set [KVH, T, C] int32 (`Search.candidates`), and `_mark_kernel` sets its flags.
+   candidate set [KVH, T, C] int32 (`Search.candidates`), its row in index order.
 5. `_score_kernel`, grid (ceil(C / (BLOCK_S x TILES)), rows): straight from the candidate list, TILES
-   tiles of BLOCK_S [64] slots per program: the slots' positions, then their key rows (a dense list:
+   [4] tiles of BLOCK_S [64] slots per program: the slots' positions, then their key rows (a dense list:
    every load is a whole 2·D-byte row, 16 B per thread) -> the G logits of each candidate, stored at
    its position in a [rows, N, G_PAD] fp32 buffer (-inf in padded head columns; an empty slot, -1,
    loads and stores nothing). bf16 keys (`score_mma`, the default): one tensor-core dot per tile,
@@ -35,15 +35,17 @@ heads per KV head, C = the candidate cap (`max_candidates`·N), K = the plan's b
    pieces of each head's fp32 query (q = hi + mid + lo, each the bf16 rounding of what the earlier
    pieces leave: 24 significand bits, so q to ~2^-24), fp32 accumulation, the three pieces' columns
    summed per head (sm_90: 8 wgmma m64n16k16 per tile). Other key dtypes or `score_mma=False`:
-   fp32 products and sums on CUDA cores, one head at a time.
-   `_state_kernel`, grid (P, rows): per chunk of positions the softmax state per head (online max /
-   sum) of the flagged logits, in position order. A separate launch because the candidate list's
-   order came from the select kernel's atomic counters and changed from run to run: per-tile states
-   of the score kernel would have held different candidates each run and rounded differently. (The
-   select writes its rows in index order since 2026-11-28, so the states could now move into the
-   score kernel, one launch less; not done.)
-6. `_mass_kernel`, grid (P, rows): merges the frame's and the chunks' softmax states into the per-head
-   normaliser (fixed order) and writes the group mass (sum over ranking heads of exp(s - max) / sum)
+   fp32 products and sums on CUDA cores, one head at a time. The same program sets its candidates'
+   flags (int8 [rows, N], zeroed by step 3) and writes the softmax state per head (max, sum of
+   exp(x - max)) of its logits: an online state per slot of the tile across the program's tiles,
+   reduced over the tile once at the end. Until 2026-11-28 the flags and the states were two more launches
+   (`_mark_kernel`, and `_state_kernel` over chunks of positions in position order): the candidate
+   list's order came from the select's atomic counters and changed from run to run, so per-program
+   states would have rounded differently each run. The select now writes its row in index order (a
+   function of the scores), so the programs' states are the same bits on every run.
+6. `_mass_kernel`, grid (P, rows): merges the frame's and the score programs' softmax states into the
+   per-head normaliser (an online merge in blocks of `block_states` states, fixed order) and writes
+   the group mass (sum over ranking heads of exp(s - max) / sum)
    of every candidate, -inf elsewhere, into the [rows, N] buffer; its program (0, 0) also writes the
    step's statistics [3]. Then `topk_positions(mass, K)` (4 launches): the plan's positions.
 7. `_chosen_max_kernel` / `_chosen_sum_kernel`, grid (ceil(K / BLOCK_K), rows): the chosen rows'
@@ -59,7 +61,8 @@ gamma^(tokens whose group is active); then per token (in order) `_add_kernel`, g
 (softmax over window + request rows + chosen, sink removed, mean over the active heads, halved, times
 gamma^(later updating tokens)) added to V[j] and S[t - j]. Within one launch every address has one
 writer (a token's positions are distinct, and so are its offsets t - j): no float atomics anywhere,
-so plans and tables are bit-identical run to run. 18 launches per layer-step (16 plan, 2 update).
+so plans and tables are bit-identical run to run. 17 launches per layer-step at T = 1 (15 plan, 2
+update).
 
 What may differ from the torch path: rounding. The table moments are float64 here (the torch path's
 are float32 on fp32 tables), so tau and the means differ by ~1e-7 relative and a position whose table
@@ -70,10 +73,12 @@ the query summed in the MMA's fp32 accumulator and the three pieces added: the s
 error as torch's own fp32 einsum at D 128, where a plain bf16 query would be ~1e-3 relative and
 could move the top-K), and the normalisers are summed in another order. A logit does not depend on
 its candidate's slot (one writer; each dot-product element is reduced in a fixed order whatever its
-row in the tile), and the per-chunk states are summed in position order: the candidate list's
-run-to-run order changes no bit. Ties: equal capped scores or equal masses at the C-th / K-th place
-are broken by the select kernel (arbitrary, like torch.topk's); a candidate set and a plan row are
-sets (any order), compared as sets by the tests. Tables after `update` agree with the torch path's to
+row in the tile); the normaliser is summed per score program in slot order, so it depends on the
+candidate list's order: the select kernel's canonical order makes it the same bits on every run
+(with torch.topk's order, where the select kernel is off, it is torch's; another order moves it by
+fp32 rounding). Ties: equal capped scores or equal masses at the C-th / K-th place are broken by the
+select kernel (lowest index first; torch.topk's choice is its own); a candidate set and a plan row
+are sets, compared as sets by the tests against torch. Tables after `update` agree with the torch path's to
 ~1e-6 relative (tests/test_kernels_lfps.py states the tolerance).
 
 Bytes per layer-step at 128K (Llama-3.1-8B layer: KVH 8, G 4, D 128, bf16 K, T 1, max_candidates 0.3,
@@ -85,15 +90,13 @@ ratio 0.05: C = 39322, K = 6554; 8 rows; the tables are fp32, 2 x 8 x 131072 x 4
 | moments | tables 8.4 MB | 64 tiles x 8 rows x 96 B | ~3 us |
 | candidates | tables 8.4 MB (the +-2 shifts hit L1) | scores 4.2 MB, flags 1 MB | ~5 us |
 | select C (4) | scores 4.2 MB (then L2) | 1.3 MB | ~12 us (select.py) |
-| mark | 1.3 MB | 0.3 MB of flags | ~1.5 us |
-| score | candidates 1.3 MB, K rows 8 x 39322 x 256 B = 80.5 MB | logits 5 MB (16 B rows) | ~29 us |
-| state | flags 1 MB, logits 5 MB (in 16.8 MB, L2) | 66 x 8 x 32 B | ~3 us |
-| mass | flags 1 MB, logits 5 MB | masses 4.2 MB | ~4 us |
+| score | candidates 1.3 MB, K rows 8 x 39322 x 256 B = 80.5 MB | logits 5 MB (16 B rows), flags 0.3 MB, 615 x 8 states x 32 B | ~29 us |
+| mass | flags 1 MB, logits 5 MB, states 0.16 MB | masses 4.2 MB | ~4 us |
 | select K (4) | masses 4.2 MB | 0.2 MB | ~12 us |
 | chosen max + sum | 2 x 0.84 MB (logits of the chosen) | 0.84 MB | ~3 us |
 | decay + add | tables 8.4 MB + 0.2 MB scattered | 8.4 MB | ~7 us |
 
-About 135 MB per layer-step, ~85 us at the bandwidth floor plus ~18 launch gaps. The K rows of the
+About 135 MB per layer-step, ~85 us at the bandwidth floor plus ~17 launch gaps. The K rows of the
 candidates dominate (the unavoidable cost of `max_candidates` 0.3: a smaller cap scales it down
 linearly); the two selects are next. Flops: 8 x 39322 x 4 x 128 x 2 = 0.3 Gflop.
 
@@ -106,9 +109,8 @@ tiles one after another per program, each two dependent DRAM round trips, ~10 KB
 flagged or not (~5.9e7 warp instructions, 3.3x what the candidates need). The list-driven kernel
 loads only the candidates, 64 whole rows (16 KB) per tile, ~10 programs per SM (38 registers, 20 KB
 shared) so ~160 KB in flight per SM, and its work is one dot per tile: it should run near the
-80.5 MB floor, ~30-40 us; the state launch adds ~3-5 us (it reads what the mass kernel reads, 6.8 us
-with its writes). Expected: ~35-45 us instead of 153.5, plan + attention ~0.14-0.15 ms instead of
-0.258. The CUDA-core fallback (`score_mma=False`, 96 registers at 64 rows) issues ~1.8e7 warp
+80.5 MB floor, ~30-40 us; the state launch (since folded into it) added ~3-5 us. Expected: ~35-45
+us instead of 153.5, plan + attention ~0.14-0.15 ms instead of 0.258. The CUDA-core fallback (`score_mma=False`, 96 registers at 64 rows) issues ~1.8e7 warp
 instructions (products, 64 shuffles per warp and tile) for the same bytes: ~40-50 us expected.
 Measured, the estimate against the device and the same positions as the torch plan: benchmarks/RESULTS.md, "Fused searches (issue 12) and the batched runner"
 (the `score_mma=False` fallback: "Numbers moved out of module docstrings").
@@ -124,9 +126,11 @@ CUDA-graph capturable.
 
 Checked without a GPU (Triton 3.6, ahead-of-time compile for sm_90 with the JIT's 16-divisibility
 of strides, default knobs, Llama-3.1-8B shapes: G 4, D 128 bf16): no register spills; registers per
-thread (4 warps): frame 95 (80 without bypass), moments 95, candidates 55, mark 10, score 38 (64
-slots, tensor cores, 20 KB shared; 4 tiles at 3 stages: 43, 37 KB, the keys by cp.async; CUDA cores:
-96, or 56 at 32 slots), state 40, mass 40, chosen max 25, chosen sum 32, decay 54, add 42.
+thread (4 warps): frame 95 (80 without bypass), moments 95, candidates 55, score 64 with its flags and
+states (the default 4 tiles of 64 slots, tensor cores, 20 KB shared; 40 at one tile; 38 at one tile
+without flags and states, checked again 2026-11-28; the CUDA-core variant was 96, or 56 at 32 slots,
+before them), mass 54 (blocks of 256 states; 40 before), chosen max 25, chosen sum 32, decay 54,
+add 42.
 """
 
 from __future__ import annotations
@@ -159,10 +163,11 @@ class LfpsConfig:
 
     block: int = 256  # positions per tile of the candidates and mass kernels (a chunk is whole tiles)
     block_score: int = 64  # candidates per tile of the score kernel (x D: its registers; >= 16 with score_mma)
-    score_tiles: int = 1  # tiles per program of the score kernel (a loop, pipelined by score_stages)
+    score_tiles: int = 4  # tiles per program of the score kernel (a loop, pipelined by score_stages)
     block_moments: int = 2048  # positions per program of the moments kernel
     block_k: int = 256  # slots per program of the chosen / add kernels
     block_decay: int = 1024
+    block_states: int = 256  # score programs' softmax states merged per step of the mass kernel's loop
     programs_per_sm: int = 4  # programs per launch ~ programs_per_sm x SMs, split over the rows
     score_stages: int = 1  # software pipelining of the score kernel's loop over its tiles
     score_mma: bool = True  # bf16 keys: logits as one tensor-core dot with a 3-piece bf16 split of q
@@ -442,15 +447,6 @@ def _candidates_kernel(VERT, SLASH, QPOS, PART, BUF, FLAG, CNT, T, N, NS, W, SC,
     tl.store(CNT + r * tl.num_programs(0) + p, tl.sum(count, 0))
 
 
-@triton.jit(do_not_specialize=["N", "C"])
-def _mark_kernel(CAND, FLAG, N, C, BLOCK: tl.constexpr):
-    p = tl.program_id(0).to(tl.int64)
-    r = tl.program_id(1).to(tl.int64)
-    slot = p * BLOCK + tl.arange(0, BLOCK)
-    c = tl.load(CAND + r * C + slot, mask=slot < C, other=-1).to(tl.int64)
-    tl.store(FLAG + r * N + c, tl.full([BLOCK], 1, tl.int8), mask=c >= 0)
-
-
 # ---------------------------------------------------------------------------------------------
 # 5-6. exact logits of the candidates -> group mass
 
@@ -475,13 +471,14 @@ def _split_query(QROW, stride_qg, G: tl.constexpr, GP: tl.constexpr, D: tl.const
 
 
 @triton.jit(do_not_specialize=["T", "N", "C"])
-def _score_kernel(Q, CK, CAND, LOGIT, T, N, C, sq_h, sq_g, sq_t, sck_h, sck_n, scale,
+def _score_kernel(Q, CK, CAND, LOGIT, FLAG, K4P, T, N, C, sq_h, sq_g, sq_t, sck_h, sck_n, scale,
                   G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, BR: tl.constexpr,
                   TILES: tl.constexpr, MMA: tl.constexpr, NQ: tl.constexpr, NUM_STAGES: tl.constexpr,
-                  INTERPRETED: tl.constexpr):
+                  INTERPRETED: tl.constexpr, PRECISE: tl.constexpr):
     """TILES tiles of BR candidate slots of row r: the candidates' key rows (a dense list, so whole
     D-element rows) -> their G logits, stored at their positions in LOGIT (-inf in padded head
-    columns; one writer per address, so the slots' order does not matter)."""
+    columns), their flags set in FLAG, and the softmax state per head (max, sum of exp(x - max)) of
+    the program's logits -> K4P [rows, programs, 2, GP]."""
     p = tl.program_id(0).to(tl.int64)
     r = tl.program_id(1).to(tl.int64)
     kvh = r // T
@@ -490,13 +487,14 @@ def _score_kernel(Q, CK, CAND, LOGIT, T, N, C, sq_h, sq_g, sq_t, sck_h, sck_n, s
     CKH = CK + kvh * sck_h
     ar_d = tl.arange(0, DP)
     ar_g = tl.arange(0, GP)
+    m = tl.full([BR, GP], NEG_BIG, tl.float32)  # softmax state per slot of the tile and head, over the tiles
+    l = tl.zeros([BR, GP], tl.float32)
     if MMA:
         qs = _split_query(QROW, sq_g, G, GP, D, DP, NQ)
     for i in tl.range(0, TILES, num_stages=NUM_STAGES):
         slot = (p * TILES + i) * BR + tl.arange(0, BR)
         pos = tl.load(CAND + r * C + slot, mask=slot < C, other=-1).to(tl.int64)
         ok = pos >= 0
-        dst = LOGIT + (r * N + pos) * GP
         if MMA:  # bf16 keys: [BR, DP] x [DP, NQ] on tensor cores (exact products, fp32 accumulation)
             k = tl.load(CKH + pos[:, None] * sck_n + ar_d[None, :], mask=ok[:, None] & (ar_d < D)[None, :],
                         other=0.0)
@@ -507,36 +505,18 @@ def _score_kernel(Q, CK, CAND, LOGIT, T, N, C, sq_h, sq_g, sq_t, sck_h, sck_n, s
                 prod = tl.dot(k, qs)  # [BR, NQ] fp32
             s = tl.sum(tl.reshape(prod, (BR, NQ // GP, GP)), 1) * scale  # hi + mid + lo per head
             s = tl.where((ar_g < G)[None, :], s, float("-inf"))
-            tl.store(dst[:, None] + ar_g[None, :], s, mask=ok[:, None])
         else:  # fp32 products and sums on CUDA cores, one head at a time
-            k = _key_rows(CKH, sck_n, pos, ok, D, DP)
-            for g in tl.static_range(GP):
-                if g < G:
-                    qg = tl.load(QROW + g * sq_g + ar_d, mask=ar_d < D, other=0.0).to(tl.float32)
-                    tl.store(dst + g, tl.sum(k * qg[None, :], 1) * scale, mask=ok)
-                else:
-                    tl.store(dst + g, tl.full([BR], float("-inf"), tl.float32), mask=ok)
-
-
-@triton.jit(do_not_specialize=["N", "chunk"])
-def _state_kernel(FLAG, LOGIT, K4P, N, chunk, GP: tl.constexpr, BR: tl.constexpr, PRECISE: tl.constexpr):
-    """The softmax state per head (online max / sum) of the candidates' logits in a chunk of
-    positions, in position order (not the candidate list's: see the module docstring, step 5)."""
-    p = tl.program_id(0).to(tl.int64)
-    r = tl.program_id(1).to(tl.int64)
-    ar_g = tl.arange(0, GP)
-    m = tl.full([GP], NEG_BIG, tl.float32)
-    l = tl.zeros([GP], tl.float32)
-    lo = p * chunk
-    hi = tl.minimum(lo + chunk, N)
-    for j0 in range(lo, hi, BR):
-        j = j0 + tl.arange(0, BR)
-        f = tl.load(FLAG + r * N + j, mask=j < hi, other=0) != 0
-        s = tl.load(LOGIT + (r * N + j)[:, None] * GP + ar_g[None, :], mask=f[:, None], other=float("-inf"))
-        m, l = _online(m, l, s, f, PRECISE)
+            s = _group_logits(_key_rows(CKH, sck_n, pos, ok, D, DP), QROW, sq_g, scale, BR, G, GP, D, DP)
+        tl.store(LOGIT + (r * N + pos)[:, None] * GP + ar_g[None, :], s, mask=ok[:, None])
+        tl.store(FLAG + r * N + pos, tl.full([BR], 1, tl.int8), mask=ok)
+        x = tl.where(ok[:, None], s, float("-inf"))
+        m_new = tl.maximum(m, x)  # elementwise: no reduction across the tile's threads per tile
+        l = l * _exp(m - m_new, PRECISE) + _exp(x - m_new, PRECISE)
+        m = m_new
+    mx = tl.max(m, 0)  # the program's state per head: one reduction at the end
     dst = K4P + ((r * tl.num_programs(0) + p) * 2) * GP + ar_g
-    tl.store(dst, m)
-    tl.store(dst + GP, l)
+    tl.store(dst, mx)
+    tl.store(dst + GP, tl.sum(l * _exp(m - mx[None, :], PRECISE), 0))
 
 
 @triton.jit(do_not_specialize=["T", "N", "NS", "W", "R", "C", "chunk", "n_parts", "n_cnt"])
@@ -552,14 +532,17 @@ def _mass_kernel(FLAG, LOGIT, K4P, FST, BUF, CNT, REC, QPOS, STATS, T, N, NS, W,
     m_w = tl.load(fst + 2 * GP)
     l_w = tl.load(fst + 3 * GP)
     rank = tl.load(fst + 4 * GP)
+    mx = tl.maximum(m_s, m_w)
+    z = l_s * _exp(m_s - mx, PRECISE) + l_w * _exp(m_w - mx, PRECISE)
     pp = tl.arange(0, PP)
-    okp = (pp < n_parts)[:, None]
-    src = K4P + (r * n_parts + pp)[:, None] * (2 * GP) + ar_g[None, :]
-    m_p = tl.load(src, mask=okp, other=NEG_BIG)  # [PP, GP]
-    l_p = tl.load(src + GP, mask=okp, other=0.0)
-    mx = tl.maximum(tl.maximum(m_s, m_w), tl.max(m_p, 0))
-    z = l_s * _exp(m_s - mx, PRECISE) + l_w * _exp(m_w - mx, PRECISE) \
-        + tl.sum(l_p * _exp(m_p - mx[None, :], PRECISE), 0)
+    for p0 in range(0, n_parts, PP):  # the score programs' states, merged in a fixed order
+        okp = (p0 + pp < n_parts)[:, None]
+        src = K4P + (r * n_parts + p0 + pp)[:, None] * (2 * GP) + ar_g[None, :]
+        m_p = tl.load(src, mask=okp, other=NEG_BIG)  # [PP, GP]
+        l_p = tl.load(src + GP, mask=okp, other=0.0)
+        m_new = tl.maximum(mx, tl.max(m_p, 0))
+        z = z * _exp(mx - m_new, PRECISE) + tl.sum(l_p * _exp(m_p - m_new[None, :], PRECISE), 0)
+        mx = m_new
     z = tl.where(z > 0, z, 1.0)  # padded heads (rank 0) and empty rows
     lo = p * chunk
     hi = tl.minimum(lo + chunk, N)
@@ -790,7 +773,6 @@ def search(q, kv, vert, slash, *, mean_k, var_ratio, n_sink: int, window: int, l
     flag = _WS.get(dev, "lfps.flags", rows * n, torch.int8)
     cnt = _WS.get(dev, "lfps.counts", rows * pc, torch.int32)
     logit = _WS.get(dev, "lfps.logits", rows * n * gp, torch.float32)
-    k4p = _WS.get(dev, "lfps.states", rows * pc * 2 * gp, torch.float32)
     dummy = stats  # unused pointers when bypass is off
 
     _frame_kernel[(rows,)](
@@ -805,17 +787,17 @@ def search(q, kv, vert, slash, *, mean_k, var_ratio, n_sink: int, window: int, l
     _candidates_kernel[(pc, rows)](vert, slash, q_pos, part, buf, flag, cnt, t, n, ns, window, sc, p2, chunk,
                                    vert.stride(0), slash.stride(0), lam, PP=_pow2(p2, 2), BLOCK=br, num_warps=nw)
     cand = topk_positions(buf.view(kvh, t, n), width)  # [KVH, T, C] int32
-    _mark_kernel[(_cdiv(width, cfg.block_k), rows)](cand, flag, n, width, BLOCK=cfg.block_k, num_warps=nw)
     mma = cfg.score_mma and ck.dtype == torch.bfloat16
     br_score, tiles = max(cfg.block_score, 16 if mma else 1), cfg.score_tiles
-    _score_kernel[(_cdiv(width, br_score * tiles), rows)](
-        q, ck, cand, logit, t, n, width, q.stride(0), q.stride(1), q.stride(2), ck.stride(0), ck.stride(1), scale,
-        G=g, GP=gp, D=d, DP=dp, BR=br_score, TILES=tiles, MMA=mma, NQ=_pow2(3 * gp, 16),
-        NUM_STAGES=1 if interpreted() else cfg.score_stages, INTERPRETED=interpreted(), num_warps=nw)
-    _state_kernel[(pc, rows)](flag, logit, k4p, n, chunk, GP=gp, BR=br, PRECISE=precise, num_warps=nw)
+    ps = _cdiv(width, br_score * tiles)  # score programs per row
+    k4p = _WS.get(dev, "lfps.states", rows * ps * 2 * gp, torch.float32)
+    _score_kernel[(ps, rows)](
+        q, ck, cand, logit, flag, k4p, t, n, width, q.stride(0), q.stride(1), q.stride(2), ck.stride(0),
+        ck.stride(1), scale, G=g, GP=gp, D=d, DP=dp, BR=br_score, TILES=tiles, MMA=mma, NQ=_pow2(3 * gp, 16),
+        NUM_STAGES=1 if interpreted() else cfg.score_stages, INTERPRETED=interpreted(), PRECISE=precise, num_warps=nw)
     _mass_kernel[(pc, rows)](flag, logit, k4p, fst, buf, cnt, rec, q_pos, stats, t, n, ns, window, rows, width,
-                             chunk, pc, pc, G=g, GP=gp, BR=br, PP=_pow2(pc, 2), RP=_pow2(rows, 2), CP=_pow2(pc, 2),
-                             BYPASS=bypass, PRECISE=precise, num_warps=nw)
+                             chunk, ps, pc, G=g, GP=gp, BR=br, PP=min(_pow2(ps, 2), cfg.block_states),
+                             RP=_pow2(rows, 2), CP=_pow2(pc, 2), BYPASS=bypass, PRECISE=precise, num_warps=nw)
     positions = topk_positions(buf.view(kvh, t, n), k)  # [KVH, T, K] int32
     grid_k = (_cdiv(k, cfg.block_k), rows)
     shift = fixed_point_shift(k)
