@@ -7,7 +7,7 @@
 #                    carry=[".whl", ".old"])
 #   stages: tests | kerneltests | decode | decodecold | decode512 | before_after | kernels | e2e32 | e2e128 |
 #           e2e128rest | e2eprof | e2elayer | attntests | decodeab | psaab | latency | ncu | psasweep | pdlab | e2enow |
-#           offload | psa32sweep | offloadfit | ivfsweep | ivfcpp | cslfsweep | ivfsel | ivfeager | ivfsample | ncusel | psaemit | psafuse | psastop | rtrip | rerankreg | rerank96 | e2ectkvr | ncuivf | verify | repro | e2eh200 | pushab | decode512h200 | s14ab | s14e2e | s14final
+#           offload | psa32sweep | offloadfit | ivfsweep | ivfcpp | cslfsweep | ivfsel | ivfeager | ivfsample | ncusel | psaemit | psafuse | psastop | rtrip | rerankreg | rerank96 | e2ectkvr | ncuivf | verify | repro | e2eh200 | pushab | decode512h200 | s14ab | s14e2e | s14final | s14frame
 #   (default: tests decode before_after)
 #   .old = the tree before the plan/run redesign (`git archive <commit> decoder indexer storage`), for
 #   the before/after decode comparison.
@@ -317,6 +317,24 @@ for stage in $stages; do
         tests/test_csattn.py tests/test_saap_device.py tests/test_runner.py tests/test_kernels_*.py \
         2>&1 | tee "$OUT/gpu_marked_tests.log" | tail -4
       old_new lfpsfinal "lfps" indexer/kernels/lfps.py ;;
+    s14frame)  # session 14: lfps's frame launch folded into another: into the candidates launch (this tree) or the
+      # moments launch (.old/lfps_moments.py), against the tree before (.old/lfps_head.py), alternating twice; the
+      # lfps kernel tests of both variants first
+      rm -rf /tmp/old /tmp/mom && mkdir -p /tmp/old /tmp/mom || exit 1
+      cp -r benchmarks decoder indexer storage tests /tmp/old/ && cp .old/lfps_head.py /tmp/old/indexer/kernels/lfps.py
+      cp -r benchmarks decoder indexer storage tests /tmp/mom/ && cp .old/lfps_moments.py /tmp/mom/indexer/kernels/lfps.py
+      python3 -m pytest -q -p no:cacheprovider -o addopts="" tests/test_kernels_lfps.py 2>&1 | tail -1 \
+        | tee "$OUT/gpu_lfps_frame_tests.log"
+      (cd /tmp/mom && python3 -m pytest -q -p no:cacheprovider -o addopts="" tests/test_kernels_lfps.py 2>&1 | tail -1) \
+        | tee -a "$OUT/gpu_lfps_frame_tests.log"
+      for i in 1 2; do
+        for v in old mom; do
+          (cd /tmp/$v && python3 benchmarks/gpu_decode.py --lengths 32768 131072 --batches 1 8 --profile --backends triton \
+            --methods lfps --out "$OUT/frame_$v$i" 2>&1 | grep "^| " | grep -v sdpa)
+        done
+        python3 benchmarks/gpu_decode.py --lengths 32768 131072 --batches 1 8 --profile --backends triton \
+          --methods lfps $([ $i = 1 ] && echo --torch-plans) --out "$OUT/frame_cand$i" 2>&1 | grep "^| " | grep -v sdpa
+      done ;;
     decode512)
       python3 benchmarks/gpu_decode.py --lengths 524288 --batches 1 --backends triton \
         --methods streaming topk csattn ctkvr lfps psa saap --out "$OUT/512k" 2>&1 | tee "$OUT/gpu_decode_512k.log" \

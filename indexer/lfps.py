@@ -125,17 +125,19 @@ stay on the GPU; the few local rows it needs (the local-mass probe, the softmax 
 gathered on their device and moved to the query's.
 
 On a GPU the one-token search and its update run fused (`indexer/kernels/lfps.py`): the table
-moments, thresholds, expansion and capped-candidate scores in two launches over the tables, the
-fused radix select (`indexer/kernels/select.py`) for the C candidates and again for the K plan
-positions, the candidates' exact logits for the whole GQA group (straight from the candidate list,
-each key row read once, on tensor cores for bf16 keys with the query split into three bf16 pieces:
-as accurate as fp32; the same launch flags them and sums their softmax states), the group mass in
-one more, the chosen rows' softmax state in two, and update() as a decay launch plus one scatter
-launch per token: 17 launches at T = 1 instead of a dozen passes over [KVH, T, N] tensors, two torch.topk and a C-row gather. This torch
-code is the reference and the CPU path (and the question step's `_prompt_search` stays torch); the
-fused search gives the same candidate sets and plan rows (as sets: the kernels list positions in
-another order), the same bypass decisions, and tables equal up to rounding (table moments in float64
-there, so a value within ~1e-7 of a threshold may change sides; the kernel module's docstring).
+moments, thresholds, expansion and capped-candidate scores in two launches over the tables (the
+frame's exact logits and the bypass estimate ride in the second), the fused radix select
+(`indexer/kernels/select.py`) for the C candidates and again for the K plan positions, the
+candidates' exact logits for the whole GQA group (straight from the candidate list, each key row
+read once, on tensor cores for bf16 keys with the query split into three bf16 pieces: as accurate as
+fp32; the same launch flags them and sums their softmax states), the group mass in one more, the
+chosen rows' softmax state in two, and update() as a decay launch plus one scatter launch per token:
+16 launches at T = 1 instead of a dozen passes over [KVH, T, N] tensors, two torch.topk and a C-row
+gather. This torch code is the reference and the CPU path (and the question step's `_prompt_search`
+stays torch); the fused search gives the same candidate sets and plan rows (as sets: the kernels
+list positions in another order), the same bypass decisions, and tables equal up to rounding (table
+moments in float64 there, so a value within ~1e-7 of a threshold may change sides; the kernel
+module's docstring).
 `planner.fused`: None = fused for CUDA tensors (the default), True = also on the CPU through
 Triton's interpreter (tests), False = always torch; `CTXCACHE_FUSED_LFPS=0` keeps every planner on
 torch. Timings against the torch plan and dense SDPA: benchmarks/RESULTS.md, "Fused searches (issue 12) and the batched runner".

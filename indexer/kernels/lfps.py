@@ -9,8 +9,8 @@ launches sharing workspaces, with the cost model and register counts that justif
 One layer and step; rows = KVH x T (one per KV head and query token), N context positions, G query
 heads per KV head, C = the candidate cap (`max_candidates`·N), K = the plan's budget, W = window:
 
-1. `_frame_kernel`, grid (rows,): the frame's exact logits for the whole group (each K row loaded once
-   for the G heads): the sink, the window's context rows (their logits kept for the update) and the
+1. `_frame_row`, one program per row, run inside step 3's launch (below): the frame's exact logits
+   for the whole group (each K row loaded once for the G heads): the sink, the window's context rows (their logits kept for the update) and the
    visible request-local rows -> per head the softmax state (max, sum) of the sink and of window +
    request rows. With bypass on also the head-sparsity estimate of step 1 (the `local` probe rows, the
    log-normal global mass from mean_k / var_ratio): `sparsity`, `Plan.bypass`, `Plan.rest_logit`, and
@@ -18,7 +18,11 @@ heads per KV head, C = the candidate cap (`max_candidates`·N), K = the plan's b
 2. `_moments_kernel`, grid (ceil((N - sink) / BLOCK_M), rows): per tile of BLOCK_M non-sink positions
    of both tables (V[j] and S[t - j], 0 past the slash capacity) the count, mean, central 2nd/3rd/4th
    moment sums and the max, float64, two-pass inside the tile (it sits in registers).
-3. `_candidates_kernel`, grid (P, rows): every program merges its row's tile moments (the exact shift
+3. `_frame_candidates_kernel`, grid (1 + P, rows): program 0 of a row runs step 1 (`_frame_row`), the
+   P others step 3 (`_candidates_chunk`); the two are independent, so the frame (~9 us of one
+   program's latency at 128K) runs beside the candidates instead of before them (one launch less on
+   the step's path, since 2026-11-28; both branches compile into one kernel, so it takes the
+   frame's registers). Every candidates program merges its row's tile moments (the exact shift
    formula: M_k = sum_p sum_i C(k, i) delta_p^(k-i) M_i,p, in float64, fixed order) into the two
    kurtosis thresholds tau_V, tau_S and the means, then over a chunk of positions evaluates C0 at
    j+1, j, j-1, j-2 (the expansion offsets -1..+2), keep(j) and "selectable" (outside sink and
@@ -61,7 +65,7 @@ gamma^(tokens whose group is active); then per token (in order) `_add_kernel`, g
 (softmax over window + request rows + chosen, sink removed, mean over the active heads, halved, times
 gamma^(later updating tokens)) added to V[j] and S[t - j]. Within one launch every address has one
 writer (a token's positions are distinct, and so are its offsets t - j): no float atomics anywhere,
-so plans and tables are bit-identical run to run. 17 launches per layer-step at T = 1 (15 plan, 2
+so plans and tables are bit-identical run to run. 16 launches per layer-step at T = 1 (14 plan, 2
 update).
 
 What may differ from the torch path: rounding. The table moments are float64 here (the torch path's
@@ -86,9 +90,8 @@ ratio 0.05: C = 39322, K = 6554; 8 rows; the tables are fp32, 2 x 8 x 131072 x 4
 
 | launch | reads | writes | floor at ~3 TB/s |
 |---|---|---|---|
-| frame | ~40 K rows per KV head (sink 4, window 32, probe 5) + request rows | tiny | ~2 us (latency) |
 | moments | tables 8.4 MB | 64 tiles x 8 rows x 96 B | ~3 us |
-| candidates | tables 8.4 MB (the +-2 shifts hit L1) | scores 4.2 MB, flags 1 MB | ~5 us |
+| frame + candidates | tables 8.4 MB (the +-2 shifts hit L1); the frame's ~40 K rows per KV head (sink 4, window 32, probe 5) + request rows | scores 4.2 MB, flags 1 MB | ~5 us |
 | select C (4) | scores 4.2 MB (then L2) | 1.3 MB | ~12 us (select.py) |
 | score | candidates 1.3 MB, K rows 8 x 39322 x 256 B = 80.5 MB | logits 5 MB (16 B rows), flags 0.3 MB, 615 x 8 states x 32 B | ~29 us |
 | mass | flags 1 MB, logits 5 MB, states 0.16 MB | masses 4.2 MB | ~4 us |
@@ -96,7 +99,7 @@ ratio 0.05: C = 39322, K = 6554; 8 rows; the tables are fp32, 2 x 8 x 131072 x 4
 | chosen max + sum | 2 x 0.84 MB (logits of the chosen) | 0.84 MB | ~3 us |
 | decay + add | tables 8.4 MB + 0.2 MB scattered | 8.4 MB | ~7 us |
 
-About 135 MB per layer-step, ~85 us at the bandwidth floor plus ~17 launch gaps. The K rows of the
+About 135 MB per layer-step, ~85 us at the bandwidth floor plus ~16 launch gaps. The K rows of the
 candidates dominate (the unavoidable cost of `max_candidates` 0.3: a smaller cap scales it down
 linearly); the two selects are next. Flops: 8 x 39322 x 4 x 128 x 2 = 0.3 Gflop.
 
@@ -126,7 +129,8 @@ CUDA-graph capturable.
 
 Checked without a GPU (Triton 3.6, ahead-of-time compile for sm_90 with the JIT's 16-divisibility
 of strides, default knobs, Llama-3.1-8B shapes: G 4, D 128 bf16): no register spills; registers per
-thread (4 warps): frame 95 (80 without bypass), moments 95, candidates 55, score 64 with its flags and
+thread (4 warps): frame + candidates 119 (the frame alone 95, 80 without bypass; the candidates alone
+55), moments 95, score 64 with its flags and
 states (the default 4 tiles of 64 slots, tensor cores, 20 KB shared; 40 at one tile; 38 at one tile
 without flags and states, checked again 2026-11-28; the CUDA-core variant was 96, or 56 at 32 slots,
 before them), mass 54 (blocks of 256 states; 40 before), chosen max 25, chosen sum 32, decay 54,
@@ -247,12 +251,12 @@ def _row_coords(QPOS, r, T, N, NS, W):
 # 1. frame + head sparsity
 
 
-@triton.jit(do_not_specialize=["T", "N", "M", "NS", "W", "LOCAL"])
-def _frame_kernel(Q, CK, LK, QPOS, MEANK, VARR, SPARS, BYP, REST, FST, WLOG, REC, SUMS,
-                  T, N, M, NS, W, LOCAL, sq_h, sq_g, sq_t, sck_h, sck_n, slk_h, slk_n, smk_h, scale, threshold,
-                  G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, BR: tl.constexpr,
-                  BYPASS: tl.constexpr, PRECISE: tl.constexpr):
-    r = tl.program_id(0).to(tl.int64)
+@triton.jit
+def _frame_row(r, Q, CK, LK, QPOS, MEANK, VARR, SPARS, BYP, REST, FST, WLOG, REC, SUMS,
+               T, N, M, NS, W, LOCAL, sq_h, sq_g, sq_t, sck_h, sck_n, slk_h, slk_n, smk_h, scale, threshold,
+               G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, BR: tl.constexpr,
+               BYPASS: tl.constexpr, PRECISE: tl.constexpr):
+    """Step 1 for row r (the frame's softmax states, the window's logits, the bypass estimate)."""
     kvh, t, qpos, w_lo = _row_coords(QPOS, r, T, N, NS, W)
     QROW = Q + kvh * sq_h + t * sq_t
     CKH = CK + kvh * sck_h
@@ -411,11 +415,10 @@ def _threshold(PART, n_parts, lam, PP: tl.constexpr):
     return tl.where(var > 0, tau, float("inf")), mean
 
 
-@triton.jit(do_not_specialize=["T", "N", "NS", "W", "SC", "n_parts", "chunk"])
-def _candidates_kernel(VERT, SLASH, QPOS, PART, BUF, FLAG, CNT, T, N, NS, W, SC, n_parts, chunk, s_vh, s_sh, lam,
-                       PP: tl.constexpr, BLOCK: tl.constexpr):
-    p = tl.program_id(0).to(tl.int64)
-    r = tl.program_id(1).to(tl.int64)
+@triton.jit
+def _candidates_chunk(p, r, n_chunks, VERT, SLASH, QPOS, PART, BUF, FLAG, CNT, T, N, NS, W, SC, n_parts, chunk,
+                      s_vh, s_sh, lam, PP: tl.constexpr, BLOCK: tl.constexpr):
+    """Step 3 for chunk p of row r's positions (one of n_chunks)."""
     kvh, t, qpos, w_lo = _row_coords(QPOS, r, T, N, NS, W)
     part = PART + r * n_parts * 16
     tau_v, mean_v = _threshold(part, n_parts, lam, PP)
@@ -444,7 +447,29 @@ def _candidates_kernel(VERT, SLASH, QPOS, PART, BUF, FLAG, CNT, T, N, NS, W, SC,
         tl.store(BUF + r * N + j, tl.where(sel, score, float("-inf")), mask=inr)
         tl.store(FLAG + r * N + j, tl.zeros([BLOCK], tl.int8), mask=inr)
         count += sel.to(tl.int32)
-    tl.store(CNT + r * tl.num_programs(0) + p, tl.sum(count, 0))
+    tl.store(CNT + r * n_chunks + p, tl.sum(count, 0))
+
+
+@triton.jit(do_not_specialize=["T", "N", "M", "NS", "W", "LOCAL", "SC", "n_parts", "chunk"])
+def _frame_candidates_kernel(Q, CK, LK, QPOS, MEANK, VARR, SPARS, BYP, REST, FST, WLOG, REC, SUMS,
+                             VERT, SLASH, PART, BUF, FLAG, CNT,
+                             T, N, M, NS, W, LOCAL, SC, n_parts, chunk,
+                             sq_h, sq_g, sq_t, sck_h, sck_n, slk_h, slk_n, smk_h, s_vh, s_sh, scale, threshold, lam,
+                             G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, BR: tl.constexpr,
+                             BYPASS: tl.constexpr, PRECISE: tl.constexpr, PP: tl.constexpr, BLOCK: tl.constexpr):
+    """Grid (1 + chunks, rows): program 0 of a row runs step 1 (`_frame_row`), the others step 3's
+    chunks (`_candidates_chunk`). The two are independent (the frame's states are read from step 6
+    on), so one launch runs them side by side; the frame's programs come first in the grid, so they
+    start in the first wave."""
+    p = tl.program_id(0)
+    r = tl.program_id(1).to(tl.int64)
+    if p == 0:
+        _frame_row(r, Q, CK, LK, QPOS, MEANK, VARR, SPARS, BYP, REST, FST, WLOG, REC, SUMS,
+                   T, N, M, NS, W, LOCAL, sq_h, sq_g, sq_t, sck_h, sck_n, slk_h, slk_n, smk_h, scale, threshold,
+                   G, GP, D, DP, BR, BYPASS, PRECISE)
+    else:
+        _candidates_chunk((p - 1).to(tl.int64), r, tl.num_programs(0) - 1, VERT, SLASH, QPOS, PART, BUF, FLAG, CNT,
+                          T, N, NS, W, SC, n_parts, chunk, s_vh, s_sh, lam, PP, BLOCK)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -775,17 +800,16 @@ def search(q, kv, vert, slash, *, mean_k, var_ratio, n_sink: int, window: int, l
     logit = _WS.get(dev, "lfps.logits", rows * n * gp, torch.float32)
     dummy = stats  # unused pointers when bypass is off
 
-    _frame_kernel[(rows,)](
-        q, ck, lk, q_pos, mean_k if bypass else dummy, var_ratio if bypass else dummy,
-        sparsity if bypass else dummy, byp if bypass else dummy, rest if bypass else dummy,
-        fst, wlog, rec, sums, t, n, m, ns, window, local,
-        q.stride(0), q.stride(1), q.stride(2), ck.stride(0), ck.stride(1), lk.stride(0), lk.stride(1),
-        mean_k.stride(0) if bypass else 0, scale, threshold,
-        G=g, GP=gp, D=d, DP=dp, BR=16, BYPASS=bypass, PRECISE=precise, num_warps=nw)
     _moments_kernel[(p2, rows)](vert, slash, q_pos, part, t, n, ns, window, sc, vert.stride(0), slash.stride(0),
                                 BLOCK=cfg.block_moments, num_warps=nw)
-    _candidates_kernel[(pc, rows)](vert, slash, q_pos, part, buf, flag, cnt, t, n, ns, window, sc, p2, chunk,
-                                   vert.stride(0), slash.stride(0), lam, PP=_pow2(p2, 2), BLOCK=br, num_warps=nw)
+    _frame_candidates_kernel[(1 + pc, rows)](
+        q, ck, lk, q_pos, mean_k if bypass else dummy, var_ratio if bypass else dummy,
+        sparsity if bypass else dummy, byp if bypass else dummy, rest if bypass else dummy,
+        fst, wlog, rec, sums, vert, slash, part, buf, flag, cnt,
+        t, n, m, ns, window, local, sc, p2, chunk,
+        q.stride(0), q.stride(1), q.stride(2), ck.stride(0), ck.stride(1), lk.stride(0), lk.stride(1),
+        mean_k.stride(0) if bypass else 0, vert.stride(0), slash.stride(0), scale, threshold, lam,
+        G=g, GP=gp, D=d, DP=dp, BR=16, BYPASS=bypass, PRECISE=precise, PP=_pow2(p2, 2), BLOCK=br, num_warps=nw)
     cand = topk_positions(buf.view(kvh, t, n), width)  # [KVH, T, C] int32
     mma = cfg.score_mma and ck.dtype == torch.bfloat16
     br_score, tiles = max(cfg.block_score, 16 if mma else 1), cfg.score_tiles
