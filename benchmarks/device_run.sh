@@ -7,7 +7,7 @@
 #                    carry=[".whl", ".old"])
 #   stages: tests | kerneltests | decode | decodecold | decode512 | before_after | kernels | e2e32 | e2e128 |
 #           e2e128rest | e2eprof | e2elayer | attntests | decodeab | psaab | latency | ncu | psasweep | pdlab | e2enow |
-#           offload | psa32sweep | offloadfit | ivfsweep | ivfcpp | cslfsweep | ivfsel | ivfeager | ivfsample | ncusel | psaemit | psafuse | psastop | rtrip | rerankreg | rerank96 | e2ectkvr | ncuivf | verify | repro | e2eh200 | pushab | decode512h200 | s14ab | s14e2e | s14final | s14frame
+#           offload | psa32sweep | offloadfit | ivfsweep | ivfcpp | cslfsweep | ivfsel | ivfeager | ivfsample | ncusel | psaemit | psafuse | psastop | rtrip | rerankreg | rerank96 | e2ectkvr | ncuivf | verify | repro | e2eh200 | pushab | decode512h200 | s14ab | s14e2e | s14final | s14frame | s14tests
 #   (default: tests decode before_after)
 #   .old = the tree before the plan/run redesign (`git archive <commit> decoder indexer storage`), for
 #   the before/after decode comparison.
@@ -335,6 +335,11 @@ for stage in $stages; do
         python3 benchmarks/gpu_decode.py --lengths 32768 131072 --batches 1 8 --profile --backends triton \
           --methods lfps $([ $i = 1 ] && echo --torch-plans) --out "$OUT/frame_cand$i" 2>&1 | grep "^| " | grep -v sdpa
       done ;;
+    s14tests)  # session 14, the final tree: every GPU-marked test
+      python3 -m pytest -q -p no:cacheprovider -m gpu -o addopts="" \
+        tests/test_gpu_decode.py tests/test_triton_attention.py tests/test_backends.py tests/test_pipeline.py \
+        tests/test_csattn.py tests/test_saap_device.py tests/test_runner.py tests/test_kernels_*.py \
+        2>&1 | tee "$OUT/gpu_marked_tests.log" | tail -4 ;;
     decode512)
       python3 benchmarks/gpu_decode.py --lengths 524288 --batches 1 --backends triton \
         --methods streaming topk csattn ctkvr lfps psa saap --out "$OUT/512k" 2>&1 | tee "$OUT/gpu_decode_512k.log" \

@@ -459,8 +459,8 @@ def _frame_candidates_kernel(Q, CK, LK, QPOS, MEANK, VARR, SPARS, BYP, REST, FST
                              BYPASS: tl.constexpr, PRECISE: tl.constexpr, PP: tl.constexpr, BLOCK: tl.constexpr):
     """Grid (1 + chunks, rows): program 0 of a row runs step 1 (`_frame_row`), the others step 3's
     chunks (`_candidates_chunk`). The two are independent (the frame's states are read from step 6
-    on), so one launch runs them side by side; the frame's programs come first in the grid, so they
-    start in the first wave."""
+    on), so one launch runs them side by side; each row's frame program is the first of its row's
+    programs in the grid's order, so it is not left for a late wave."""
     p = tl.program_id(0)
     r = tl.program_id(1).to(tl.int64)
     if p == 0:
