@@ -320,6 +320,8 @@ def main() -> None:
     ap.add_argument("--gen-tokens", type=int, default=16)
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--lengths", type=int, nargs="+", default=[2048, 8000])
+    ap.add_argument("--doc-tokens", type=int, default=2048,
+                    help="length of the document of the recall and fidelity sections (the model's limit: 8192)")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--skip", nargs="*", default=[], choices=SECTIONS)
     ap.add_argument("--json", type=Path, default=None)
@@ -327,7 +329,8 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     res: dict = {"machine": machine(), "args": {k: str(v) for k, v in vars(args).items()}}
     lm = load_model("smollm2-135m", MODEL_CACHE)
-    doc2k = lm.context_ids(natural_document(1750))[:2048]
+    n_doc = args.doc_tokens
+    doc2k = lm.context_ids(natural_document(int(n_doc * 0.86) + 50))[:n_doc]
     cfgs = configs(CONFIGS, args.methods)
     run = [s for s in SECTIONS if s not in args.skip]
     if "recall" in run:

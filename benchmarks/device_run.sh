@@ -7,7 +7,7 @@
 #                    carry=[".whl", ".old"])
 #   stages: tests | kerneltests | decode | decodecold | decode512 | before_after | kernels | e2e32 | e2e128 |
 #           e2e128rest | e2eprof | e2elayer | attntests | decodeab | psaab | latency | ncu | psasweep | pdlab | e2enow |
-#           offload | psa32sweep | offloadfit | ivfsweep | ivfcpp | cslfsweep | ivfsel | ivfeager | ivfsample | ncusel | psaemit | psafuse | psastop | rtrip | rerankreg | rerank96 | e2ectkvr | ncuivf | verify | repro | e2eh200 | pushab | decode512h200 | s14ab | s14e2e | s14final | s14frame | s14tests
+#           offload | psa32sweep | offloadfit | ivfsweep | ivfcpp | cslfsweep | ivfsel | ivfeager | ivfsample | ncusel | psaemit | psafuse | psastop | rtrip | rerankreg | rerank96 | e2ectkvr | ncuivf | verify | repro | e2eh200 | pushab | decode512h200 | s14ab | s14e2e | s14final | s14frame | s14tests | s14lfpse2e
 #   (default: tests decode before_after)
 #   .old = the tree before the plan/run redesign (`git archive <commit> decoder indexer storage`), for
 #   the before/after decode comparison.
@@ -340,6 +340,14 @@ for stage in $stages; do
         tests/test_gpu_decode.py tests/test_triton_attention.py tests/test_backends.py tests/test_pipeline.py \
         tests/test_csattn.py tests/test_saap_device.py tests/test_runner.py tests/test_kernels_*.py \
         2>&1 | tee "$OUT/gpu_marked_tests.log" | tail -4 ;;
+    s14lfpse2e)  # session 14: lfps end to end at 128K (the runner, B = 1 and 8, dense in the same run), the tree of the
+      # session's start (.old/lfps_head.py) then this one
+      rm -rf /tmp/old && mkdir -p /tmp/old && cp -r benchmarks decoder indexer storage tests /tmp/old/ \
+        && cp .old/lfps_head.py /tmp/old/indexer/kernels/lfps.py || exit 1
+      (cd /tmp/old && python3 benchmarks/gpu_e2e.py --lengths 131072 --batches 1 8 --methods full lfps \
+        --eager-tokens 0 --hf-tokens 0 --tokens 8 --budget-s 200 --out "$OUT/lfps_e2e_old" 2>&1 | grep "^| 131072")
+      python3 benchmarks/gpu_e2e.py --lengths 131072 --batches 1 8 --methods full lfps \
+        --eager-tokens 0 --hf-tokens 0 --tokens 8 --budget-s 200 --out "$OUT/lfps_e2e_new" 2>&1 | grep "^| 131072" ;;
     decode512)
       python3 benchmarks/gpu_decode.py --lengths 524288 --batches 1 --backends triton \
         --methods streaming topk csattn ctkvr lfps psa saap --out "$OUT/512k" 2>&1 | tee "$OUT/gpu_decode_512k.log" \
