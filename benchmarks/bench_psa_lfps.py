@@ -3,8 +3,8 @@ the lower bound) and dense attention (`full`), on the default model, CPU, all in
 compare like with like. `--methods` picks the rows of every section (default `psa lfps`; `full`, the
 reference, always runs; add `streaming topk` for the baselines).
 
-* `recall`, attention level, ~2K document (`evaluation.fidelity.selection_recall`, every layer, the
-  last `--n-queries` tokens as decode queries): recall of the exact top-5% and top-10%, fraction of
+* `recall`, attention level, ~2K document (`--doc-tokens`, default 2048; `evaluation.fidelity.selection_recall`,
+  every layer, the last `--n-queries` tokens as decode queries): recall of the exact top-5% and top-10%, fraction of
   KV attended, relative L2 error of the attention output. PSA and LFPS rows add what a replay of the
   same queries against a dense softmax shows (`replay_extras`). PSA: blocks per step, P_acc at the
   stop, the attention mass its attended set really holds vs eps, steps capped by `max_ratio`.
