@@ -522,7 +522,10 @@ def main() -> None:
             host_copy: dict[str, list[torch.Tensor]] = {}  # "kv/k" / "kv/v" -> per-layer pinned copies
             on_host = [be for be in backends if get_backend(be).host_arrays]
             for label in a.methods:  # "name" or "name@param=value,..." (rows keep the label)
-                name, overrides, _ = method_spec(label)
+                name, overrides, knobs = method_spec(label)
+                if knobs:
+                    raise SystemExit(f"{label!r}: gpu_e2e.py takes parameter variants (name@param=value), "
+                                     "not kernel knobs (gpu_decode.py does)")
                 per_layer = reader = None
                 if bench.over_budget():
                     bench.add({"n": n, "batch": None, "runner": "-", "method": label, "error": "skipped: time budget"})
