@@ -138,22 +138,14 @@ def method_spec(spec: str) -> tuple[str, dict, str]:
     """A benchmark's method argument: "name[@param=value,...][:knob=value,...]" -> (name, param
     overrides, knobs). "psa@max_ratio=0.05" is psa with that `MethodParams` field changed (a second
     operating point of a method in the same run, e.g. psa capped at the budget rho); the knobs after
-    ":" are the kernel config's (gpu_decode.py's `plan_knobs`). Values parse as int, then float,
-    then true/false, else stay strings."""
+    ":" are the kernel config's (gpu_decode.py's `plan_knobs`). Values stay strings: the method's
+    Params (pydantic) convert them and refuse unknown fields."""
     head, _, knobs = spec.partition(":")
     name, _, params = head.partition("@")
     overrides = {}
     for item in filter(None, params.split(",")):
-        key, eq, text = item.partition("=")
+        key, eq, value = item.partition("=")
         if not eq:
             raise SystemExit(f"{spec!r}: a parameter needs a value (name@param=value)")
-        for cast in (int, float):
-            try:
-                value = cast(text)
-                break
-            except ValueError:
-                continue
-        else:
-            value = {"true": True, "false": False}.get(text.lower(), text)
         overrides[key] = value
     return name, overrides, knobs

@@ -202,13 +202,13 @@ def method_params(name: str, saap_dir: Path | None, overrides: dict | None = Non
     """The method and its operating point (METHOD_PARAMS), `overrides` on top ("psa@max_ratio=0.05":
     `method_spec`)."""
     m = get_method(name)
-    kw = dict(METHOD_PARAMS.get(name, {}), **(overrides or {}))
+    kw = dict(METHOD_PARAMS.get(name, {}))
     if name == "saap":
         kw["model_dir"] = str(saap_dir)
     for k in list(kw):
         if k not in m.Params.model_fields:
             kw.pop(k)
-    return m, m.Params(**kw)
+    return m, m.Params(**{**kw, **(overrides or {})})  # an unknown override is an error, not dropped
 
 
 def build_index(method, params, spec, ctx_k, ctx_v, q_host, positions, tile: bool, device):
