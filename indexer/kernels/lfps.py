@@ -120,8 +120,8 @@ Measured, the estimate against the device and the same positions as the torch pl
 
 Workspaces (grow-only, per device and stream, shared by the layers of a step: everything in them is
 consumed inside one plan): the tile moments, the score / mass buffer [rows, N] fp32, the flags
-[rows, N] int8, the logits [rows, N, G_PAD] fp32 (16 MB at 128K), the chunks' softmax states and
-expanded counts. Outputs allocated per call like the torch path's (a caller may keep them): the plan
+[rows, N] int8, the logits [rows, N, G_PAD] fp32 (16 MB at 128K), the score programs' softmax
+states and the chunks' expanded counts. Outputs allocated per call like the torch path's (a caller may keep them): the plan
 (positions, bypass, rest_logit), sparsity, statistics, the candidates, and the pending update (the
 chosen rows' logits [rows, K, G_PAD], the window's [rows, W, G_PAD], per-row softmax states and
 sums: ~0.9 MB per layer at 128K). Every launch size is a host int from shapes: no host sync,
