@@ -120,6 +120,34 @@ def kernel_profile(fn, reps: int = 5, sync=None) -> dict:
             "top": [[name[:80], round(cnt, 2), round(us, 2)] for name, cnt, us in sorted(kernels, key=lambda r: -r[2])]}
 
 
+def triton_kernel_regs() -> dict:
+    """Registers and spills of every Triton kernel compiled in this process, from the kernel caches
+    of the project's kernel modules: {kernel name: [[registers, spilled registers, warps], ...]} (one
+    entry per compiled specialisation). What the ahead-of-time check in each kernel module's docstring
+    states, measured by the JIT of the machine that ran the benchmark."""
+    import sys
+
+    from triton.runtime.jit import JITFunction
+
+    out: dict[str, list] = {}
+    for name, mod in list(sys.modules.items()):
+        if not name.startswith(("indexer.kernels.", "decoder.kernels.")):
+            continue
+        for obj in vars(mod).values():
+            fn = obj if isinstance(obj, JITFunction) else getattr(obj, "fn", None)  # autotuner wrappers: .fn
+            if not isinstance(fn, JITFunction):
+                continue
+            for caches in getattr(fn, "device_caches", {}).values():
+                for k in caches[0].values():
+                    n_regs = getattr(k, "n_regs", None)
+                    if n_regs is None:
+                        continue
+                    entry = [n_regs, getattr(k, "n_spills", None), getattr(k.metadata, "num_warps", None)]
+                    if entry not in out.setdefault(fn.__name__, []):
+                        out[fn.__name__].append(entry)
+    return out
+
+
 class RotatingInput:
     """A static input buffer (what a CUDA graph reads) cycled through several values between timed
     calls, so no timing is of one input only. `buf` is the tensor to pass; `next()` loads the next."""

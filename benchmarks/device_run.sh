@@ -7,7 +7,7 @@
 #                    carry=[".whl", ".old"])
 #   stages: tests | kerneltests | decode | decodecold | decode512 | before_after | kernels | e2e32 | e2e128 |
 #           e2e128rest | e2eprof | e2elayer | attntests | decodeab | psaab | latency | ncu | psasweep | pdlab | e2enow |
-#           offload | psa32sweep | offloadfit | ivfsweep | ivfcpp | cslfsweep | ivfsel | ivfeager | ivfsample | ncusel | psaemit | psafuse | psastop | rtrip | rerankreg | rerank96 | e2ectkvr | ncuivf | verify | repro | e2eh200 | pushab | decode512h200 | s14ab | s14e2e | s14final | s14frame | s14tests | s14lfpse2e
+#           offload | psa32sweep | offloadfit | ivfsweep | ivfcpp | cslfsweep | ivfsel | ivfeager | ivfsample | ncusel | psaemit | psafuse | psastop | rtrip | rerankreg | rerank96 | e2ectkvr | ncuivf | verify | repro | e2eh200 | pushab | decode512h200 | s14ab | s14e2e | s14final | s14frame | s14tests | s14lfpse2e | s15ivf | s15ivf2 | s15dot | s15final
 #   (default: tests decode before_after)
 #   .old = the tree before the plan/run redesign (`git archive <commit> decoder indexer storage`), for
 #   the before/after decode comparison.
@@ -335,6 +335,54 @@ for stage in $stages; do
         python3 benchmarks/gpu_decode.py --lengths 32768 131072 --batches 1 8 --profile --backends triton \
           --methods lfps $([ $i = 1 ] && echo --torch-plans) --out "$OUT/frame_cand$i" 2>&1 | grep "^| " | grep -v sdpa
       done ;;
+    s15ivf)  # session 15: the IVF probe with every head's centroid rows in one load and the rerank with the next
+      # chunk's positions loaded ahead, against the tree before (.old/ivf_head.py), alternating twice (ctkvr and kivf,
+      # 32K and 128K, B = 1 and 8); the probe alone (probe_one_load=0 isolates the rerank's part) and its knobs at
+      # 128K; 512K, old and new; the IVF kernel tests first
+      python3 -m pytest -q -p no:cacheprovider -o addopts="" tests/test_kernels_ivf.py 2>&1 | tail -1 \
+        | tee "$OUT/gpu_ivf_tests.log"
+      old_new ivfab "ctkvr kivf" indexer/kernels/ivf.py ;;
+    s15ivf2)  # session 15: the probe's knobs and the rerank's / select's on the H200 (swept on the H100 before),
+      # ctkvr at 128K; then ctkvr at 512K, the tree before (.old/ivf_head.py) and this one
+      rm -rf /tmp/old && mkdir -p /tmp/old && cp -r benchmarks decoder indexer storage tests /tmp/old/ \
+        && cp .old/ivf_head.py /tmp/old/indexer/kernels/ivf.py || exit 1
+      python3 benchmarks/gpu_decode.py --lengths 131072 --batches 1 --profile --backends triton --methods ctkvr \
+        ctkvr:probe_one_load=0 ctkvr:probe_warps=8 ctkvr:block_c=16 ctkvr:block_c=16,probe_warps=2 \
+        ctkvr:block_c=64,probe_warps=8 ctkvr:rerank_maxnreg=128 ctkvr:chunks_per_prog=1 ctkvr:select_warps=16 \
+        --out "$OUT/ivfknobs" 2>&1 | grep -E "^\| |registers"
+      (cd /tmp/old && python3 benchmarks/gpu_decode.py --lengths 524288 --batches 1 --backends triton --methods ctkvr \
+        --out "$OUT/ivf512_old" 2>&1 | grep "^| 524288")
+      python3 benchmarks/gpu_decode.py --lengths 524288 --batches 1 --backends triton --methods ctkvr \
+        --out "$OUT/ivf512_new" 2>&1 | grep "^| 524288" ;;
+    s15dot)  # session 15 (ran on a tree with a tl.dot rerank, `IvfConfig.rerank_dot`, not kept: RESULTS.md):
+      # the rerank's logits as one tl.dot (K rows kept in bf16) and the one-load probe, against the
+      # tree before the session (.old/ivf_head.py): the IVF kernel tests and the GPU decode / runner tests of ctkvr
+      # and kivf first; old, new (with the torch planners' agreement), the fp32 row-wise rerank (rerank_dot=0) at
+      # 128K, and 512K
+      python3 -m pytest -q -p no:cacheprovider -o addopts="" tests/test_kernels_ivf.py 2>&1 | tail -1 \
+        | tee "$OUT/gpu_ivf_dot_tests.log"
+      python3 -m pytest -q -p no:cacheprovider -m gpu -o addopts="" tests/test_gpu_decode.py tests/test_runner.py \
+        tests/test_kernel_schedules.py -k "ctkvr or kivf or reproducible" 2>&1 | tail -1 | tee -a "$OUT/gpu_ivf_dot_tests.log"
+      rm -rf /tmp/old && mkdir -p /tmp/old && cp -r benchmarks decoder indexer storage tests /tmp/old/ \
+        && cp .old/ivf_head.py /tmp/old/indexer/kernels/ivf.py || exit 1
+      (cd /tmp/old && python3 benchmarks/gpu_decode.py --lengths 32768 131072 --batches 1 8 --profile --backends triton \
+        --methods ctkvr kivf --out "$OUT/dot_old" 2>&1 | grep "^| " | grep -v sdpa)
+      python3 benchmarks/gpu_decode.py --lengths 32768 131072 --batches 1 8 --profile --backends triton \
+        --methods ctkvr kivf --torch-plans --out "$OUT/dot_new" 2>&1 | grep -E "^\| |registers" | grep -v sdpa
+      python3 benchmarks/gpu_decode.py --lengths 131072 --batches 1 --profile --backends triton \
+        --methods ctkvr:rerank_dot=0 kivf:rerank_dot=0 --out "$OUT/dot_off" 2>&1 | grep "^| " | grep -v sdpa
+      python3 benchmarks/gpu_decode.py --lengths 524288 --batches 1 --backends triton --methods ctkvr \
+        --out "$OUT/dot512" 2>&1 | grep "^| 524288" ;;
+    s15final)  # session 15, the final tree: every GPU-marked test, then ctkvr's table rows (32K and 128K, B = 1 and 8,
+      # with profiles and the torch planner's agreement) and its 512K row
+      python3 -m pytest -q -p no:cacheprovider -m gpu -o addopts="" \
+        tests/test_gpu_decode.py tests/test_triton_attention.py tests/test_backends.py tests/test_pipeline.py \
+        tests/test_csattn.py tests/test_saap_device.py tests/test_runner.py tests/test_kernels_*.py \
+        2>&1 | tee "$OUT/gpu_marked_tests.log" | tail -2
+      python3 benchmarks/gpu_decode.py --lengths 32768 131072 --batches 1 8 --profile --backends triton \
+        --methods ctkvr --torch-plans --out "$OUT/final" 2>&1 | grep "^| " | grep -v sdpa_slice
+      python3 benchmarks/gpu_decode.py --lengths 524288 --batches 1 --backends triton --methods ctkvr \
+        --out "$OUT/final512" 2>&1 | grep "^| 524288" ;;
     s14tests)  # session 14, the final tree: every GPU-marked test
       python3 -m pytest -q -p no:cacheprovider -m gpu -o addopts="" \
         tests/test_gpu_decode.py tests/test_triton_attention.py tests/test_backends.py tests/test_pipeline.py \

@@ -65,7 +65,8 @@ import torch.nn.functional as F
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from benchmarks._gpu_timing import BF, D, G, H, KVH, M_LOCAL, THETA, Timing, kernel_profile, method_spec  # noqa: E402
+from benchmarks._gpu_timing import (BF, D, G, H, KVH, M_LOCAL, THETA, Timing, kernel_profile, method_spec,  # noqa: E402
+                                    triton_kernel_regs)
 from decoder.backends import backend_names, get_backend  # noqa: E402
 from decoder.runner import fork_join  # noqa: E402
 from indexer.rope import apply_rope  # noqa: E402
@@ -470,6 +471,11 @@ def main() -> None:
             rows += r
             builds += b
             (out / "gpu_decode.json").write_text(json.dumps({"info": info, "rows": rows, "builds": builds}, indent=1))
+    if a.profile and DEV == "cuda":  # registers and spills of the kernels this run compiled
+        regs = triton_kernel_regs()
+        print("kernel registers [regs, spills, warps]:", json.dumps(regs), flush=True)
+        (out / "gpu_decode.json").write_text(json.dumps({"info": info, "rows": rows, "builds": builds,
+                                                         "kernel_regs": regs}, indent=1))
     print("\n| n | B | method | backend | eager ms | x SDPA | graph ms | x SDPA |")
     print("|---|---|---|---|---|---|---|---|")
     by = {}

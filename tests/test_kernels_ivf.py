@@ -34,7 +34,9 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TINY = ivf.IvfConfig(block_c=16, block_u=16, chunks_per_prog=2, select_block=16, select_warps=4,
-                     eager_rows=False)  # the default loads K rows before the dedup answers; TINY after
+                     eager_rows=False, probe_one_load=False)
+# the default loads K rows before the dedup answers, TINY after; the default probe loads every head's
+# centroid rows at once, TINY one head at a time
 
 
 def _spec(kvh, g, d, layers=1):

@@ -10,7 +10,8 @@ their wrappers and workspaces, and their cost model below.
 CTkvr, one layer and decode step (rows = KVH x T, one per KV head and query token):
 
 1. `_ctkvr_probe_kernel`, grid (ceil((C + F) / BLOCK_C), rows): cosine of each normalised query head
-   to the same head of BLOCK_C entries (persisted centroids, then the request's FIFO ring), rounded
+   to the same head of BLOCK_C entries (persisted centroids, then the request's FIFO ring; every head's
+   rows of the block in one [BLOCK_C, G, D] load), rounded
    to the centroids' dtype (the torch path's einsum output), max over the group, -inf for evicted /
    empty entries; the block's `probe` best (cosine desc, entry id asc) -> a workspace. It also zeroes
    its share of the row's dedup map (P_PAD bits per context position: which probe ranks hold it) and
@@ -117,9 +118,13 @@ specialisation of strides, default knobs, D 128 bf16): no register spills; regis
 probe 134 (4 warps), rerank 154 (4 warps; on the GPU it runs capped at 96, `IvfConfig.rerank_maxnreg`:
 5 programs per SM instead of 3, measured in benchmarks/RESULTS.md), select 128 (8 warps, block 2048; the sampled select),
 push 32, kivf probe 154, kivf clusters 106 (8 warps, block 2048); select and push not checked again since their
-2026-11-28 changes (the dedup map's survivor check, the push over KVH x chunks programs). benchmarks/gpu_decode.py
-times the plans (`--profile`
-for per-kernel device time; IvfConfig knobs as `ctkvr:knob=value` rows), benchmarks/gpu_ivf.py too.
+2026-11-28 changes (the dedup map's survivor check, the push over KVH x chunks programs). Measured by the
+JIT on the H200 (2026-11-28, session 15, `gpu_decode.py --profile` reports [registers, spilled, warps] per
+compiled kernel): CTkvr probe with every head's rows in one load (`probe_one_load`) 181 / 0 / 4 (123 / 0
+with 8 warps, no faster); rerank at the 96 cap 96 / 44 / 4 for CTkvr and 96 / 8 / 4 for kivf, i.e. it
+spills (the cap still wins: 128 gives 128 / 2 and a slower step); select 128 / 0 / 8.
+benchmarks/gpu_decode.py times the plans (`--profile` for per-kernel device time; IvfConfig knobs as
+`ctkvr:knob=value` rows), benchmarks/gpu_ivf.py too.
 
 Workspaces (grow-only, per device, stream and purpose, like `decoder/kernels/attention.py`): float32
 and int32 buffers for the probe bests, logits, partial softmax states, positions, keys, select
@@ -459,8 +464,9 @@ def _ctkvr_probe_kernel(
     sf_h, sf_c, sf_g,  # FIFO centroids [KVH, F, G, D]
     spq_h, spq_g,  # pending query [KVH, G, D]
     T, C, F, n_blocks, NW, words_per_prog,
-    G: tl.constexpr, D: tl.constexpr, BLOCK_C: tl.constexpr, P: tl.constexpr, P_PAD: tl.constexpr,
-    HAS_FIFO: tl.constexpr, DEDUP: tl.constexpr, BLOCK_Z: tl.constexpr,
+    G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, BLOCK_C: tl.constexpr, P: tl.constexpr,
+    P_PAD: tl.constexpr, HAS_FIFO: tl.constexpr, DEDUP: tl.constexpr, BLOCK_Z: tl.constexpr,
+    ONE_LOAD: tl.constexpr = True,
 ):
     s = tl.program_id(0)
     r = tl.program_id(1)
@@ -477,21 +483,42 @@ def _ctkvr_probe_kernel(
         is_f = e < 0
         alive = is_p
     write_q = (s == 0) & (t == T - 1)
-    best = tl.full([BLOCK_C], float("-inf"), tl.float32)
-    for g in tl.static_range(G):
-        qv = tl.load(Q + h * sq_h + g * sq_g + t * sq_t + offs_d).to(tl.float32)
-        qn = tl.div_rn(qv, tl.maximum(tl.sqrt_rn(tl.sum(qv * qv, 0)), 1e-12))  # F.normalize(q.float()), IEEE ops
+    if ONE_LOAD:
+        # every head's rows of the block in one load ([BLOCK_C, G_PAD, D]: an entry's G x D values are
+        # contiguous), so the program waits on memory once, not once per head in turn
+        ar_g = tl.arange(0, G_PAD)
+        g_ok = ar_g < G
+        qv = tl.load(Q + h * sq_h + ar_g[:, None] * sq_g + t * sq_t + offs_d[None, :], mask=g_ok[:, None],
+                     other=0.0).to(tl.float32)
+        ptr = (CENT + h * sc_h + e[:, None, None].to(tl.int64) * sc_c + ar_g[None, :, None] * sc_g
+               + offs_d[None, None, :])
+        if HAS_FIFO:  # one load per element from either table (same dtype), not two tiles
+            ptr = tl.where(is_f[:, None, None], FCENT + h * sf_h + (e - C)[:, None, None].to(tl.int64) * sf_c
+                           + ar_g[None, :, None] * sf_g + offs_d[None, None, :], ptr)
+        ce = tl.load(ptr, mask=(is_p | is_f)[:, None, None] & g_ok[None, :, None], other=0.0).to(tl.float32)
+        qn = tl.div_rn(qv, tl.maximum(tl.sqrt_rn(tl.sum(qv * qv, 1)), 1e-12)[:, None])  # F.normalize(q.float())
         qf = _round_as(qn, CENT.dtype.element_ty)  # ... .to(centroid dtype), as the torch path
         if HAS_FIFO:
-            tl.store(PQ + h * spq_h + g * spq_g + offs_d, qf.to(PQ.dtype.element_ty), mask=write_q & (offs_d < D))
-        ptr = CENT + h * sc_h + e[:, None].to(tl.int64) * sc_c + g * sc_g + offs_d[None, :]
-        if HAS_FIFO:  # one load per element from either table (same dtype), not two tiles
-            ptr = tl.where(is_f[:, None], FCENT + h * sf_h + (e - C)[:, None].to(tl.int64) * sf_c + g * sf_g
-                           + offs_d[None, :], ptr)
-        ce = tl.load(ptr, mask=(is_p | is_f)[:, None], other=0.0).to(tl.float32)
-        cos = tl.sum(ce * qf[None, :], 1)
-        cos = _round_as(cos, CENT.dtype.element_ty)  # the einsum's output dtype (bf16 rounds)
-        best = tl.maximum(best, cos)
+            tl.store(PQ + h * spq_h + ar_g[:, None] * spq_g + offs_d[None, :], qf.to(PQ.dtype.element_ty),
+                     mask=write_q & g_ok[:, None])
+        cos = _round_as(tl.sum(ce * qf[None, :, :], 2), CENT.dtype.element_ty)  # the einsum's output dtype
+        best = tl.max(tl.where(g_ok[None, :], cos, float("-inf")), 1)
+    else:  # one head at a time: a load, its cosines, the next head's load
+        best = tl.full([BLOCK_C], float("-inf"), tl.float32)
+        for g in tl.static_range(G):
+            qv = tl.load(Q + h * sq_h + g * sq_g + t * sq_t + offs_d).to(tl.float32)
+            qn = tl.div_rn(qv, tl.maximum(tl.sqrt_rn(tl.sum(qv * qv, 0)), 1e-12))  # F.normalize(q.float()), IEEE ops
+            qf = _round_as(qn, CENT.dtype.element_ty)  # ... .to(centroid dtype), as the torch path
+            if HAS_FIFO:
+                tl.store(PQ + h * spq_h + g * spq_g + offs_d, qf.to(PQ.dtype.element_ty), mask=write_q & (offs_d < D))
+            ptr = CENT + h * sc_h + e[:, None].to(tl.int64) * sc_c + g * sc_g + offs_d[None, :]
+            if HAS_FIFO:  # one load per element from either table (same dtype), not two tiles
+                ptr = tl.where(is_f[:, None], FCENT + h * sf_h + (e - C)[:, None].to(tl.int64) * sf_c + g * sf_g
+                               + offs_d[None, :], ptr)
+            ce = tl.load(ptr, mask=(is_p | is_f)[:, None], other=0.0).to(tl.float32)
+            cos = tl.sum(ce * qf[None, :], 1)
+            cos = _round_as(cos, CENT.dtype.element_ty)  # the einsum's output dtype (bf16 rounds)
+            best = tl.maximum(best, cos)
     v = tl.where(alive, best, float("-inf"))
     base = (r * n_blocks + s) * P_PAD
     pv = float("inf")
@@ -980,6 +1007,8 @@ class IvfConfig:
     chunks_per_prog: int = 2  # rerank: chunks per program (1 -> 2: ctkvr's rerank 32.0 -> 27.4 µs, H100; RESULTS.md)
     select_block: int = 2048  # select: keys per chunk (capped at next_pow2(U))
     probe_warps: int = 4
+    probe_one_load: bool = True  # probe: every head's centroid rows in one load (False: one head at a time;
+    # probe 14.1-14.5 -> 9.0-11.4 us at 128K, H200; RESULTS.md)
     rerank_warps: int = 4
     rerank_maxnreg: int | None = 96  # rerank: register cap per thread on CUDA (0 / None: the compiler's, 159 at
     # the 8B shape, 3 programs per SM); 96: 5 per SM, rerank 27.5 -> 24.0 us at 128K (H100; RESULTS.md)
@@ -1172,8 +1201,8 @@ def ctkvr_plan(q: torch.Tensor, kv, cent: torch.Tensor, lists: torch.Tensor, fif
         fcent.stride(0), fcent.stride(1), fcent.stride(2),
         *(pend_q.stride()[:2] if has_fifo else (0, 0)),
         t, c, f, n_blocks, nw, words_per_prog,
-        G=g, D=d, BLOCK_C=cfg.block_c, P=p, P_PAD=p_pad, HAS_FIFO=has_fifo, DEDUP=True, BLOCK_Z=256,
-        num_warps=cfg.probe_warps,
+        G=g, G_PAD=triton.next_power_of_2(g), D=d, BLOCK_C=cfg.block_c, P=p, P_PAD=p_pad, HAS_FIFO=has_fifo,
+        DEDUP=True, BLOCK_Z=256, ONE_LOAD=cfg.probe_one_load, num_warps=cfg.probe_warps,
     )
     out = _rerank_and_select(
         q, kv, rows=rows, u=u, sink=sink, window=window, kp=kp, rho=rho, source=0,
