@@ -68,6 +68,8 @@ CONFIGS = [
     ("psa eps=0.95 cap 25%", "psa", {"eps": 0.95, "max_ratio": 0.25}),
     ("psa eps=0.95 cap 10%", "psa", {"eps": 0.95, "max_ratio": 0.10}),  # the GPU benchmarks' operating point
     ("psa eps=0.95 cap 5%", "psa", {"eps": 0.95, "max_ratio": 0.05}),  # capped at the budget rho
+    ("psa eps=1 cap 5%", "psa", {"eps": 1.0, "max_ratio": 0.05}),  # a fixed budget: the top-rho blocks (Quest-like)
+    ("psa eps=1 cap 10%", "psa", {"eps": 1.0, "max_ratio": 0.10}),
     ("lfps 5%", "lfps", {"ratio": 0.05}),
     ("lfps 5% no-bypass", "lfps", {"ratio": 0.05, "bypass": False}),
     ("lfps 10%", "lfps", {"ratio": 0.10}),
