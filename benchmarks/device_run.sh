@@ -7,7 +7,7 @@
 #                    carry=[".whl", ".old"])
 #   stages: tests | kerneltests | decode | decodecold | decode512 | before_after | kernels | e2e32 | e2e128 |
 #           e2e128rest | e2eprof | e2elayer | attntests | decodeab | psaab | latency | ncu | psasweep | pdlab | e2enow |
-#           offload | psa32sweep | offloadfit | ivfsweep | ivfcpp | cslfsweep | ivfsel | ivfeager | ivfsample | ncusel | psaemit | psafuse | psastop | rtrip | rerankreg | rerank96 | e2ectkvr | ncuivf | verify | repro | e2eh200 | pushab | decode512h200 | s14ab | s14e2e | s14final | s14frame | s14tests | s14lfpse2e | s15ivf | s15ivf2 | s15dot | s15final
+#           offload | psa32sweep | offloadfit | ivfsweep | ivfcpp | cslfsweep | ivfsel | ivfeager | ivfsample | ncusel | psaemit | psafuse | psastop | rtrip | rerankreg | rerank96 | e2ectkvr | ncuivf | verify | repro | e2eh200 | pushab | decode512h200 | s14ab | s14e2e | s14final | s14frame | s14tests | s14lfpse2e | s15ivf | s15ivf2 | s15dot | s15final | s15rerank
 #   (default: tests decode before_after)
 #   .old = the tree before the plan/run redesign (`git archive <commit> decoder indexer storage`), for
 #   the before/after decode comparison.
@@ -383,6 +383,11 @@ for stage in $stages; do
         --methods ctkvr --torch-plans --out "$OUT/final" 2>&1 | grep "^| " | grep -v sdpa_slice
       python3 benchmarks/gpu_decode.py --lengths 524288 --batches 1 --backends triton --methods ctkvr \
         --out "$OUT/final512" 2>&1 | grep "^| 524288" ;;
+    s15rerank)  # session 15: ctkvr's rerank in chunks of 32 slots (a K tile half the registers: no spills at the cap
+      # of 96?) against the default 2 x 64, at 128K, B = 1, one run
+      python3 benchmarks/gpu_decode.py --lengths 131072 --batches 1 --profile --backends triton --methods ctkvr \
+        ctkvr:block_u=32,chunks_per_prog=4 ctkvr:block_u=32,chunks_per_prog=2 --out "$OUT/rerank32" 2>&1 \
+        | grep -E "^\| |registers" | grep -v sdpa_slice ;;
     s14tests)  # session 14, the final tree: every GPU-marked test
       python3 -m pytest -q -p no:cacheprovider -m gpu -o addopts="" \
         tests/test_gpu_decode.py tests/test_triton_attention.py tests/test_backends.py tests/test_pipeline.py \
