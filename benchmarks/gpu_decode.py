@@ -42,7 +42,8 @@ of the runs before 2026-11-23, to show how much of a sparse step a warm L2 serve
 
 Rows (JSON, $OUT/gpu_decode.json): n, batch, method, backend, planner, mode (eager|graph|graph_warm_l2),
 ms, sdpa_ms (full SDPA, same batch and mode), sdpa_slice_ms, ratio = sdpa_ms / ms (> 1: faster than
-dense), l2 (cold|warm).
+dense), l2 (cold|warm). With `--profile` on a GPU the file also holds `kernel_regs`: registers, spilled
+registers and warps of every Triton kernel the run compiled (`_gpu_timing.triton_kernel_regs`).
 """
 
 from __future__ import annotations
