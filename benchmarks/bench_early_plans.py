@@ -16,8 +16,7 @@ on the critical path: layer L's search needs layer L's query. Two ways to take i
   (the attention, run later, sees them all). lag 0: the true query with that same view.
 
 Methods: those that stay close to dense attention at rho = 5% (`topk`, the exact oracle; `ctkvr`;
-`kivf`), and `psa` in `reuse` (not in `predict`: its planner assumes the query sees its own key, and a
-first decode step planned ahead has no request-local row at all). Fidelity as in bench_psa_lfps.py: the last `--positions` tokens of a document
+`kivf`) and `psa`. Fidelity as in bench_psa_lfps.py: the last `--positions` tokens of a document
 fed one at a time, top-1 agreement and KL(full || method) of the next-token distributions.
 
     python benchmarks/bench_early_plans.py --json benchmarks/results/bench_early_plans.json
@@ -157,8 +156,6 @@ def main() -> None:
     for section in a.sections:
         key, values, wrap = variants[section]
         for label, name, kw in METHODS:
-            if section == "predict" and name == "psa":
-                continue
             m = get_method(name)
             params = m.Params(**kw)
             for v in values:

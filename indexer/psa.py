@@ -187,6 +187,12 @@ class ProgressivePlan:
     lengths: torch.Tensor  # [KVH, T] int32: (dense-part blocks + used)·bs, positions past it are -1
 
 
+def _amax(x: torch.Tensor) -> torch.Tensor:
+    """Max over the last dim; -inf where it is empty (no request-local rows: a plan made before the
+    step's own key exists, or no dense-part block)."""
+    return x.amax(-1) if x.shape[-1] else x.new_full(x.shape[:-1], NEG_INF)
+
+
 @torch.no_grad()
 def progressive_plan(
     q: torch.Tensor,  # [KVH, G, T, D]
@@ -248,7 +254,7 @@ def progressive_plan(
     if score_all:  # q·k of every key; block sums by a reshape
         s = torch.einsum("hgtd,hnd->hgtn", q, ctx_k.to(q.dtype)).float() * scale
         s = F.pad(s, (0, nb * bs - n), value=NEG_INF).view(kvh, g, t, nb, bs)
-        m = torch.maximum(s.amax((-1, -2)), s_loc.amax(-1))  # [KVH, G, T]
+        m = torch.maximum(s.amax((-1, -2)), _amax(s_loc))  # [KVH, G, T]
         m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
         blk = torch.exp(s - m[..., None, None]).sum(-1)  # [KVH, G, T, B]
         dense = (blk * forced[None, None]).sum(-1)
@@ -262,11 +268,11 @@ def progressive_plan(
         s_f = torch.einsum("hgtd,hpd->hgtp", q, k_f.to(q.dtype)).float() * scale
         f_ok = (f_keep[..., None] & (f_tok < n)[None]).view(t, -1)  # [T, F·bs]
         s_f = s_f.masked_fill(~f_ok[None, None], NEG_INF)
-        m = torch.maximum(torch.maximum(s_c.amax(-1), s_f.amax(-1)), s_loc.amax(-1))
+        m = torch.maximum(torch.maximum(s_c.amax(-1), _amax(s_f)), _amax(s_loc))
         m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
         top_sum = torch.exp(s_c - m[..., None]).view(kvh, g, t, bm, bs).sum(-1)  # [KVH, G, T, B_max]
         dense = torch.exp(s_f - m[..., None]).sum(-1)
-    dense = dense + torch.exp(s_loc - m[..., None]).sum(-1)  # [KVH, G, T]; > 0: a query sees its own key
+    dense = dense + torch.exp(s_loc - m[..., None]).sum(-1)  # [KVH, G, T]; > 0 once a query sees its own key
 
     # -- the stop rule, by cumulative ops -------------------------------------------------------
     top_sum = torch.where(top_ok[:, None], top_sum, torch.zeros_like(top_sum))

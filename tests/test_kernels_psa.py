@@ -156,6 +156,17 @@ def test_fused_plan_edges(shape):
     _assert_same(got, want, str(shape))
 
 
+def test_fused_plan_without_request_local_rows():
+    """A plan made before the step's own key exists (planning a layer ahead) sees no request-local
+    row: the fused plan still equals the torch path's."""
+    q, ctx_k, loc_k, q_pos = _inputs(9, m=1)
+    meta = _meta(ctx_k, 16)
+    for eps in (0.9, 1.0):
+        got, want = _both(q, ctx_k, loc_k[:, :0], q_pos, meta, 16, eps=eps, microbatch=2, sink=4, window=8,
+                          max_blocks=meta.shape[1], criticality="cuboid")
+        _assert_same(got, want, f"eps {eps}")
+
+
 def test_empty_context_plans_nothing():
     q, ctx_k, loc_k, q_pos = _inputs(1, n=0, m=3)
     meta = torch.zeros(2, 0, 3, 16, dtype=torch.float16)

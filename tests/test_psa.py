@@ -330,3 +330,20 @@ def test_decodes_with_the_model(lm):
     assert "48213" in text
     assert 0 < res.stats.kv_fraction < 1
     assert st["blocks_per_step"] > 0
+
+
+@pytest.mark.parametrize("score_all", [True, False])
+@pytest.mark.parametrize("eps", [0.9, 1.0])
+def test_plan_without_request_local_rows(eps, score_all):
+    """A plan made before the step's own key exists (planning a layer ahead: benchmarks/
+    bench_early_plans.py) sees no request-local row at all on the first decode step: the dense part
+    is the sink and window blocks alone. Same blocks and P_acc as Algorithm 1's loop."""
+    q, kv = _random_kv(n=403, m=1, t=1, seed=8)
+    kv = KVView(kv.ctx_k, kv.ctx_v, kv.loc_k[:, :0], kv.loc_v[:, :0], kv.q_pos)
+    _, arrays = _index(kv.ctx_k, 16)
+    meta = arrays["block_meta"][0]
+    res = _plan(meta, q, kv, 16, eps=eps, microbatch=2, score_all=score_all)
+    used, mass = _reference(q, kv, meta, 16, eps, 2, 4, 8, meta.shape[1])
+    for (h, t), blocks in used.items():
+        assert res.ranked[h, t, : len(blocks)].tolist() == blocks and int(res.used[h, t]) == len(blocks), (h, t)
+    torch.testing.assert_close(res.mass_est.double(), mass, atol=1e-5, rtol=1e-5)
