@@ -1008,7 +1008,7 @@ class IvfConfig:
     select_block: int = 2048  # select: keys per chunk (capped at next_pow2(U))
     probe_warps: int = 4
     probe_one_load: bool = True  # probe: every head's centroid rows in one load (False: one head at a time;
-    # probe 14.1-14.5 -> 9.0-11.4 us at 128K, H200; RESULTS.md)
+    # probe 14.1-14.8 -> 9.0-11.4 us at 128K, H200; RESULTS.md)
     rerank_warps: int = 4
     rerank_maxnreg: int | None = 96  # rerank: register cap per thread on CUDA (0 / None: the compiler's, 159 at
     # the 8B shape, 3 programs per SM); 96: 5 per SM, rerank 27.5 -> 24.0 us at 128K (H100; RESULTS.md)
