@@ -120,6 +120,71 @@ def kernel_profile(fn, reps: int = 5, sync=None) -> dict:
             "top": [[name[:80], round(cnt, 2), round(us, 2)] for name, cnt, us in sorted(kernels, key=lambda r: -r[2])]}
 
 
+def stream_overlap(fn, sync=None) -> dict:
+    """How the kernels of one call of `fn` (e.g. a graph replay) overlap across CUDA streams, from a
+    profiler trace (CUPTI reports a replayed graph's kernels one by one, with their streams). The
+    main stream is the one with the most kernel time. In µs: `span` (first kernel start to last
+    end), `main_busy` (union of the main stream's kernels), `main_gaps` (span - main_busy: launch
+    gaps and waits for other streams), `side_busy` (union over the other streams), `side_hidden`
+    (side time while a main kernel runs), `side_exposed` (side time while none does), and per
+    stream its kernel count and summed kernel time."""
+    import json
+    import tempfile
+
+    from torch.profiler import ProfilerActivity, profile
+
+    sync = sync or torch.cuda.synchronize
+    fn()
+    sync()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        sync()
+    with tempfile.NamedTemporaryFile(suffix=".json") as f:
+        prof.export_chrome_trace(f.name)
+        trace = json.load(open(f.name))
+    evs = [e for e in trace.get("traceEvents", []) if e.get("cat") == "kernel" and "dur" in e]
+    if not evs:
+        return {"error": "no kernel events in the trace"}
+    by_stream: dict = {}
+    for e in evs:
+        by_stream.setdefault(e.get("args", {}).get("stream", e.get("tid")), []).append((float(e["ts"]), float(e["ts"]) + float(e["dur"])))
+    main = max(by_stream, key=lambda k: sum(b - a for a, b in by_stream[k]))
+
+    def union(iv):
+        out = []
+        for a, b in sorted(iv):
+            if out and a <= out[-1][1]:
+                out[-1][1] = max(out[-1][1], b)
+            else:
+                out.append([a, b])
+        return out
+
+    def length(iv):
+        return sum(b - a for a, b in iv)
+
+    def intersect(x, y):
+        i = j = 0
+        tot = 0.0
+        while i < len(x) and j < len(y):
+            a, b = max(x[i][0], y[j][0]), min(x[i][1], y[j][1])
+            tot += max(0.0, b - a)
+            if x[i][1] < y[j][1]:
+                i += 1
+            else:
+                j += 1
+        return tot
+
+    m = union(by_stream[main])
+    side = union([iv for k, v in by_stream.items() if k != main for iv in v])
+    start = min(a for v in by_stream.values() for a, _ in v)
+    end = max(b for v in by_stream.values() for _, b in v)
+    hidden = intersect(m, side)
+    return {"span": end - start, "main_busy": length(m), "main_gaps": end - start - length(m),
+            "side_busy": length(side), "side_hidden": hidden, "side_exposed": length(side) - hidden,
+            "streams": {str(k): [len(v), round(sum(b - a for a, b in v), 1)] for k, v in by_stream.items()},
+            "main_stream": str(main)}
+
+
 def triton_kernel_regs() -> dict:
     """Registers and spills of every Triton kernel compiled in this process, from the kernel caches
     of the project's kernel modules: {kernel name: [[registers, spilled registers, warps], ...]} (one

@@ -74,7 +74,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
 
-from benchmarks._gpu_timing import kernel_profile, method_spec  # noqa: E402
+from benchmarks._gpu_timing import kernel_profile, method_spec, stream_overlap  # noqa: E402
 from decoder.backends import get_backend  # noqa: E402
 from decoder.backends.offload import mapped  # noqa: E402
 from decoder.generate import ContextKV, generate  # noqa: E402
@@ -287,13 +287,15 @@ class Bench:
 
     def runner(self, n: int, ctx: ContextKV, name: str, method, params, reader, backend_name: str, b: int,
                graphs: bool, tokens: int, extra: dict, fused_layer: bool | None = None,
-               contexts: str | None = None) -> None:
+               contexts: str | None = None, plan_ahead: bool = False, ahead_priority: int = 0,
+               sm_carveout: int = 0) -> None:
         be = get_backend(backend_name)
         qs = self.questions(b, n + b)
-        prof_steps = 2 if self.a.profile and graphs and b == 1 else 0
+        prof_steps = 4 if self.a.profile and graphs and b == 1 else 0
         max_new = tokens + 3 + prof_steps
         local = self.a.question + max_new
-        run = Runner(self.lm, be, self.dev, graphs=graphs, track_fraction=True, fused_layer=fused_layer)
+        run = Runner(self.lm, be, self.dev, graphs=graphs, track_fraction=True, fused_layer=fused_layer,
+                     plan_ahead=plan_ahead, ahead_priority=ahead_priority, sm_carveout=sm_carveout)
         if contexts is None:
             contexts = "shared" if b == 1 else self.a.offload_contexts if be.host_arrays else self.a.contexts
         for j, q in enumerate(qs):
@@ -332,12 +334,18 @@ class Bench:
         prof = None
         if prof_steps:  # the kernels of a replayed step (CUPTI reports a graph's kernels one by one)
             try:
-                prof = kernel_profile(run.step, reps=prof_steps - 1, sync=self.sync)
+                prof = kernel_profile(run.step, reps=prof_steps - 3, sync=self.sync)
                 prof["top"] = prof["top"][:40]
             except Exception as e:  # noqa: BLE001 - extra information only
                 prof = {"error": f"{type(e).__name__}: {e}"[:200]}
             log(f"    profile {name} B=1: {prof.get('kernels_per_call', 0):.0f} kernels, "
                 f"{prof.get('device_us_per_call', 0) / 1e3:.2f} ms of device time per token; top {prof.get('top', [])[:6]}")
+            try:  # how the replayed step's streams overlap (plan_ahead's side streams)
+                prof["overlap"] = stream_overlap(run.step, sync=self.sync)
+                log(f"    overlap {name} B=1 plan_ahead={plan_ahead}: "
+                    f"{ {k: v for k, v in prof['overlap'].items() if k != 'streams'} }")
+            except Exception as e:  # noqa: BLE001 - extra information only
+                prof["overlap"] = {"error": f"{type(e).__name__}: {e}"[:200]}
         for s in list(run.requests):
             run.remove(s)
         ms = statistics.median(times)
@@ -347,8 +355,8 @@ class Bench:
                "ms_mean": statistics.fmean(times), "ms_max": max(times), "steps_timed": len(times),
                "kv_fraction": frac, "graph": status, "first_step": first_status, "prompt_ms": t_prompt * 1e3,
                "warmup_ms": t_warm * 1e3, "capture_or_first_ms": t_first * 1e3,
-               "fused_layer": run.layer_kernels is not None, "contexts": contexts,
-               **extra}
+               "fused_layer": run.layer_kernels is not None, "contexts": contexts, "plan_ahead": plan_ahead,
+               **({"ahead_priority": ahead_priority, "sm_carveout": sm_carveout} if plan_ahead else {}), **extra}
         if prof is not None:
             row["profile"] = prof
         host = get_backend(backend_name).host_arrays
@@ -445,6 +453,12 @@ def main() -> None:
     ap.add_argument("--offload-methods", nargs="+", default=["csattn", "saap", "psa", "ctkvr"],
                     help="methods that get offload rows when the offload backend is asked for")
     ap.add_argument("--tokens", type=int, default=16, help="timed one-token steps per row")
+    ap.add_argument("--plan-ahead", nargs="+", choices=["off", "on"], default=["off"],
+                    help="graph rows of the sparse methods with the runner's plan_ahead too (rows say plan_ahead)")
+    ap.add_argument("--ahead-priority", type=int, nargs="+", default=[0],
+                    help="plan_ahead rows: one per CUDA priority of the side streams (lower = higher)")
+    ap.add_argument("--sm-carveout", type=int, nargs="+", default=[0],
+                    help="plan_ahead rows: one per number of SMs the GEMMs leave to the side streams")
     ap.add_argument("--contexts", choices=["distinct", "shared", "copies"], default="distinct",
                     help="B > 1: each request on its own context (layers rotated, see rotated()), all on one, or "
                          "each on its own copy of its rotated context (own_copy(): the memory of B distinct contexts)")
@@ -569,6 +583,11 @@ def main() -> None:
                                 break
                             for fl in ((None, False) if a.layer_ab else (None,)):
                                 bench.runner(n, ctx, label, method, params, reader, be, b, True, a.tokens, extra, fl)
+                            ahead = "on" in a.plan_ahead and name not in ("full", "streaming")
+                            for prio, sms in ([(p, c) for p in a.ahead_priority for c in a.sm_carveout] if ahead else []):
+                                if not bench.over_budget():
+                                    bench.runner(n, ctx, label, method, params, reader, be, b, True, a.tokens, extra,
+                                                 plan_ahead=True, ahead_priority=prio, sm_carveout=sms)
                             if a.fit_check and b > 1 and not bench.over_budget():  # B copies: do they fit?
                                 bench.runner(n, ctx, label, method, params, reader, be, b, True, a.tokens, extra,
                                              contexts="copies")
@@ -606,6 +625,8 @@ def main() -> None:
         f = lambda x, p=2: "-" if x is None else f"{x:.{p}f}"  # noqa: E731
         ratio = None if not r.get("floor_ms") else r["ms_per_token"] / r["floor_ms"]
         fl = "" if r.get("fused_layer", True) else " (torch layer ops)"
+        if r.get("plan_ahead"):
+            fl += f" (plan ahead, priority {r.get('ahead_priority', 0)}, carveout {r.get('sm_carveout', 0)})"
         print(f"| {r['n']} | {r['batch']} | {r['runner']}{fl} | {r['method']} | {r['backend']} | {f(r['ms_per_token'])} | "
               f"{f(r['tokens_per_s'], 1)} | {f(r['floor_ms'])} | {f(ratio, 1)} | {f(r.get('kv_fraction'), 3)} | "
               f"{r.get('graph') or ('derived' if r.get('derived_from_b1') else '')} |")

@@ -31,6 +31,22 @@ CUDA graph when it can:
   (`indexer.kernels.Workspaces`), so requests never share scratch memory; a request's tensors are
   only touched between a fork and the join that follows it, so stream order is preserved across
   layers and steps. Results do not depend on it (same kernels, same inputs; test).
+* **Planning ahead** (`plan_ahead=True`, one-token steps): a layer's search sits on the critical
+  path, since layer L's plan needs layer L's query. With plan_ahead, layer L (>= 1) is planned from
+  a query *predicted* from the residual stream entering layer L - 1, InfiniGen-style: layer L's own
+  input RMSNorm, q/k projection (the first (H + KVH)·D rows of its fused QKV weight) and RoPE. On
+  CUDA that prediction and each request's `plan(L)` run on a side stream forked at the start of
+  layer L - 1 and joined just before layer L's attention, so the search overlaps layer L - 1's
+  projections, attention and MLP; the attention itself still uses the true query, the true key and
+  the whole frame. Planned that early, the step's own key does not exist yet: the request-local slot
+  of the current token holds the *predicted* key while the planner looks (written by the side
+  stream; the true key overwrites it before layer L's attention reads it). Layer 0 plans inline.
+  Planners that ignore the query (`reads_query` False: full, streaming) are not planned ahead.
+  Two side streams alternate by layer parity (plus per-request ones when attention runs in
+  parallel): plan(L + 1) runs while layer L's attention still reads plan(L), and kernel workspaces
+  are per stream. Planners are called plan(L + 1) before update(L); their per-step state is per
+  layer (`indexer.base.Planner`). Fidelity (KL to dense, default model, CPU): lag 1 costs little,
+  lag 2 breaks down at 8K (`benchmarks/bench_early_plans.py`, RESULTS.md).
 * **Sampling** on the device (`decoder/sampling.py`): greedy at temperature 0, else Gumbel-max
   with counter-based noise of (seed, position), reproducible whatever the batch or graph replay.
 * **CUDA graph** (`graphs=True` on CUDA): the one-token step of the current batch (embedding to
@@ -167,6 +183,22 @@ class _Graph:
     logits: torch.Tensor  # [B, V] fp32, static output
 
 
+@dataclass
+class _Ahead:
+    """Plans of one layer made ahead (batch position -> Plan), queued on `stream` (None: done). `x`
+    (the residual the side stream reads) is held until the join: freed earlier, the caching
+    allocator could hand its memory to the main stream while the side stream still reads it."""
+
+    stream: object  # torch.cuda.Stream | None
+    plans: dict
+    x: torch.Tensor
+
+    def join(self) -> dict:
+        if self.stream is not None:
+            torch.cuda.current_stream(self.x.device).wait_stream(self.stream)
+        return self.plans
+
+
 class Runner:
     """Batched decode over persisted contexts; see the module docstring.
 
@@ -180,11 +212,20 @@ class Runner:
     `fused_layer`: RMSNorm (+ residual add), RoPE of q and k and SiLU·up as one Triton launch each
     (`decoder/kernels/layer.py`, same roundings as the torch functions here); None = on CUDA where
     Triton runs them, True = also through Triton's interpreter (tests), False = torch.
+    `plan_ahead`: plan layer L >= 1 of one-token steps from the residual entering layer L - 1, on a
+    side stream on CUDA (module docstring); off by default: it changes the plans (not the attention's
+    arithmetic), within the fidelity measured in RESULTS.md. `ahead_priority`: the CUDA priority of
+    those side streams (lower is higher, `torch.cuda.Stream.priority_range()`; 0 is the default
+    priority): a higher one lets the search's small kernels take SMs as the layer's GEMMs free them.
+    `sm_carveout`: while a step with plan_ahead runs on CUDA, cuBLASLt GEMMs target that many fewer
+    SMs (`torch._C._set_sm_carveout_experimental`, restored after the step; a captured graph keeps
+    the launch configuration), so the side stream's search kernels find SMs free while they run.
     """
 
     def __init__(self, lm, backend: AttentionBackend, device: str | torch.device | None = None, *,
                  graphs: bool = True, track_fraction: bool = False, parallel: bool = True,
-                 fused_layer: bool | None = None):
+                 fused_layer: bool | None = None, plan_ahead: bool = False, ahead_priority: int = 0,
+                 sm_carveout: int = 0):
         model = lm.model
         self.w = fuse_weights(model)
         self.device = torch.device(device) if device is not None else self.w.embed.device
@@ -205,6 +246,12 @@ class Runner:
         self._stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         self.parallel = parallel and self.device.type == "cuda"
         self._side: list[torch.cuda.Stream] = []  # one per batch position (parallel attention)
+        self.plan_ahead = plan_ahead
+        cuda = self.device.type == "cuda"
+        self.ahead_priority = ahead_priority
+        self.sm_carveout = sm_carveout if plan_ahead and cuda else 0
+        self._ahead = [self._new_ahead_stream() for _ in range(2)] if cuda else None  # by layer parity
+        self._ahead_side: list[list[torch.cuda.Stream]] = [[], []]  # per batch position, by layer parity
         self._eager_key: tuple | None = None  # the batch of the last eager one-token step
         self.layer_kernels = _layer_kernels(self.w, self.device, fused_layer)  # None: the torch functions
 
@@ -269,14 +316,25 @@ class Runner:
         if not todo:
             return []
         if self._stream is None:
+            return self._step(todo)
+        cur = torch.cuda.current_stream(self.device)
+        self._stream.wait_stream(cur)
+        with torch.cuda.stream(self._stream), self._carveout():
             got = self._step(todo)
-        else:
-            cur = torch.cuda.current_stream(self.device)
-            self._stream.wait_stream(cur)
-            with torch.cuda.stream(self._stream):
-                got = self._step(todo)
-            cur.wait_stream(self._stream)
+        cur.wait_stream(self._stream)
         return got
+
+    @contextlib.contextmanager
+    def _carveout(self):
+        if not self.sm_carveout:
+            yield
+            return
+        before = torch._C._get_sm_carveout_experimental()
+        torch._C._set_sm_carveout_experimental(self.sm_carveout)
+        try:
+            yield
+        finally:
+            torch._C._set_sm_carveout_experimental(before)
 
     def _step(self, todo: list[Request]) -> list[tuple[int, int]]:
         new = [r for r in todo if not r.started]
@@ -387,6 +445,8 @@ class Runner:
         cos, sin = rope_cos_sin(pos, w.inv_freq, w.rope_scaling, x.dtype)  # [S, D]
         fk = self.layer_kernels
         branch = None  # fused path: the MLP output not yet added to x (added by the next RMSNorm)
+        ahead = [i for i, r in enumerate(reqs) if r.planner.reads_query] if self.plan_ahead and t == 1 else []
+        planned: _Ahead | None = None  # this layer's plans, made ahead during the layer before
         for layer, lw in enumerate(w.layers):
             if fk is None:
                 qkv = F.linear(rms_norm(x, lw.ln1, w.eps), lw.wqkv, lw.bqkv)  # [S, (H + 2 KVH) D]
@@ -398,10 +458,14 @@ class Runner:
                 qkv = F.linear(hn, lw.wqkv, lw.bqkv)
                 q, k = fk.rope_qk(qkv, cos, sin, h, kvh, d)
             v = qkv[:, (h + kvh) * d:].view(-1, kvh, d)
+            plans = planned.join() if planned is not None else {}  # plans never run concurrently
+            nxt = self._plan_next(reqs, ahead, layer + 1, x, cos, sin, q_pos, slots) \
+                if ahead and layer + 1 < len(w.layers) else None
             outs = fork_join(self._streams(b), [
                 lambda i=i, r=r: self._attend(r, layer, lw.scale, q[i * t:(i + 1) * t], k[i * t:(i + 1) * t],
-                                              v[i * t:(i + 1) * t], q_pos[i], slots[i])
+                                              v[i * t:(i + 1) * t], q_pos[i], slots[i], plans.get(i))
                 for i, r in enumerate(reqs)])
+            planned = nxt
             a = outs[0] if b == 1 else torch.cat(outs)  # [S, H D]
             if fk is None:
                 x = x + F.linear(a, lw.wo, lw.bo)
@@ -424,6 +488,56 @@ class Runner:
             r.pos += t
         return tok, logits
 
+    def _plan_next(self, reqs: list[Request], ahead: list[int], layer: int, x: torch.Tensor, cos, sin,
+                   q_pos: list, slots: list) -> "_Ahead":
+        """Plan `layer` of the one-token step for the requests at batch positions `ahead`, from x
+        [B, C], the residual stream entering layer - 1 (module docstring, planning ahead): on CUDA
+        queued on the layer's side stream (joined by `_Ahead.join`), else run here."""
+        w = self.w
+        lw = w.layers[layer]
+        h, kvh, d, g = w.n_heads, w.n_kv_heads, w.head_dim, w.group
+        rows = (h + kvh) * d
+        fk = self.layer_kernels
+
+        def predict():
+            # every row of the batch (a GEMM's cost is its weight's bytes; selecting the rows of the
+            # requests planned ahead would copy an index to the device, a host sync)
+            wqk = lw.wqkv[:rows]
+            bqk = lw.bqkv[:rows] if lw.bqkv is not None else None
+            if fk is None:
+                qk = F.linear(rms_norm(x, lw.ln1, w.eps), wqk, bqk)  # [B, (H + KVH) D]
+                pq = apply_rope(qk[:, :h * d].view(-1, h, d), cos, sin)  # [B, H, D]
+                pk = apply_rope(qk[:, h * d:].view(-1, kvh, d), cos, sin)  # [B, KVH, D]
+            else:
+                pq, pk = fk.rope_qk(F.linear(fk.rms_norm(x, lw.ln1, w.eps), wqk, bqk), cos, sin, h, kvh, d)
+
+            def plan_one(i: int):
+                r = reqs[i]
+                loc_k = r.loc_k[layer]
+                loc_k.index_copy_(1, slots[i], pk[i:i + 1].transpose(0, 1))  # the step's own slot: predicted
+                qh = pq[i:i + 1].transpose(0, 1).reshape(kvh, g, 1, d)
+                return r.planner.plan(layer, qh, KVView(*r.ctx_kv[layer], loc_k, r.loc_v[layer], q_pos[i]))
+
+            streams = None
+            if self.parallel and len(ahead) > 1:
+                side = self._ahead_side[layer % 2]
+                while len(side) < len(ahead):
+                    side.append(self._new_ahead_stream())
+                streams = side[:len(ahead)]
+            outs = fork_join(streams, [lambda i=i: plan_one(i) for i in ahead])
+            return dict(zip(ahead, outs))
+
+        if self._ahead is None:
+            return _Ahead(None, predict(), x)
+        stream = self._ahead[layer % 2]
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):
+            plans = predict()
+        return _Ahead(stream, plans, x)
+
+    def _new_ahead_stream(self):
+        return torch.cuda.Stream(self.device, priority=self.ahead_priority)
+
     def _streams(self, b: int) -> list | None:
         """The side streams of a batch of b (None: attention runs on the current stream)."""
         if not self.parallel or b < 2:
@@ -432,9 +546,9 @@ class Runner:
             self._side.append(torch.cuda.Stream(self.device))
         return self._side[:b]
 
-    def _attend(self, r: Request, layer: int, scale: float, q, k, v, q_pos, slots) -> torch.Tensor:
+    def _attend(self, r: Request, layer: int, scale: float, q, k, v, q_pos, slots, plan=None) -> torch.Tensor:
         """One request's attention of one layer. q [T, H, D], k/v [T, KVH, D] post-RoPE, q_pos [T]
-        absolute positions, slots [T] local slots -> [T, H D]."""
+        absolute positions, slots [T] local slots -> [T, H D]. `plan`: made ahead (else planned here)."""
         w = self.w
         t = q.shape[0]
         kvh, g, d = w.n_kv_heads, w.group, w.head_dim
@@ -445,7 +559,8 @@ class Runner:
         ctx_k, ctx_v = r.ctx_kv[layer]
         qh = q.transpose(0, 1).reshape(kvh, g, t, d)  # q head i*G + j belongs to kv head i
         kv = KVView(ctx_k, ctx_v, loc_k, loc_v, q_pos)
-        plan = r.planner.plan(layer, qh, kv)
+        if plan is None:
+            plan = r.planner.plan(layer, qh, kv)
         out = self.backend.run(qh, kv, plan, r.sink, r.window, scale)  # [KVH, G, T, D]
         r.planner.update(layer, new_k, new_v, q_pos)
         if self.track_fraction and not graph_capturing(qh):

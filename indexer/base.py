@@ -307,9 +307,15 @@ class Planner(ABC):
     and replayed (`decoder.runner`): True unless plan()/update() branch on host-side state that
     changes per step (csattn with a search period > 1 reuses a plan by a host-side count) or
     allocate persistent state after the request's first one-token step. Host-side counters kept for
-    `stats()` only are allowed; they undercount replayed steps."""
+    `stats()` only are allowed; they undercount replayed steps.
+
+    `reads_query`: whether plan() depends on q at all (False for the frame-only and dense planners);
+    the runner plans ahead (`decoder.runner`, `plan_ahead`) only for requests whose planner reads it.
+    A planner that plans ahead is called as plan(L + 1) before update(L) of the same step, so its
+    per-step state must be per layer (every planner here keeps it in dicts keyed by layer)."""
 
     graph_safe: bool = True
+    reads_query: bool = True
 
     @abstractmethod
     def plan(self, layer: int, q: torch.Tensor, kv: KVView) -> Plan:

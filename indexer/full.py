@@ -6,6 +6,8 @@ from indexer.base import MethodParams, Plan, Planner, SparseMethod, register
 
 
 class _Dense(Planner):
+    reads_query = False
+
     def plan(self, layer, q, kv):
         return Plan.dense()
 

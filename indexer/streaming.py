@@ -13,6 +13,8 @@ class StreamingParams(MethodParams):
 
 
 class _SinkWindow(Planner):
+    reads_query = False
+
     def plan(self, layer, q, kv):
         kvh, _, t, _ = q.shape
         return Plan(torch.empty(kvh, t, 0, dtype=torch.int32, device=q.device))  # the frame is all there is

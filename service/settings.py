@@ -63,6 +63,10 @@ class Settings(BaseSettings):
                     "together, CUDA-graph replay on a GPU), transformers (one at a time through the model's own "
                     "modules, the reference); auto = batched on a GPU, transformers on a CPU")
     decode_batch_size: int = Field(8, ge=1, le=256, description="most requests a batched decode worker steps together")
+    plan_ahead: bool = Field(
+        False, description="batched runner: plan each layer's sparse search from the residual entering the layer "
+                           "before, on a side stream during that layer (decoder.runner, plan_ahead): faster one-token "
+                           "steps on a GPU, plans from a predicted query (fidelity cost in benchmarks/RESULTS.md)")
     attention_backend: str = Field(
         "auto", pattern="^(auto|torch_ref|triton|offload|offload_v)$",
         description="decode attention backend: auto = triton on a GPU when installed, else torch_ref (on a GPU, "

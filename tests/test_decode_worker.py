@@ -83,3 +83,46 @@ def test_auto_backend_reads_a_context_larger_than_the_gpu_tier_from_host_memory(
     assert resolve_backend(auto, "cuda", (8 * gib, 8 * gib), None) == gpu_default  # no GPU tier to compare with
     assert resolve_backend(auto, "cpu", (12 * gib, 12 * gib), 0) == "torch_ref"
     assert resolve_backend(fixed, "cuda", (12 * gib, 12 * gib), 10 * gib) == "torch_ref"
+
+
+def _runner_answer(lm, text: str, method: str, params: dict, question: str, max_tokens: int, plan_ahead: bool):
+    """The same completion through the library's runner alone (decoder.runner), torch_ref."""
+    from decoder.backends import get_backend
+    from decoder.generate import ContextKV
+    from decoder.prefill import prefill
+    from decoder.runner import Runner
+    from indexer.base import DecodeContext, get_method
+
+    ids = lm.context_ids(text)
+    cap = prefill(lm, ids)
+    m = get_method(method)
+    p = m.Params(**params)
+    q = lm.question_ids(question)
+    runner = Runner(lm, get_backend("torch_ref"), plan_ahead=plan_ahead)
+    ctx = ContextKV(len(ids), lambda name, layer: (cap.k if name == "kv/k" else cap.v)[layer])
+    slot = runner.add(ctx, m.open(None, p, DecodeContext(len(ids), lm.spec, len(q) + max_tokens)), p, q, max_tokens)
+    while runner.active():
+        runner.step()
+    toks = runner.requests[slot].tokens
+    return toks[:-1] if toks and toks[-1] in lm.eos_token_ids else toks
+
+
+def test_plan_ahead_setting_reaches_the_runner(tmp_path, redis_prefix, lm):
+    """CTXCACHE_PLAN_AHEAD: the batched worker plans ahead. The completion equals the library
+    runner's with plan_ahead, and this question was chosen where planning ahead changes the greedy
+    answer (measured 2026-11-28: "The engineer verifies the key table ..." against "The index runs
+    ..."), so a worker that ignored the setting would fail."""
+    text, question, params = natural_document(400), "What runs under heavy load?", {"k": 8}
+    settings = _settings(tmp_path, redis_prefix, decode_runner="batched", plan_ahead=True)
+    with TestClient(create_app(settings, lm=lm)) as c:
+        cid = c.post("/v1/contexts", json={"text": text}).json()["id"]
+        assert wait_ready(c, cid)["status"] == "ready"
+        r = c.post(f"/v1/contexts/{cid}/completions",
+                   json={"question": question, "method": "topk", "params": params, "max_tokens": 10})
+    assert r.status_code == 200, r.text
+    got = r.json()
+    with torch.inference_mode():
+        ahead = _runner_answer(lm, text, "topk", params, question, 10, plan_ahead=True)
+        plain = _runner_answer(lm, text, "topk", params, question, 10, plan_ahead=False)
+    assert ahead != plain  # the precondition that makes this test able to fail
+    assert got["stats"]["runner"] == "batched" and got["token_ids"] == ahead, got["text"]

@@ -188,7 +188,8 @@ class DecodeWorker(Loop):
 
         r = self._runners.get(backend.name)
         if r is None:
-            r = self._runners[backend.name] = Runner(self.rt.ensure_weights(), backend, self.device, track_fraction=True)
+            r = self._runners[backend.name] = Runner(self.rt.ensure_weights(), backend, self.device, track_fraction=True,
+                                                     plan_ahead=self.rt.settings.plan_ahead)
         return r
 
     def _step(self) -> None:

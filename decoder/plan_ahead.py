@@ -1,0 +1,82 @@
+"""Planning a layer ahead on the transformers path: what `decoder.runner.Runner(plan_ahead=True)`
+computes, as a planner wrapper around the model's own modules (the reference its tests compare
+with, and `benchmarks/bench_early_plans.py`'s `predict` section).
+
+`PredictedQueries(inner, model, spec, lag, own_key)` plans layer L's one-token steps with a query
+predicted from the residual stream entering layer L - lag: layer L's input_layernorm, q_proj and
+RoPE applied to it (InfiniGen's idea; the attention still uses the true query). Layers < lag and
+multi-token chunks plan as usual. Planned that early, the step's own key does not exist yet:
+
+* `own_key="hidden"`: the planner sees the request-local rows up to the token before;
+* `own_key="predicted"`: the step's own row holds a key predicted the same way (layer L's k_proj
+  and RoPE of that residual): what the runner writes into the slot before planning ahead (the
+  true key replaces it before the attention reads it).
+
+Forward pre-hooks on the model's decoder layers keep each layer's input; close() removes them.
+Llama-family modules (q_proj, k_proj, input_layernorm, position_embeddings in the layer's kwargs).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from indexer.base import KVView, Planner
+
+OWN_KEYS = ("hidden", "predicted")
+
+
+class PredictedQueries(Planner):
+    def __init__(self, inner: Planner, model, spec, lag: int = 1, own_key: str = "predicted"):
+        from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+        if own_key not in OWN_KEYS:
+            raise ValueError(f"own_key must be one of {OWN_KEYS}")
+        self.inner, self.spec, self.lag, self.own_key = inner, spec, lag, own_key
+        self.graph_safe = False  # the predictions live in Python state set by the hooks
+        self._rope = apply_rotary_pos_emb
+        self.inputs: dict[int, torch.Tensor] = {}  # layer -> its input residual [1, T, hidden] (this step)
+        self.predicted: dict[int, tuple] = {}  # layer -> predicted (q [KVH, G, T, D], k [KVH, T, D])
+        layers = model.model.layers
+        self.hooks = [layer.register_forward_pre_hook(self._hook(i, layers), with_kwargs=True)
+                      for i, layer in enumerate(layers)]
+
+    def _hook(self, i: int, layers):
+        def hook(module, args, kwargs):
+            h = args[0] if args else kwargs["hidden_states"]  # [1, T, hidden]
+            self.inputs[i] = h
+            self.predicted.pop(i, None)
+            if i >= self.lag and h.shape[1] == 1:
+                layer = layers[i]
+                hn = layer.input_layernorm(self.inputs[i - self.lag])
+                d = self.spec.head_dim
+                q = layer.self_attn.q_proj(hn).view(1, 1, -1, d).transpose(1, 2)  # [1, H, 1, D]
+                k = layer.self_attn.k_proj(hn).view(1, 1, -1, d).transpose(1, 2)  # [1, KVH, 1, D]
+                cos, sin = kwargs["position_embeddings"]
+                q, k = self._rope(q, k, cos, sin)
+                self.predicted[i] = (q[0].reshape(self.spec.num_kv_heads, self.spec.group_size, 1, d), k[0])
+        return hook
+
+    def plan(self, layer, q, kv):
+        got = self.predicted.get(layer)
+        if got is None or q.shape[2] != 1:
+            return self.inner.plan(layer, q, kv)
+        qp, kp = got
+        # kv.loc_k ends with the step's own row (the transformers path writes it before attention)
+        if self.own_key == "hidden":
+            early = KVView(kv.ctx_k, kv.ctx_v, kv.loc_k[:, :-1], kv.loc_v[:, :-1], kv.q_pos)
+        else:
+            early = KVView(kv.ctx_k, kv.ctx_v, torch.cat([kv.loc_k[:, :-1], kp.to(kv.loc_k)], dim=1), kv.loc_v,
+                           kv.q_pos)
+        return self.inner.plan(layer, qp.to(q.dtype), early)
+
+    def update(self, layer, k, v, positions):
+        self.inner.update(layer, k, v, positions)
+
+    def stats(self):
+        return self.inner.stats()
+
+    def close(self):
+        for h in self.hooks:
+            h.remove()
+        self.hooks = []
+        self.inner.close()
