@@ -127,7 +127,10 @@ def stream_overlap(fn, sync=None) -> dict:
     end), `main_busy` (union of the main stream's kernels), `main_gaps` (span - main_busy: launch
     gaps and waits for other streams), `side_busy` (union over the other streams), `side_hidden`
     (side time while a main kernel runs), `side_exposed` (side time while none does), and per
-    stream its kernel count and summed kernel time."""
+    stream its kernel count and summed kernel time. Caveat: a replayed CUDA graph runs on the
+    graph's own streams, to which its parallel branches are mapped, not on the streams it was
+    captured from; and kernels that share SMs take longer each. Read `span` against the same step
+    without side streams; the per-stream split is indicative only."""
     import json
     import tempfile
 

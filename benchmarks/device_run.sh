@@ -7,7 +7,7 @@
 #                    carry=[".whl", ".old"])
 #   stages: tests | kerneltests | decode | decodecold | decode512 | before_after | kernels | e2e32 | e2e128 |
 #           e2e128rest | e2eprof | e2elayer | attntests | decodeab | psaab | latency | ncu | psasweep | pdlab | e2enow |
-#           offload | psa32sweep | offloadfit | ivfsweep | ivfcpp | cslfsweep | ivfsel | ivfeager | ivfsample | ncusel | psaemit | psafuse | psastop | rtrip | rerankreg | rerank96 | e2ectkvr | ncuivf | verify | repro | e2eh200 | pushab | decode512h200 | s14ab | s14e2e | s14final | s14frame | s14tests | s14lfpse2e | s15ivf | s15ivf2 | s15dot | s15final | s15rerank | s16ahead | s16prio | s16overlap | s16carve | s16more
+#           offload | psa32sweep | offloadfit | ivfsweep | ivfcpp | cslfsweep | ivfsel | ivfeager | ivfsample | ncusel | psaemit | psafuse | psastop | rtrip | rerankreg | rerank96 | e2ectkvr | ncuivf | verify | repro | e2eh200 | pushab | decode512h200 | s14ab | s14e2e | s14final | s14frame | s14tests | s14lfpse2e | s15ivf | s15ivf2 | s15dot | s15final | s15rerank | s16ahead | s16overlap | s16more | s16tests | s16early
 #   (default: tests decode before_after)
 #   .old = the tree before the plan/run redesign (`git archive <commit> decoder indexer storage`), for
 #   the before/after decode comparison.
@@ -408,27 +408,32 @@ for stage in $stages; do
       python3 benchmarks/gpu_e2e.py --lengths 131072 --batches 1 8 --methods full streaming psa ctkvr \
         --plan-ahead off on --eager-tokens 0 --hf-tokens 0 --tokens 8 --budget-s 420 --out "$OUT/ahead128" 2>&1 \
         | tee "$OUT/gpu_e2e_ahead128.log" | grep "^| \|ERROR\|Error" ;;
-    s16prio)  # session 16: plan_ahead's side streams at the default and the highest priority, 128K, B = 1 and 8
-      python3 -m pytest -q -p no:cacheprovider -m gpu -o addopts="" tests/test_runner.py 2>&1 \
-        | tee "$OUT/gpu_runner_tests.log" | tail -4
-      python3 benchmarks/gpu_e2e.py --lengths 131072 --batches 1 8 --methods full psa ctkvr \
-        --plan-ahead off on --ahead-priority 0 -5 --eager-tokens 0 --hf-tokens 0 --tokens 8 --budget-s 420 \
-        --out "$OUT/prio128" 2>&1 | tee "$OUT/gpu_e2e_prio128.log" | grep "^| \|ERROR\|Error" ;;
     s16overlap)  # session 16: how plan_ahead's side stream overlaps the layer's kernels (a replayed step's trace), 128K B = 1
       python3 benchmarks/gpu_e2e.py --lengths 131072 --batches 1 --methods streaming psa ctkvr --plan-ahead off on \
         --profile --eager-tokens 0 --hf-tokens 0 --tokens 8 --budget-s 300 --out "$OUT/overlap128" 2>&1 \
         | tee "$OUT/gpu_e2e_overlap128.log" | grep "^| \|ERROR\|Error\|overlap" ;;
-    s16carve)  # session 16: plan_ahead with the GEMMs leaving SMs free for the side stream's search, 128K B = 1 (profiles)
-      python3 benchmarks/gpu_e2e.py --lengths 131072 --batches 1 --methods streaming ctkvr psa --plan-ahead off on \
-        --sm-carveout 0 16 32 --profile --eager-tokens 0 --hf-tokens 0 --tokens 8 --budget-s 400 \
-        --out "$OUT/carve128" 2>&1 | tee "$OUT/gpu_e2e_carve128.log" | grep "^| \|ERROR\|Error" ;;
-    s16more)  # session 16: plan_ahead for psa capped at rho, saap, kivf and lfps at 128K, and psa/ctkvr at 32K
+    s16more)  # session 16: plan_ahead for psa capped at rho, saap and kivf at 128K, B = 1 and 8, dense in the same run
       python3 benchmarks/gpu_e2e.py --lengths 131072 --batches 1 8 --methods full psa@max_ratio=0.05 saap kivf \
-        --plan-ahead off on --eager-tokens 0 --hf-tokens 0 --tokens 8 --budget-s 400 --out "$OUT/ahead128b" 2>&1 \
-        | tee "$OUT/gpu_e2e_ahead128b.log" | grep "^| \|ERROR\|Error"
-      python3 benchmarks/gpu_e2e.py --lengths 32768 --batches 1 8 --methods full psa ctkvr \
-        --plan-ahead off on --eager-tokens 0 --hf-tokens 0 --tokens 8 --budget-s 150 --out "$OUT/ahead32" 2>&1 \
-        | tee "$OUT/gpu_e2e_ahead32.log" | grep "^| \|ERROR\|Error" ;;
+        --plan-ahead off on --eager-tokens 0 --hf-tokens 0 --tokens 8 --budget-s 330 --out "$OUT/ahead128b" 2>&1 \
+        | tee "$OUT/gpu_e2e_ahead128b.log" | grep "^| \|ERROR\|Error" ;;
+    s16early)  # session 16: plan_ahead forking the next layer's plan before the layer's QKV GEMM (this tree) against
+      # after its RoPE (.old/runner_head.py), alternating twice, 128K, B = 1 (`training`, which saap's rows import, was not
+      # copied for the old tree in the session's run: its saap rows failed)
+      rm -rf /tmp/old && mkdir -p /tmp/old && cp -r benchmarks decoder indexer storage tests training /tmp/old/ \
+        && cp .old/runner_head.py /tmp/old/decoder/runner.py || exit 1
+      for i in 1 2; do
+        (cd /tmp/old && python3 benchmarks/gpu_e2e.py --lengths 131072 --batches 1 --methods full saap \
+          psa@max_ratio=0.05 ctkvr --plan-ahead off on --eager-tokens 0 --hf-tokens 0 --tokens 8 --budget-s 200 \
+          --check-prefill 0 --out "$OUT/early_old$i" 2>&1 | grep "^| 131072")
+        python3 benchmarks/gpu_e2e.py --lengths 131072 --batches 1 --methods full saap psa@max_ratio=0.05 ctkvr \
+          --plan-ahead off on --eager-tokens 0 --hf-tokens 0 --tokens 8 --budget-s 200 --check-prefill 0 \
+          --out "$OUT/early_new$i" 2>&1 | grep "^| 131072"
+      done ;;
+    s16tests)  # session 16, the final tree: every GPU-marked test
+      python3 -m pytest -q -p no:cacheprovider -m gpu -o addopts="" \
+        tests/test_gpu_decode.py tests/test_triton_attention.py tests/test_backends.py tests/test_pipeline.py \
+        tests/test_csattn.py tests/test_saap_device.py tests/test_runner.py tests/test_kernels_*.py \
+        2>&1 | tee "$OUT/gpu_marked_tests.log" | tail -4 ;;
     decode512)
       python3 benchmarks/gpu_decode.py --lengths 524288 --batches 1 --backends triton \
         --methods streaming topk csattn ctkvr lfps psa saap --out "$OUT/512k" 2>&1 | tee "$OUT/gpu_decode_512k.log" \

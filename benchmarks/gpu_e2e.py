@@ -287,15 +287,14 @@ class Bench:
 
     def runner(self, n: int, ctx: ContextKV, name: str, method, params, reader, backend_name: str, b: int,
                graphs: bool, tokens: int, extra: dict, fused_layer: bool | None = None,
-               contexts: str | None = None, plan_ahead: bool = False, ahead_priority: int = 0,
-               sm_carveout: int = 0) -> None:
+               contexts: str | None = None, plan_ahead: bool = False) -> None:
         be = get_backend(backend_name)
         qs = self.questions(b, n + b)
         prof_steps = 4 if self.a.profile and graphs and b == 1 else 0
         max_new = tokens + 3 + prof_steps
         local = self.a.question + max_new
         run = Runner(self.lm, be, self.dev, graphs=graphs, track_fraction=True, fused_layer=fused_layer,
-                     plan_ahead=plan_ahead, ahead_priority=ahead_priority, sm_carveout=sm_carveout)
+                     plan_ahead=plan_ahead)
         if contexts is None:
             contexts = "shared" if b == 1 else self.a.offload_contexts if be.host_arrays else self.a.contexts
         for j, q in enumerate(qs):
@@ -356,7 +355,7 @@ class Bench:
                "kv_fraction": frac, "graph": status, "first_step": first_status, "prompt_ms": t_prompt * 1e3,
                "warmup_ms": t_warm * 1e3, "capture_or_first_ms": t_first * 1e3,
                "fused_layer": run.layer_kernels is not None, "contexts": contexts, "plan_ahead": plan_ahead,
-               **({"ahead_priority": ahead_priority, "sm_carveout": sm_carveout} if plan_ahead else {}), **extra}
+               **extra}
         if prof is not None:
             row["profile"] = prof
         host = get_backend(backend_name).host_arrays
@@ -455,10 +454,6 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=16, help="timed one-token steps per row")
     ap.add_argument("--plan-ahead", nargs="+", choices=["off", "on"], default=["off"],
                     help="graph rows of the sparse methods with the runner's plan_ahead too (rows say plan_ahead)")
-    ap.add_argument("--ahead-priority", type=int, nargs="+", default=[0],
-                    help="plan_ahead rows: one per CUDA priority of the side streams (lower = higher)")
-    ap.add_argument("--sm-carveout", type=int, nargs="+", default=[0],
-                    help="plan_ahead rows: one per number of SMs the GEMMs leave to the side streams")
     ap.add_argument("--contexts", choices=["distinct", "shared", "copies"], default="distinct",
                     help="B > 1: each request on its own context (layers rotated, see rotated()), all on one, or "
                          "each on its own copy of its rotated context (own_copy(): the memory of B distinct contexts)")
@@ -583,11 +578,9 @@ def main() -> None:
                                 break
                             for fl in ((None, False) if a.layer_ab else (None,)):
                                 bench.runner(n, ctx, label, method, params, reader, be, b, True, a.tokens, extra, fl)
-                            ahead = "on" in a.plan_ahead and name not in ("full", "streaming")
-                            for prio, sms in ([(p, c) for p in a.ahead_priority for c in a.sm_carveout] if ahead else []):
-                                if not bench.over_budget():
-                                    bench.runner(n, ctx, label, method, params, reader, be, b, True, a.tokens, extra,
-                                                 plan_ahead=True, ahead_priority=prio, sm_carveout=sms)
+                            if "on" in a.plan_ahead and name not in ("full", "streaming") and not bench.over_budget():
+                                bench.runner(n, ctx, label, method, params, reader, be, b, True, a.tokens, extra,
+                                             plan_ahead=True)
                             if a.fit_check and b > 1 and not bench.over_budget():  # B copies: do they fit?
                                 bench.runner(n, ctx, label, method, params, reader, be, b, True, a.tokens, extra,
                                              contexts="copies")
@@ -626,7 +619,7 @@ def main() -> None:
         ratio = None if not r.get("floor_ms") else r["ms_per_token"] / r["floor_ms"]
         fl = "" if r.get("fused_layer", True) else " (torch layer ops)"
         if r.get("plan_ahead"):
-            fl += f" (plan ahead, priority {r.get('ahead_priority', 0)}, carveout {r.get('sm_carveout', 0)})"
+            fl += " (plan ahead)"
         print(f"| {r['n']} | {r['batch']} | {r['runner']}{fl} | {r['method']} | {r['backend']} | {f(r['ms_per_token'])} | "
               f"{f(r['tokens_per_s'], 1)} | {f(r['floor_ms'])} | {f(ratio, 1)} | {f(r.get('kv_fraction'), 3)} | "
               f"{r.get('graph') or ('derived' if r.get('derived_from_b1') else '')} |")

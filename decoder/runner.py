@@ -43,9 +43,10 @@ CUDA graph when it can:
   stream; the true key overwrites it before layer L's attention reads it). Layer 0 plans inline.
   Planners that ignore the query (`reads_query` False: full, streaming) are not planned ahead.
   Two side streams alternate by layer parity (plus per-request ones when attention runs in
-  parallel): plan(L + 1) runs while layer L's attention still reads plan(L), and kernel workspaces
-  are per stream. Planners are called plan(L + 1) before update(L); their per-step state is per
-  layer (`indexer.base.Planner`). Fidelity (KL to dense, default model, CPU): lag 1 costs little,
+  parallel): plan(L + 1), forked as soon as layer L's input residual exists (before its QKV GEMM),
+  may overlap the end of plan(L) and runs while layer L's attention reads plan(L); kernel
+  workspaces are per stream. Planners are called plan(L + 1) before update(L); their per-step
+  state is per layer (`indexer.base.Planner`). Fidelity (KL to dense, default model, CPU): lag 1 costs little,
   lag 2 breaks down at 8K (`benchmarks/bench_early_plans.py`, RESULTS.md).
 * **Sampling** on the device (`decoder/sampling.py`): greedy at temperature 0, else Gumbel-max
   with counter-based noise of (seed, position), reproducible whatever the batch or graph replay.
@@ -214,18 +215,12 @@ class Runner:
     Triton runs them, True = also through Triton's interpreter (tests), False = torch.
     `plan_ahead`: plan layer L >= 1 of one-token steps from the residual entering layer L - 1, on a
     side stream on CUDA (module docstring); off by default: it changes the plans (not the attention's
-    arithmetic), within the fidelity measured in RESULTS.md. `ahead_priority`: the CUDA priority of
-    those side streams (lower is higher, `torch.cuda.Stream.priority_range()`; 0 is the default
-    priority): a higher one lets the search's small kernels take SMs as the layer's GEMMs free them.
-    `sm_carveout`: while a step with plan_ahead runs on CUDA, cuBLASLt GEMMs target that many fewer
-    SMs (`torch._C._set_sm_carveout_experimental`, restored after the step; a captured graph keeps
-    the launch configuration), so the side stream's search kernels find SMs free while they run.
+    arithmetic), within the fidelity measured in RESULTS.md.
     """
 
     def __init__(self, lm, backend: AttentionBackend, device: str | torch.device | None = None, *,
                  graphs: bool = True, track_fraction: bool = False, parallel: bool = True,
-                 fused_layer: bool | None = None, plan_ahead: bool = False, ahead_priority: int = 0,
-                 sm_carveout: int = 0):
+                 fused_layer: bool | None = None, plan_ahead: bool = False):
         model = lm.model
         self.w = fuse_weights(model)
         self.device = torch.device(device) if device is not None else self.w.embed.device
@@ -248,9 +243,7 @@ class Runner:
         self._side: list[torch.cuda.Stream] = []  # one per batch position (parallel attention)
         self.plan_ahead = plan_ahead
         cuda = self.device.type == "cuda"
-        self.ahead_priority = ahead_priority
-        self.sm_carveout = sm_carveout if plan_ahead and cuda else 0
-        self._ahead = [self._new_ahead_stream() for _ in range(2)] if cuda else None  # by layer parity
+        self._ahead = [torch.cuda.Stream(self.device) for _ in range(2)] if cuda else None  # by layer parity
         self._ahead_side: list[list[torch.cuda.Stream]] = [[], []]  # per batch position, by layer parity
         self._eager_key: tuple | None = None  # the batch of the last eager one-token step
         self.layer_kernels = _layer_kernels(self.w, self.device, fused_layer)  # None: the torch functions
@@ -319,22 +312,10 @@ class Runner:
             return self._step(todo)
         cur = torch.cuda.current_stream(self.device)
         self._stream.wait_stream(cur)
-        with torch.cuda.stream(self._stream), self._carveout():
+        with torch.cuda.stream(self._stream):
             got = self._step(todo)
         cur.wait_stream(self._stream)
         return got
-
-    @contextlib.contextmanager
-    def _carveout(self):
-        if not self.sm_carveout:
-            yield
-            return
-        before = torch._C._get_sm_carveout_experimental()
-        torch._C._set_sm_carveout_experimental(self.sm_carveout)
-        try:
-            yield
-        finally:
-            torch._C._set_sm_carveout_experimental(before)
 
     def _step(self, todo: list[Request]) -> list[tuple[int, int]]:
         new = [r for r in todo if not r.started]
@@ -449,18 +430,22 @@ class Runner:
         planned: _Ahead | None = None  # this layer's plans, made ahead during the layer before
         for layer, lw in enumerate(w.layers):
             if fk is None:
-                qkv = F.linear(rms_norm(x, lw.ln1, w.eps), lw.wqkv, lw.bqkv)  # [S, (H + 2 KVH) D]
+                hn = rms_norm(x, lw.ln1, w.eps)
+            else:
+                hn, x = (fk.rms_norm(x, lw.ln1, w.eps), x) if branch is None else fk.rms_norm(branch, lw.ln1, w.eps, x)
+            # x is the residual entering this layer: the next layer's plan starts from it now, and
+            # may overlap the end of this layer's plan (per-layer planner state, per-stream workspaces)
+            nxt = self._plan_next(reqs, ahead, layer + 1, x, cos, sin, q_pos, slots) \
+                if ahead and layer + 1 < len(w.layers) else None
+            qkv = F.linear(hn, lw.wqkv, lw.bqkv)  # [S, (H + 2 KVH) D]
+            if fk is None:
                 q, k, _ = qkv.split([h * d, kvh * d, kvh * d], dim=-1)  # v: the view below, both paths
                 q = apply_rope(q.view(-1, h, d), cos, sin)  # [S, H, D]
                 k = apply_rope(k.view(-1, kvh, d), cos, sin)  # [S, KVH, D]
             else:
-                hn, x = (fk.rms_norm(x, lw.ln1, w.eps), x) if branch is None else fk.rms_norm(branch, lw.ln1, w.eps, x)
-                qkv = F.linear(hn, lw.wqkv, lw.bqkv)
                 q, k = fk.rope_qk(qkv, cos, sin, h, kvh, d)
             v = qkv[:, (h + kvh) * d:].view(-1, kvh, d)
-            plans = planned.join() if planned is not None else {}  # plans never run concurrently
-            nxt = self._plan_next(reqs, ahead, layer + 1, x, cos, sin, q_pos, slots) \
-                if ahead and layer + 1 < len(w.layers) else None
+            plans = planned.join() if planned is not None else {}
             outs = fork_join(self._streams(b), [
                 lambda i=i, r=r: self._attend(r, layer, lw.scale, q[i * t:(i + 1) * t], k[i * t:(i + 1) * t],
                                               v[i * t:(i + 1) * t], q_pos[i], slots[i], plans.get(i))
@@ -522,7 +507,7 @@ class Runner:
             if self.parallel and len(ahead) > 1:
                 side = self._ahead_side[layer % 2]
                 while len(side) < len(ahead):
-                    side.append(self._new_ahead_stream())
+                    side.append(torch.cuda.Stream(self.device))
                 streams = side[:len(ahead)]
             outs = fork_join(streams, [lambda i=i: plan_one(i) for i in ahead])
             return dict(zip(ahead, outs))
@@ -534,9 +519,6 @@ class Runner:
         with torch.cuda.stream(stream):
             plans = predict()
         return _Ahead(stream, plans, x)
-
-    def _new_ahead_stream(self):
-        return torch.cuda.Stream(self.device, priority=self.ahead_priority)
 
     def _streams(self, b: int) -> list | None:
         """The side streams of a batch of b (None: attention runs on the current stream)."""
