@@ -18,7 +18,8 @@ on the critical path: layer L's search needs layer L's query. Two ways to take i
   what `decoder/runner.py`'s `plan_ahead` writes there. lag 0: the true query with that same view.
 
 Methods: those that stay close to dense attention at rho = 5% (`topk`, the exact oracle; `ctkvr`;
-`kivf`) and `psa`. Fidelity as in bench_psa_lfps.py: the last `--positions` tokens of a document
+`kivf`) and `psa`; `saap` with `--saap-model DIR` (a trained model: its classifier decides the
+plan, so random weights would say nothing). Fidelity as in bench_psa_lfps.py: the last `--positions` tokens of a document
 fed one at a time, top-1 agreement and KL(full || method) of the next-token distributions.
 
     python benchmarks/bench_early_plans.py --json benchmarks/results/bench_early_plans.json
@@ -89,6 +90,9 @@ def main() -> None:
     ap.add_argument("--lags", type=int, nargs="+", default=[0, 1, 2])
     ap.add_argument("--own-key", nargs="+", default=["hidden"], choices=OWN_KEYS,
                     help="predict: what the planner sees in the step's own request-local row")
+    ap.add_argument("--saap-model", type=Path, default=None,
+                    help="a trained SAAP model directory (e.g. the tests' `small` preset): adds saap to the methods")
+    ap.add_argument("--methods", nargs="+", default=None, help="labels of METHODS to run (default: all)")
     ap.add_argument("--doc-tokens", type=int, default=2048)
     ap.add_argument("--positions", type=int, default=64)
     ap.add_argument("--json", type=Path, default=None)
@@ -106,9 +110,12 @@ def main() -> None:
     variants = {"reuse": ("period", [(p, None) for p in a.periods], lambda p, v: ReusedPlans(p, v[0])),
                 "predict": ("lag", [(lag, own) for lag in a.lags for own in a.own_key],
                             lambda p, v: PredictedQueries(p, lm.model, lm.spec, *v))}
+    methods = METHODS + ([("saap", "saap", {"model_dir": str(a.saap_model)})] if a.saap_model else [])
+    if a.methods:
+        methods = [m for m in methods if m[0] in a.methods]
     for section in a.sections:
         key, values, wrap = variants[section]
-        for label, name, kw in METHODS:
+        for label, name, kw in methods:
             m = get_method(name)
             params = m.Params(**kw)
             for v in values:

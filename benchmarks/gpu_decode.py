@@ -20,7 +20,7 @@ is timed with each backend (torch_ref, and triton when it is installed). Baselin
 SDPA over all N + 64 keys, and SDPA over a contiguous 5% slice (the floor a perfect gather reaches
 at that budget with SDPA's own kernel). B = 8: eight requests on eight contexts (the same values
 copied to distinct memory), each request's step on its own side stream inside one graph
-(`decoder.runner.fork_join`, as the runner does; `--serial`: one after another on one stream);
+(`decoder.streams.fork_join`, as the runner does; `--serial`: one after another on one stream);
 SDPA B = 8 is one batched call. Every step's output is checked against `torch_ref` over the same plan.
 
 Budgets (rho 5% where the method has a ratio): topk, csattn (alpha 0.1, the paper's 64-128K
@@ -69,7 +69,7 @@ sys.path.insert(0, str(ROOT))
 from benchmarks._gpu_timing import (BF, D, G, H, KVH, M_LOCAL, THETA, Timing, kernel_profile, method_spec,  # noqa: E402
                                     triton_kernel_regs)
 from decoder.backends import backend_names, get_backend  # noqa: E402
-from decoder.runner import fork_join  # noqa: E402
+from decoder.streams import fork_join  # noqa: E402
 from indexer.rope import apply_rope  # noqa: E402
 from indexer.base import DecodeContext, IndexReader, KVView, PrefillCapture, get_method  # noqa: E402
 

@@ -1,6 +1,7 @@
-"""Planning a layer ahead on the transformers path: what `decoder.runner.Runner(plan_ahead=True)`
-computes, as a planner wrapper around the model's own modules (the reference its tests compare
-with, and `benchmarks/bench_early_plans.py`'s `predict` section).
+"""Planning a layer ahead: `plan_next`, what `decoder.runner.Runner(plan_ahead=True)` runs on a
+side stream (the runner's module docstring says when and why), and `PredictedQueries`, the same on
+the transformers path as a planner wrapper around the model's own modules (the reference the
+runner's tests compare with, and `benchmarks/bench_early_plans.py`'s `predict` section).
 
 `PredictedQueries(inner, model, spec, lag, own_key)` plans layer L's one-token steps with a query
 predicted from the residual stream entering layer L - lag: layer L's input_layernorm, q_proj and
@@ -18,14 +19,86 @@ Llama-family modules (q_proj, k_proj, input_layernorm, position_embeddings in th
 
 from __future__ import annotations
 
-import torch
+from dataclasses import dataclass
 
+import torch
+import torch.nn.functional as F
+
+from decoder.layers import apply_rope, rms_norm
+from decoder.streams import fork_join
 from indexer.base import KVView, Planner
 
 OWN_KEYS = ("hidden", "predicted")
 
 
+@dataclass
+class Ahead:
+    """Plans of one layer made ahead (batch position -> Plan), queued on `stream` (None: done). `x`
+    (the residual the side stream reads) is held until the join: freed earlier, the caching
+    allocator could hand its memory to the main stream while the side stream still reads it."""
+
+    stream: object  # torch.cuda.Stream | None
+    plans: dict
+    x: torch.Tensor
+
+    def join(self) -> dict:
+        if self.stream is not None:
+            torch.cuda.current_stream(self.x.device).wait_stream(self.stream)
+        return self.plans
+
+
+def plan_next(runner, reqs: list, ahead: list[int], layer: int, x: torch.Tensor, cos, sin, q_pos: list,
+              slots: list) -> Ahead:
+    """`decoder.runner.Runner`'s planning ahead: plan `layer` of the one-token step for the runner's
+    requests at batch positions `ahead`, from x [B, C], the residual stream entering layer - 1 (the
+    runner's module docstring, "Planning ahead"): on CUDA queued on the layer's side stream
+    (`runner.ahead_streams`, by layer parity; joined by `Ahead.join`), else run here."""
+    w = runner.w
+    lw = w.layers[layer]
+    h, kvh, d, g = w.n_heads, w.n_kv_heads, w.head_dim, w.group
+    rows = (h + kvh) * d
+    fk = runner.layer_kernels
+
+    def predict():
+        # every row of the batch (a GEMM's cost is its weight's bytes; selecting the rows of the
+        # requests planned ahead would copy an index to the device, a host sync)
+        wqk = lw.wqkv[:rows]
+        bqk = lw.bqkv[:rows] if lw.bqkv is not None else None
+        if fk is None:
+            qk = F.linear(rms_norm(x, lw.ln1, w.eps), wqk, bqk)  # [B, (H + KVH) D]
+            pq = apply_rope(qk[:, :h * d].view(-1, h, d), cos, sin)  # [B, H, D]
+            pk = apply_rope(qk[:, h * d:].view(-1, kvh, d), cos, sin)  # [B, KVH, D]
+        else:
+            pq, pk = fk.rope_qk(F.linear(fk.rms_norm(x, lw.ln1, w.eps), wqk, bqk), cos, sin, h, kvh, d)
+
+        def plan_one(i: int):
+            r = reqs[i]
+            loc_k = r.loc_k[layer]
+            loc_k.index_copy_(1, slots[i], pk[i:i + 1].transpose(0, 1))  # the step's own slot: predicted
+            qh = pq[i:i + 1].transpose(0, 1).reshape(kvh, g, 1, d)
+            return r.planner.plan(layer, qh, KVView(*r.ctx_kv[layer], loc_k, r.loc_v[layer], q_pos[i]))
+
+        streams = None
+        if runner.parallel and len(ahead) > 1:
+            side = runner.ahead_side[layer % 2]
+            while len(side) < len(ahead):
+                side.append(torch.cuda.Stream(runner.device))
+            streams = side[:len(ahead)]
+        outs = fork_join(streams, [lambda i=i: plan_one(i) for i in ahead])
+        return dict(zip(ahead, outs))
+
+    if runner.ahead_streams is None:
+        return Ahead(None, predict(), x)
+    stream = runner.ahead_streams[layer % 2]
+    stream.wait_stream(torch.cuda.current_stream(runner.device))
+    with torch.cuda.stream(stream):
+        plans = predict()
+    return Ahead(stream, plans, x)
+
+
 class PredictedQueries(Planner):
+    """The transformers-path reference of planning ahead (module docstring)."""
+
     def __init__(self, inner: Planner, model, spec, lag: int = 1, own_key: str = "predicted"):
         from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 

@@ -96,7 +96,9 @@ import torch.nn.functional as F
 
 from decoder.backends import AttentionBackend, frame_fraction
 from decoder.layers import apply_rope, mlp, rms_norm, rope_cos_sin
+from decoder.plan_ahead import Ahead, plan_next
 from decoder.sampling import sample_tokens
+from decoder.streams import fork_join
 from decoder.weights import ModelWeights, fuse_weights
 from indexer.base import KVView, MethodParams, Planner, graph_capturing
 
@@ -115,23 +117,6 @@ def _layer_kernels(w: ModelWeights, device: torch.device, fused: bool | None):
 
 # ---------------------------------------------------------------------------------------------
 # Requests
-
-
-def fork_join(streams: list | None, fns: list) -> list:
-    """Run fns[i]() with streams[i] as the current stream, each after what the current stream has
-    queued so far; the current stream then waits for all of them (inside a CUDA graph capture this
-    records parallel branches). streams None: run them in order on the current stream."""
-    if streams is None:
-        return [fn() for fn in fns]
-    main = torch.cuda.current_stream()
-    outs = []
-    for s, fn in zip(streams, fns, strict=True):
-        s.wait_stream(main)
-        with torch.cuda.stream(s):
-            outs.append(fn())
-    for s in streams:
-        main.wait_stream(s)
-    return outs
 
 
 def graph_safe(planner: Planner) -> bool:
@@ -184,22 +169,6 @@ class _Graph:
     logits: torch.Tensor  # [B, V] fp32, static output
 
 
-@dataclass
-class _Ahead:
-    """Plans of one layer made ahead (batch position -> Plan), queued on `stream` (None: done). `x`
-    (the residual the side stream reads) is held until the join: freed earlier, the caching
-    allocator could hand its memory to the main stream while the side stream still reads it."""
-
-    stream: object  # torch.cuda.Stream | None
-    plans: dict
-    x: torch.Tensor
-
-    def join(self) -> dict:
-        if self.stream is not None:
-            torch.cuda.current_stream(self.x.device).wait_stream(self.stream)
-        return self.plans
-
-
 class Runner:
     """Batched decode over persisted contexts; see the module docstring.
 
@@ -243,8 +212,8 @@ class Runner:
         self._side: list[torch.cuda.Stream] = []  # one per batch position (parallel attention)
         self.plan_ahead = plan_ahead
         cuda = self.device.type == "cuda"
-        self._ahead = [torch.cuda.Stream(self.device) for _ in range(2)] if cuda else None  # by layer parity
-        self._ahead_side: list[list[torch.cuda.Stream]] = [[], []]  # per batch position, by layer parity
+        self.ahead_streams = [torch.cuda.Stream(self.device) for _ in range(2)] if cuda else None  # by layer parity
+        self.ahead_side: list[list[torch.cuda.Stream]] = [[], []]  # per batch position, by layer parity
         self._eager_key: tuple | None = None  # the batch of the last eager one-token step
         self.layer_kernels = _layer_kernels(self.w, self.device, fused_layer)  # None: the torch functions
 
@@ -427,7 +396,7 @@ class Runner:
         fk = self.layer_kernels
         branch = None  # fused path: the MLP output not yet added to x (added by the next RMSNorm)
         ahead = [i for i, r in enumerate(reqs) if r.planner.reads_query] if self.plan_ahead and t == 1 else []
-        planned: _Ahead | None = None  # this layer's plans, made ahead during the layer before
+        planned: Ahead | None = None  # this layer's plans, made ahead during the layer before
         for layer, lw in enumerate(w.layers):
             if fk is None:
                 hn = rms_norm(x, lw.ln1, w.eps)
@@ -435,7 +404,7 @@ class Runner:
                 hn, x = (fk.rms_norm(x, lw.ln1, w.eps), x) if branch is None else fk.rms_norm(branch, lw.ln1, w.eps, x)
             # x is the residual entering this layer: the next layer's plan starts from it now, and
             # may overlap the end of this layer's plan (per-layer planner state, per-stream workspaces)
-            nxt = self._plan_next(reqs, ahead, layer + 1, x, cos, sin, q_pos, slots) \
+            nxt = plan_next(self, reqs, ahead, layer + 1, x, cos, sin, q_pos, slots) \
                 if ahead and layer + 1 < len(w.layers) else None
             qkv = F.linear(hn, lw.wqkv, lw.bqkv)  # [S, (H + 2 KVH) D]
             if fk is None:
@@ -472,53 +441,6 @@ class Runner:
             r.tok.copy_(tok[i:i + 1])
             r.pos += t
         return tok, logits
-
-    def _plan_next(self, reqs: list[Request], ahead: list[int], layer: int, x: torch.Tensor, cos, sin,
-                   q_pos: list, slots: list) -> "_Ahead":
-        """Plan `layer` of the one-token step for the requests at batch positions `ahead`, from x
-        [B, C], the residual stream entering layer - 1 (module docstring, planning ahead): on CUDA
-        queued on the layer's side stream (joined by `_Ahead.join`), else run here."""
-        w = self.w
-        lw = w.layers[layer]
-        h, kvh, d, g = w.n_heads, w.n_kv_heads, w.head_dim, w.group
-        rows = (h + kvh) * d
-        fk = self.layer_kernels
-
-        def predict():
-            # every row of the batch (a GEMM's cost is its weight's bytes; selecting the rows of the
-            # requests planned ahead would copy an index to the device, a host sync)
-            wqk = lw.wqkv[:rows]
-            bqk = lw.bqkv[:rows] if lw.bqkv is not None else None
-            if fk is None:
-                qk = F.linear(rms_norm(x, lw.ln1, w.eps), wqk, bqk)  # [B, (H + KVH) D]
-                pq = apply_rope(qk[:, :h * d].view(-1, h, d), cos, sin)  # [B, H, D]
-                pk = apply_rope(qk[:, h * d:].view(-1, kvh, d), cos, sin)  # [B, KVH, D]
-            else:
-                pq, pk = fk.rope_qk(F.linear(fk.rms_norm(x, lw.ln1, w.eps), wqk, bqk), cos, sin, h, kvh, d)
-
-            def plan_one(i: int):
-                r = reqs[i]
-                loc_k = r.loc_k[layer]
-                loc_k.index_copy_(1, slots[i], pk[i:i + 1].transpose(0, 1))  # the step's own slot: predicted
-                qh = pq[i:i + 1].transpose(0, 1).reshape(kvh, g, 1, d)
-                return r.planner.plan(layer, qh, KVView(*r.ctx_kv[layer], loc_k, r.loc_v[layer], q_pos[i]))
-
-            streams = None
-            if self.parallel and len(ahead) > 1:
-                side = self._ahead_side[layer % 2]
-                while len(side) < len(ahead):
-                    side.append(torch.cuda.Stream(self.device))
-                streams = side[:len(ahead)]
-            outs = fork_join(streams, [lambda i=i: plan_one(i) for i in ahead])
-            return dict(zip(ahead, outs))
-
-        if self._ahead is None:
-            return _Ahead(None, predict(), x)
-        stream = self._ahead[layer % 2]
-        stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(stream):
-            plans = predict()
-        return _Ahead(stream, plans, x)
 
     def _streams(self, b: int) -> list | None:
         """The side streams of a batch of b (None: attention runs on the current stream)."""
