@@ -92,6 +92,8 @@ def main() -> None:
                     help="predict: what the planner sees in the step's own request-local row")
     ap.add_argument("--saap-model", type=Path, default=None,
                     help="a trained SAAP model directory (e.g. the tests' `small` preset): adds saap to the methods")
+    ap.add_argument("--saap-nprobe", type=int, default=2,
+                    help="saap's buckets probed per step (the small preset has 32 buckets: the default 32 is dense)")
     ap.add_argument("--methods", nargs="+", default=None, help="labels of METHODS to run (default: all)")
     ap.add_argument("--doc-tokens", type=int, default=2048)
     ap.add_argument("--positions", type=int, default=64)
@@ -110,7 +112,8 @@ def main() -> None:
     variants = {"reuse": ("period", [(p, None) for p in a.periods], lambda p, v: ReusedPlans(p, v[0])),
                 "predict": ("lag", [(lag, own) for lag in a.lags for own in a.own_key],
                             lambda p, v: PredictedQueries(p, lm.model, lm.spec, *v))}
-    methods = METHODS + ([("saap", "saap", {"model_dir": str(a.saap_model)})] if a.saap_model else [])
+    saap = ("saap", "saap", {"model_dir": str(a.saap_model), "nprobe": a.saap_nprobe})
+    methods = METHODS + ([saap] if a.saap_model else [])
     if a.methods:
         methods = [m for m in methods if m[0] in a.methods]
     for section in a.sections:

@@ -46,8 +46,8 @@ CUDA graph when it can:
   parallel): plan(L + 1), forked as soon as layer L's input residual exists (before its QKV GEMM),
   may overlap the end of plan(L) and runs while layer L's attention reads plan(L); kernel
   workspaces are per stream. Planners are called plan(L + 1) before update(L); their per-step
-  state is per layer (`indexer.base.Planner`). Fidelity (KL to dense, default model, CPU): lag 1 costs little,
-  lag 2 breaks down at 8K (`benchmarks/bench_early_plans.py`, RESULTS.md).
+  state is per layer (`indexer.base.Planner`). Fidelity (KL to dense, default model, CPU): lag 1
+  costs little, lag 2 breaks down at 8K (`benchmarks/bench_early_plans.py`, RESULTS.md).
 * **Sampling** on the device (`decoder/sampling.py`): greedy at temperature 0, else Gumbel-max
   with counter-based noise of (seed, position), reproducible whatever the batch or graph replay.
 * **CUDA graph** (`graphs=True` on CUDA): the one-token step of the current batch (embedding to
