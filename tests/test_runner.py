@@ -260,13 +260,14 @@ def test_graph_safety_and_finishing(lm, passkey_cap):
         runner.add(ctx, Flagged(), get_method("full").Params(), [], 2)
 
 
-def test_plan_ahead_equals_its_transformers_reference(lm, captured_2k, passkey_cap):
+def test_plan_ahead_equals_its_transformers_reference(lm, captured_2k, passkey_cap, saap_small_model):
     """plan_ahead: layers >= 1 of one-token steps are planned from the residual entering the layer
     before, with the predicted own key in the step's slot (decoder/plan_ahead.py's PredictedQueries
-    is the same on the transformers path). A batch of three (full is not planned ahead, topk and
-    ctkvr are): each request's logits equal its reference's, teacher-forced with the runner's
-    tokens, and the sparse ones differ from planning with the true query (the test tells the two
-    apart: measured 2026-11-28, fp32 CPU, max abs logit difference topk 1.6, ctkvr 0.9)."""
+    is the same on the transformers path). A batch of five (full is not planned ahead; topk, ctkvr,
+    psa and saap, whose classifier de-RoPEs the predicted query at the step's position, are): each
+    request's logits equal its reference's, teacher-forced with the runner's tokens, and the sparse
+    ones differ from planning with the true query (the test tells the two apart: measured
+    2026-11-28, fp32 CPU, max abs logit difference topk 1.6, ctkvr 0.9, psa 1.1, saap 2.3)."""
     from decoder.plan_ahead import PredictedQueries
 
     n_new = 6
@@ -276,7 +277,9 @@ def test_plan_ahead_equals_its_transformers_reference(lm, captured_2k, passkey_c
     cases = []
     for cap, n, name, q, kw in ((captured_2k, None, "full", q_doc, {}),
                                 (passkey_cap, None, "topk", q_key, {"ratio": 0.02}),
-                                (captured_2k, 1024, "ctkvr", q_doc, {"k": 64, "list_size": 256})):
+                                (captured_2k, 1024, "ctkvr", q_doc, {"k": 64, "list_size": 256}),
+                                (passkey_cap, None, "psa", q_key, {}),
+                                (captured_2k, None, "saap", q_doc, {"model_dir": str(saap_small_model), "nprobe": 2})):
         ctx, sub = capture_ctx(cap, n)
         planner, params = open_planner(name, sub, lm.spec, len(q) + n_new, **kw)
         cases.append((name, ctx, planner, params, q))
