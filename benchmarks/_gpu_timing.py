@@ -142,15 +142,18 @@ def stream_overlap(fn, sync=None) -> dict:
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         fn()
         sync()
-    with tempfile.NamedTemporaryFile(suffix=".json") as f:
-        prof.export_chrome_trace(f.name)
-        trace = json.load(open(f.name))
+    with tempfile.TemporaryDirectory() as tmp:
+        path = f"{tmp}/trace.json"
+        prof.export_chrome_trace(path)
+        with open(path) as f:
+            trace = json.load(f)
     evs = [e for e in trace.get("traceEvents", []) if e.get("cat") == "kernel" and "dur" in e]
     if not evs:
         return {"error": "no kernel events in the trace"}
     by_stream: dict = {}
     for e in evs:
-        by_stream.setdefault(e.get("args", {}).get("stream", e.get("tid")), []).append((float(e["ts"]), float(e["ts"]) + float(e["dur"])))
+        start = float(e["ts"])
+        by_stream.setdefault(e.get("args", {}).get("stream", e.get("tid")), []).append((start, start + float(e["dur"])))
     main = max(by_stream, key=lambda k: sum(b - a for a, b in by_stream[k]))
 
     def union(iv):

@@ -19,8 +19,9 @@ on the critical path: layer L's search needs layer L's query. Two ways to take i
 
 Methods: those that stay close to dense attention at rho = 5% (`topk`, the exact oracle; `ctkvr`;
 `kivf`) and `psa`; `saap` with `--saap-model DIR` (a trained model: its classifier decides the
-plan, so random weights would say nothing). Fidelity as in bench_psa_lfps.py: the last `--positions` tokens of a document
-fed one at a time, top-1 agreement and KL(full || method) of the next-token distributions.
+plan, so random weights would say nothing; `--saap-nprobe`, default 2: the tests' small preset has
+32 buckets, so saap's default of 32 is dense). Fidelity as in bench_psa_lfps.py: the last
+`--positions` tokens of a document fed one at a time, top-1 agreement and KL(full || method) of the next-token distributions.
 
     python benchmarks/bench_early_plans.py --json benchmarks/results/bench_early_plans.json
     python benchmarks/bench_early_plans.py --doc-tokens 8000 --sections predict --json /tmp/early8k.json
