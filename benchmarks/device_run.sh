@@ -7,7 +7,7 @@
 #                    carry=[".whl", ".old"])
 #   stages: tests | kerneltests | decode | decodecold | decode512 | before_after | kernels | e2e32 | e2e128 |
 #           e2e128rest | e2eprof | e2elayer | attntests | decodeab | psaab | latency | ncu | psasweep | pdlab | e2enow |
-#           offload | psa32sweep | offloadfit | ivfsweep | ivfcpp | cslfsweep | ivfsel | ivfeager | ivfsample | ncusel | psaemit | psafuse | psastop | rtrip | rerankreg | rerank96 | e2ectkvr | ncuivf | verify | repro | e2eh200 | pushab | decode512h200 | s14ab | s14e2e | s14final | s14frame | s14tests | s14lfpse2e | s15ivf | s15ivf2 | s15dot | s15final | s15rerank | s16ahead | s16overlap | s16more | s16tests | s16early
+#           offload | psa32sweep | offloadfit | ivfsweep | ivfcpp | cslfsweep | ivfsel | ivfeager | ivfsample | ncusel | psaemit | psafuse | psastop | rtrip | rerankreg | rerank96 | e2ectkvr | ncuivf | verify | repro | e2eh200 | pushab | decode512h200 | s14ab | s14e2e | s14final | s14frame | s14tests | s14lfpse2e | s15ivf | s15ivf2 | s15dot | s15final | s15rerank | s16ahead | s16overlap | s16more | s16tests | s16early | s17ahead | s17pipe
 #   (default: tests decode before_after)
 #   .old = the tree before the plan/run redesign (`git archive <commit> decoder indexer storage`), for
 #   the before/after decode comparison.
@@ -434,6 +434,17 @@ for stage in $stages; do
         tests/test_gpu_decode.py tests/test_triton_attention.py tests/test_backends.py tests/test_pipeline.py \
         tests/test_csattn.py tests/test_saap_device.py tests/test_runner.py tests/test_kernels_*.py \
         2>&1 | tee "$OUT/gpu_marked_tests.log" | tail -4 ;;
+    s17ahead)  # session 17: plan_ahead for the methods session 16 did not run with it, 128K, B = 1, dense in the same run
+      python3 benchmarks/gpu_e2e.py --lengths 131072 --batches 1 --methods full csattn lfps psa topk \
+        --plan-ahead off on --eager-tokens 0 --hf-tokens 0 --tokens 8 --budget-s 300 --check-prefill 0 \
+        --out "$OUT/ahead128c" 2>&1 | tee "$OUT/gpu_e2e_ahead128c.log" | grep "^| \|ERROR\|Error" ;;
+    s17pipe)  # session 17: the runner issuing each step before reading the last one's tokens (pipelined), its GPU
+      # tests, then 128K end to end, B = 1 and 8, pipelined off and on, plan_ahead off and on, dense in the same run
+      python3 -m pytest -q -p no:cacheprovider -m gpu -o addopts="" tests/test_runner.py 2>&1 \
+        | tee "$OUT/gpu_runner_tests.log" | tail -4
+      python3 benchmarks/gpu_e2e.py --lengths 131072 --batches 1 8 --methods full streaming saap psa ctkvr \
+        --pipelined off on --plan-ahead off on --eager-tokens 0 --hf-tokens 0 --tokens 8 --budget-s 420 \
+        --check-prefill 0 --out "$OUT/pipe128" 2>&1 | tee "$OUT/gpu_e2e_pipe128.log" | grep "^| \|ERROR\|Error" ;;
     decode512)
       python3 benchmarks/gpu_decode.py --lengths 524288 --batches 1 --backends triton \
         --methods streaming topk csattn ctkvr lfps psa saap --out "$OUT/512k" 2>&1 | tee "$OUT/gpu_decode_512k.log" \

@@ -31,7 +31,12 @@ Rows (one per n, batch, runner, method, backend), written to $OUT/gpu_e2e.json a
   another: each request gets the B = 1 rate, so ms/token = 8 x B = 1's and tokens/s are B = 1's).
 * `runner_graph`: `decoder.runner.Runner`, B requests on the one context (each with its own
   planner), one-token steps replayed from a CUDA graph (`graph` says what happened); ms_per_token =
-  wall time of one step (every request gets one token), tokens_per_s = B x 1000 / ms_per_token.
+  median wall time between consecutive step() calls returning, back to back (each returns once its
+  tokens are read, as a server streams them; every request gets one token per call), tokens_per_s =
+  B x 1000 / ms_per_token; ms_wall_mean = the timed calls' mean including the wait for a step left in
+  flight. `pipelined` (--pipelined, the runner's default on CUDA): each call issues the next step
+  before reading its tokens. Before 2026-11-28 (session 17) each timed step was preceded by a device
+  sync, which for the runner without pipelining measured the same thing.
 * `runner_eager` (B = 1, --eager-tokens): the same runner with graphs off.
 * backend `offload` (--offload-methods x --offload-batches): the same graph runner with the context's
   K/V pinned in host memory and read in place by the kernels (`decoder/backends/offload.py`), index
@@ -287,14 +292,14 @@ class Bench:
 
     def runner(self, n: int, ctx: ContextKV, name: str, method, params, reader, backend_name: str, b: int,
                graphs: bool, tokens: int, extra: dict, fused_layer: bool | None = None,
-               contexts: str | None = None, plan_ahead: bool = False) -> None:
+               contexts: str | None = None, plan_ahead: bool = False, pipelined: bool = True) -> None:
         be = get_backend(backend_name)
         qs = self.questions(b, n + b)
         prof_steps = 4 if self.a.profile and graphs and b == 1 else 0
-        max_new = tokens + 3 + prof_steps
+        max_new = tokens + 4 + prof_steps  # + 1: the last timed step still issues the next (pipelined)
         local = self.a.question + max_new
         run = Runner(self.lm, be, self.dev, graphs=graphs, track_fraction=True, fused_layer=fused_layer,
-                     plan_ahead=plan_ahead)
+                     plan_ahead=plan_ahead, pipelined=pipelined)
         if contexts is None:
             contexts = "shared" if b == 1 else self.a.offload_contexts if be.host_arrays else self.a.contexts
         for j, q in enumerate(qs):
@@ -323,12 +328,16 @@ class Bench:
         run.step()  # captured (graphs) or eager
         t_first = time.perf_counter() - t0
         first_status = run.graph_status
-        times = []
+        times = []  # one step() call each: it returns once its tokens are read, as a server streams them
+        self.sync()
+        t_start = t_last = time.perf_counter()
         for _ in range(tokens):
-            self.sync()
-            t0 = time.perf_counter()
             run.step()
-            times.append((time.perf_counter() - t0) * 1e3)
+            now = time.perf_counter()
+            times.append((now - t_last) * 1e3)
+            t_last = now
+        self.sync()  # a pipelined runner has the next step in flight: the mean waits for it too
+        wall_mean = (time.perf_counter() - t_start) * 1e3 / tokens
         status = run.graph_status
         prof = None
         if prof_steps:  # the kernels of a replayed step (CUPTI reports a graph's kernels one by one)
@@ -355,6 +364,7 @@ class Bench:
                "kv_fraction": frac, "graph": status, "first_step": first_status, "prompt_ms": t_prompt * 1e3,
                "warmup_ms": t_warm * 1e3, "capture_or_first_ms": t_first * 1e3,
                "fused_layer": run.layer_kernels is not None, "contexts": contexts, "plan_ahead": plan_ahead,
+               "pipelined": run.pipelined, "ms_wall_mean": wall_mean,
                **extra}
         if prof is not None:
             row["profile"] = prof
@@ -452,6 +462,9 @@ def main() -> None:
     ap.add_argument("--offload-methods", nargs="+", default=["csattn", "saap", "psa", "ctkvr"],
                     help="methods that get offload rows when the offload backend is asked for")
     ap.add_argument("--tokens", type=int, default=16, help="timed one-token steps per row")
+    ap.add_argument("--pipelined", nargs="+", choices=["off", "on"], default=["on"],
+                    help="graph rows with the runner issuing each step before reading the last one's tokens "
+                         "(on: the runner's default on CUDA), without (off), or both (rows say pipelined)")
     ap.add_argument("--plan-ahead", nargs="+", choices=["off", "on"], default=["off"],
                     help="graph rows of the sparse methods with the runner's plan_ahead too (rows say plan_ahead)")
     ap.add_argument("--contexts", choices=["distinct", "shared", "copies"], default="distinct",
@@ -576,11 +589,14 @@ def main() -> None:
                         for b in a.batches:
                             if bench.over_budget():
                                 break
-                            for fl in ((None, False) if a.layer_ab else (None,)):
-                                bench.runner(n, ctx, label, method, params, reader, be, b, True, a.tokens, extra, fl)
-                            if "on" in a.plan_ahead and name not in ("full", "streaming") and not bench.over_budget():
-                                bench.runner(n, ctx, label, method, params, reader, be, b, True, a.tokens, extra,
-                                             plan_ahead=True)
+                            for pl in a.pipelined:
+                                on = pl == "on"
+                                for fl in ((None, False) if a.layer_ab else (None,)):
+                                    bench.runner(n, ctx, label, method, params, reader, be, b, True, a.tokens, extra,
+                                                 fl, pipelined=on)
+                                if "on" in a.plan_ahead and name not in ("full", "streaming") and not bench.over_budget():
+                                    bench.runner(n, ctx, label, method, params, reader, be, b, True, a.tokens, extra,
+                                                 plan_ahead=True, pipelined=on)
                             if a.fit_check and b > 1 and not bench.over_budget():  # B copies: do they fit?
                                 bench.runner(n, ctx, label, method, params, reader, be, b, True, a.tokens, extra,
                                              contexts="copies")
@@ -620,6 +636,8 @@ def main() -> None:
         fl = "" if r.get("fused_layer", True) else " (torch layer ops)"
         if r.get("plan_ahead"):
             fl += " (plan ahead)"
+        if r.get("pipelined") is False and r["runner"] == "runner_graph":
+            fl += " (not pipelined)"
         print(f"| {r['n']} | {r['batch']} | {r['runner']}{fl} | {r['method']} | {r['backend']} | {f(r['ms_per_token'])} | "
               f"{f(r['tokens_per_s'], 1)} | {f(r['floor_ms'])} | {f(ratio, 1)} | {f(r.get('kv_fraction'), 3)} | "
               f"{r.get('graph') or ('derived' if r.get('derived_from_b1') else '')} |")

@@ -89,7 +89,6 @@ from __future__ import annotations
 
 import contextlib
 import secrets
-from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -97,6 +96,7 @@ import torch.nn.functional as F
 from decoder.backends import AttentionBackend, frame_fraction
 from decoder.layers import apply_rope, mlp, rms_norm, rope_cos_sin
 from decoder.plan_ahead import Ahead, plan_next
+from decoder.requests import CapturedStep, Issued, Request
 from decoder.sampling import sample_tokens
 from decoder.streams import fork_join
 from decoder.weights import ModelWeights, fuse_weights
@@ -115,8 +115,6 @@ def _layer_kernels(w: ModelWeights, device: torch.device, fused: bool | None):
     return None if layer.unsupported(probe, w.head_dim) else layer
 
 
-# ---------------------------------------------------------------------------------------------
-# Requests
 
 
 def graph_safe(planner: Planner) -> bool:
@@ -127,46 +125,6 @@ def graph_safe(planner: Planner) -> bool:
     if safe is None:
         safe = getattr(planner, "period", 1) == 1
     return bool(safe)
-
-
-@dataclass
-class Request:
-    slot: int
-    planner: Planner
-    ctx_kv: list[tuple[torch.Tensor, torch.Tensor]]  # per layer (K, V) [KVH, N, D], held while active
-    n_ctx: int
-    sink: int
-    window: int
-    loc_k: torch.Tensor  # [L, KVH, max_local, D] the request's own keys (question + generated)
-    loc_v: torch.Tensor
-    question: torch.Tensor  # [Tq] int64 on the device
-    tok: torch.Tensor  # [1] int64: the next input token (written by the step that sampled it)
-    pos: torch.Tensor  # [1] int64: absolute position of the next input token
-    temperature: torch.Tensor  # [1] fp32
-    seed: torch.Tensor  # [1] int64
-    max_new: int
-    hot: bool  # temperature > 0
-    safe: bool  # graph_safe(planner)
-    produced: int = 0
-    started: bool = False  # the question chunk has run
-    warm: bool = False  # one eager one-token step has run
-    finish_reason: str | None = None  # "stop" | "length" once finished
-    tokens: list[int] = field(default_factory=list)
-    logits: torch.Tensor | None = None  # [V] fp32 of the last step (a view of the step's output)
-    touched: torch.Tensor | None = None  # [L] fp64 sums of frame fractions (track_fraction)
-    counted: int = 0  # (kv head, query token) pairs summed in `touched`, per layer
-
-    @property
-    def active(self) -> bool:
-        return self.finish_reason is None
-
-
-@dataclass
-class _Graph:
-    key: tuple
-    graph: object  # torch.cuda.CUDAGraph
-    tokens: torch.Tensor  # [B] int64, static output
-    logits: torch.Tensor  # [B, V] fp32, static output
 
 
 class Runner:
@@ -185,11 +143,13 @@ class Runner:
     `plan_ahead`: plan layer L >= 1 of one-token steps from the residual entering layer L - 1, on a
     side stream on CUDA (module docstring); off by default: it changes the plans (not the attention's
     arithmetic), within the fidelity measured in RESULTS.md.
+    `pipelined`: issue the next one-token step before reading this one's tokens (module docstring);
+    None = on CUDA. The tokens are the same; on a CPU it would only delay each token by a step.
     """
 
     def __init__(self, lm, backend: AttentionBackend, device: str | torch.device | None = None, *,
                  graphs: bool = True, track_fraction: bool = False, parallel: bool = True,
-                 fused_layer: bool | None = None, plan_ahead: bool = False):
+                 fused_layer: bool | None = None, plan_ahead: bool = False, pipelined: bool | None = None):
         model = lm.model
         self.w = fuse_weights(model)
         self.device = torch.device(device) if device is not None else self.w.embed.device
@@ -205,7 +165,7 @@ class Runner:
         self.graph_status = ""  # how the last decode batch ran: "captured" | "replayed" | "eager: <why>"
         self.captures = 0
         self._next_slot = 0
-        self._graph: _Graph | None = None
+        self._graph: CapturedStep | None = None
         self._failed: dict[tuple, str] = {}  # batch key -> why its capture failed
         self._stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         self.parallel = parallel and self.device.type == "cuda"
@@ -215,6 +175,8 @@ class Runner:
         self.ahead_streams = [torch.cuda.Stream(self.device) for _ in range(2)] if cuda else None  # by layer parity
         self.ahead_side: list[list[torch.cuda.Stream]] = [[], []]  # per batch position, by layer parity
         self._eager_key: tuple | None = None  # the batch of the last eager one-token step
+        self.pipelined = cuda if pipelined is None else pipelined
+        self._issued: Issued | None = None  # the next call's step, issued by the last call (pipelined)
         self.layer_kernels = _layer_kernels(self.w, self.device, fused_layer)  # None: the torch functions
 
     # -- requests ------------------------------------------------------------------------------
@@ -255,8 +217,10 @@ class Runner:
         r = self.requests.pop(slot, None)
         if r is None:
             return
+        if self._issued is not None and r in self._issued.reqs:  # still running on the device
+            self._issued.settle()
         if self._graph is not None and slot in self._graph.key:  # the captured batch's slots
-            self._graph = None
+            self._drop_graph()
         r.planner.close()
 
     def active(self) -> list[int]:
@@ -289,33 +253,61 @@ class Runner:
     def _step(self, todo: list[Request]) -> list[tuple[int, int]]:
         new = [r for r in todo if not r.started]
         batch = [r for r in todo if r.started]
-        outs = []
+        parts: list[tuple[list[Request], torch.Tensor, torch.Tensor]] = []  # (requests, tokens [B], logits [B, V])
         for r in new:  # the question as one chunk, eagerly, one request at a time
-            self._graph = None
+            self._drop_graph()
             with self._no_sync():
                 tok, logits = self._forward([r], r.question.shape[0])
             r.started = True
-            r.logits = logits[0]
-            outs.append((r, tok))
-        if batch:
+            self._counted([r], r.question.shape[0])
+            parts.append(([r], tok, logits))
+        issued = self._issued  # this call's step of `batch`, issued by the last call (it may also hold
+        # requests that finished since; every started request that is still active is in it)
+        assert issued is None or set(map(id, batch)) <= set(map(id, issued.reqs))
+        ahead = self.pipelined and batch and not new and all(r.produced + 2 <= r.max_new for r in batch)
+        if batch and issued is None:
             tok, logits = self._decode(batch, prompted=bool(new))
-            for i, r in enumerate(batch):
-                r.logits = logits[i]
-            outs += [(r, tok[i:i + 1]) for i, r in enumerate(batch)]
-        ids = torch.cat([t for _, t in outs]).tolist()  # the step's one host sync
+            status = self.graph_status
+            issued = Issued.of(batch, tok, logits, status) if ahead else Issued(batch, tok, logits, None, status)
+        nxt = None
+        if ahead:
+            # the next call's step, issued before this one's tokens are read: the device runs it while
+            # the host reads, streams and schedules (its inputs are on the device already); a request
+            # that this step finishes (EOS) wastes it
+            tok, logits = self._decode(batch, prompted=False)
+            nxt = Issued.of(batch, tok, logits, self.graph_status)
+        self._issued = nxt  # (set only now: dropping a graph above waits for the step issued before)
+        if issued is not None:
+            issued.settle()  # its tokens are read below (and its requests may all have finished)
+            if batch:
+                parts.append((issued.reqs, issued.tokens, issued.logits))
+                self.graph_status = issued.status
         got = []
-        ran_eagerly = not batch or self.graph_status.startswith("eager")
-        for (r, _), t in zip(outs, ids):
-            if self.track_fraction and (r.produced == 0 or ran_eagerly):  # the steps `_attend` counted
-                r.counted += self.w.n_kv_heads * (r.question.shape[0] if r.produced == 0 else 1)
-            r.produced += 1
-            r.tokens.append(t)
-            if t in self.eos:
-                r.finish_reason = "stop"
-            elif r.produced >= r.max_new:
-                r.finish_reason = "length"
-            got.append((r.slot, t))
+        for reqs, toks, logits in parts:
+            for i, (r, t) in enumerate(zip(reqs, toks.tolist())):  # the host sync: the tokens, to stream them
+                if not r.active or self.requests.get(r.slot) is not r:  # finished or removed since it was issued
+                    continue
+                r.logits = logits[i]
+                r.produced += 1
+                r.tokens.append(t)
+                if t in self.eos:
+                    r.finish_reason = "stop"
+                elif r.produced >= r.max_new:
+                    r.finish_reason = "length"
+                got.append((r.slot, t))
         return got
+
+    def _counted(self, reqs: list[Request], t: int) -> None:
+        """`track_fraction`: the (kv head, query token) pairs an eager forward of T = t just summed."""
+        if self.track_fraction:
+            for r in reqs:
+                r.counted += self.w.n_kv_heads * t
+
+    def _drop_graph(self) -> None:
+        """Release the captured step, once a replay of it issued ahead has run."""
+        if self._graph is not None and self._issued is not None:
+            self._issued.settle()
+        self._graph = None
 
     def _decode(self, batch: list[Request], prompted: bool) -> tuple[torch.Tensor, torch.Tensor]:
         """The one-token step of `batch`: replayed, captured, or eager."""
@@ -340,9 +332,10 @@ class Runner:
             if captured:
                 return captured
             why = self._failed[key]
-        self._graph = None
+        self._drop_graph()
         with self._no_sync():
             tok, logits = self._forward(batch, 1)
+        self._counted(batch, 1)
         for r in batch:
             r.warm = True
         self._eager_key = key
@@ -361,7 +354,7 @@ class Runner:
             torch.cuda.set_sync_debug_mode("default")
 
     def _capture(self, batch: list[Request], key: tuple):
-        self._graph = None
+        self._drop_graph()
         g = torch.cuda.CUDAGraph()
         try:
             with torch.cuda.graph(g, stream=self._stream, capture_error_mode="thread_local"):
@@ -370,7 +363,7 @@ class Runner:
             self._failed[key] = f"capture failed: {type(e).__name__}: {str(e)[:200]}"
             return None
         g.replay()  # capture records without running: this runs the step
-        self._graph = _Graph(key, g, tok, logits)
+        self._graph = CapturedStep(key, g, tok, logits)
         self.captures += 1
         self.graph_status = "captured"
         return tok, logits
@@ -470,3 +463,4 @@ class Runner:
         if self.track_fraction and not graph_capturing(qh):
             r.touched[layer] += frame_fraction(plan, kv, r.sink, r.window).sum().to(r.touched.device)
         return out.reshape(w.n_heads, t, d).transpose(0, 1).reshape(t, w.n_heads * d)
+

@@ -67,6 +67,10 @@ class Settings(BaseSettings):
         False, description="batched runner: plan each layer's sparse search from the residual entering the layer "
                            "before, on a side stream during that layer (decoder.runner, plan_ahead): faster one-token "
                            "steps on a GPU, plans from a predicted query (fidelity cost in benchmarks/RESULTS.md)")
+    decode_pipelined: bool = Field(
+        True, description="batched runner on a GPU: issue each one-token step before reading the tokens of the step "
+                          "before (decoder.runner, pipelined), so the GPU does not wait for the host between tokens; "
+                          "the same tokens; a request that stops on EOS wastes one step")
     attention_backend: str = Field(
         "auto", pattern="^(auto|torch_ref|triton|offload|offload_v)$",
         description="decode attention backend: auto = triton on a GPU when installed, else torch_ref (on a GPU, "

@@ -332,6 +332,76 @@ def test_plan_ahead_attention_uses_the_true_query_and_key(lm, passkey_cap):
         assert not torch.allclose(torch.stack(seen[True][layer]), torch.stack(seen[False][layer]), atol=1e-3), layer
 
 
+def _scripted(runner: Runner, cases: list, script: dict) -> list[list[tuple[int, int, torch.Tensor]]]:
+    """Per step() call, what it returned: (case index, token, logits). `script`: call index ->
+    ("add", case index) or ("remove", case index), done before that call."""
+    slot_of: dict[int, int] = {}
+    log, i = [], 0
+    while runner.active() or i in script:
+        for what, c in script.get(i, ()):
+            if what == "add":
+                ctx, planner, params, q, n_new = cases[c]
+                slot_of[c] = runner.add(ctx, planner(), params, q, n_new)
+            else:
+                runner.remove(slot_of[c])
+        case = {s: c for c, s in slot_of.items()}
+        log.append([(case[s], t, runner.requests[s].logits.clone()) for s, t in runner.step()])
+        i += 1
+    for s in list(runner.requests):
+        runner.remove(s)
+    return log
+
+
+def test_pipelined_steps_equal_plain_steps(lm, captured_2k, passkey_cap):
+    """`pipelined`: each step() issues the next one-token step before reading its own tokens. Every
+    call returns the same tokens (and logits) as the plain runner through: a request that stops on
+    EOS while the step after it is already issued (that step is wasted), one that ends by length,
+    one that joins while a step is in flight, and one removed (cancelled) while it is in flight."""
+    be = get_backend("torch_ref")
+    q_doc = lm.question_ids("What does the scheduler do?")
+    q_key = lm.question_ids(PASSKEY_QUESTION)
+    cases = []
+    for cap, n, name, q, n_new, kw in ((passkey_cap, None, "topk", q_key, 8, {}),
+                                       (captured_2k, 1024, "full", q_doc, 3, {}),
+                                       (captured_2k, 1024, "ctkvr", q_doc, 5, {"k": 128, "list_size": 256}),
+                                       (captured_2k, 1024, "full", q_doc, 9, {})):
+        ctx, sub = capture_ctx(cap, n)
+        planner, params = open_planner(name, sub, lm.spec, len(q) + n_new, **kw)
+        cases.append((ctx, planner, params, q, n_new))
+    script = {0: [("add", 0), ("add", 1), ("add", 3)], 2: [("add", 2)], 5: [("remove", 3)]}
+    plain = Runner(lm, be, pipelined=False)
+    free = _scripted(plain, cases, script)
+    eos = {t for c, t, _ in free[3] if c == 0}  # case 0's fourth token: it stops there, mid-batch
+    assert len(eos) == 1
+    logs = {}
+    issued_with_stop = []
+    for pipelined in (False, True):
+        runner = Runner(lm, be, pipelined=pipelined)
+        runner.eos = frozenset(eos)
+        if pipelined:  # record the step issued ahead when case 0 stops
+            step = runner.step
+
+            def watched():
+                got = step()
+                if any(runner.requests[s].finish_reason == "stop" for s, _ in got):
+                    issued_with_stop.append(runner._issued is not None and len(runner._issued.reqs))
+                return got
+
+            runner.step = watched
+        logs[pipelined] = _scripted(runner, cases, script)
+        assert runner._issued is None and not runner.requests
+    plain_log, piped = logs[False], logs[True]
+    assert [[(c, t) for c, t, _ in call] for call in piped] == [[(c, t) for c, t, _ in call] for call in plain_log]
+    for a, b in zip(piped, plain_log):
+        for (_, _, la), (_, _, lb) in zip(a, b):
+            torch.testing.assert_close(la, lb, atol=ATOL_FP32, rtol=0)
+    tokens = {c: [t for call in plain_log for cc, t, _ in call if cc == c] for c in range(4)}
+    assert tokens[0][-1] in eos and len(tokens[0]) == 4  # stopped by EOS
+    assert len(tokens[1]) == 3 and len(tokens[2]) == 5  # by length; 2 joined at call 2
+    assert len(tokens[3]) == 5  # removed before call 5: tokens of calls 0-4
+    assert issued_with_stop and issued_with_stop[0] >= 2  # a step was in flight, the stopped request in it
+
+
 # ---------------------------------------------------------------------------------------------
 # GPU: random weights of SmolLM2's shape, triton backend
 
@@ -513,6 +583,48 @@ def test_gpu_plan_ahead_on_side_streams_equals_its_reference():
         rel = _rel(got, ref)
         print(f"plan ahead {name}: runner vs transformers max rel {float(rel.max()):.2e}")
         assert (rel <= TOL[torch.float32]["full" if name == "full" else "sparse"]).all(), (name, rel)
+
+
+@pytest.mark.gpu
+def test_gpu_pipelined_replays_equal_plain_ones():
+    """On CUDA the runner issues each one-token step before it reads the tokens of the step before
+    (`pipelined`, the default there). Three requests (full, topk, ctkvr), fp32: the same tokens and
+    logits as the plain runner, replays without a host sync, a step in flight after each call, and a
+    request removed while its step is in flight leaves the others' answers as they were."""
+    lm, gpu_ctx = gpu_setup(torch.float32)
+    be = get_backend("triton")
+    n_new = 10
+    reqs = _gpu_requests(lm, gpu_ctx, n_new)
+    runs = {}
+    for pipelined in (False, True):
+        runner = Runner(lm, be, pipelined=pipelined)
+        runner.eos = frozenset()  # every request runs to its length: the batches match call for call
+        slots = [runner.add(ctx, planner(), params, q, n_new) for _, ctx, planner, params, q in reqs]
+        runner.step()
+        runner.step()
+        runner.sync_check = True
+        logits: dict[int, list] = {s: [] for s in slots}
+        status, in_flight, i = [], [], 0
+        while runner.active():
+            if i == 3:
+                runner.remove(slots[1])
+            for s, _ in runner.step():
+                logits[s].append(runner.requests[s].logits.clone())
+            status.append(runner.graph_status)
+            in_flight.append(runner._issued is not None)
+            i += 1
+        runs[pipelined] = ({s: torch.stack(v) for s, v in logits.items()},
+                           {s: runner.requests[s].tokens for s in (slots[0], slots[2])})
+        assert status[0] == "captured" and "eager: warming up" in status and status[-1] == "replayed", status
+        assert all(in_flight[:-1]) == pipelined and not in_flight[-1]
+        for s in (slots[0], slots[2]):
+            runner.remove(s)
+        assert runner._issued is None and runner._graph is None
+    (plain_logits, plain_toks), (piped_logits, piped_toks) = runs[False], runs[True]
+    assert piped_toks == plain_toks
+    for s in plain_logits:
+        assert len(piped_logits[s]) == len(plain_logits[s])
+        assert _same_decode(piped_logits[s], plain_logits[s], REL_GRAPH, 1e-2) == len(plain_logits[s]), s
 
 
 @pytest.mark.gpu

@@ -189,7 +189,8 @@ class DecodeWorker(Loop):
         r = self._runners.get(backend.name)
         if r is None:
             r = self._runners[backend.name] = Runner(self.rt.ensure_weights(), backend, self.device, track_fraction=True,
-                                                     plan_ahead=self.rt.settings.plan_ahead)
+                                                     plan_ahead=self.rt.settings.plan_ahead,
+                                                     pipelined=None if self.rt.settings.decode_pipelined else False)
         return r
 
     def _step(self) -> None:

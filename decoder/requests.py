@@ -1,0 +1,90 @@
+"""The decode runner's per-request state and the records of its one-token steps (`decoder/runner.py`).
+
+`Request` is what the runner keeps for one request: its static request-local K/V buffers and the
+device scalars a captured step advances in place. `CapturedStep` is a CUDA graph of one batch's
+one-token step with its static outputs. `Issued` is a one-token step that has been enqueued and whose
+tokens have not been read yet: with `Runner(pipelined=True)` the next step is issued before this one's
+tokens are read, so its outputs are copied out of the graph's buffers first (`Issued.of`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from indexer.base import Planner
+
+
+@dataclass
+class Request:
+    slot: int
+    planner: Planner
+    ctx_kv: list[tuple[torch.Tensor, torch.Tensor]]  # per layer (K, V) [KVH, N, D], held while active
+    n_ctx: int
+    sink: int
+    window: int
+    loc_k: torch.Tensor  # [L, KVH, max_local, D] the request's own keys (question + generated)
+    loc_v: torch.Tensor
+    question: torch.Tensor  # [Tq] int64 on the device
+    tok: torch.Tensor  # [1] int64: the next input token (written by the step that sampled it)
+    pos: torch.Tensor  # [1] int64: absolute position of the next input token
+    temperature: torch.Tensor  # [1] fp32
+    seed: torch.Tensor  # [1] int64
+    max_new: int
+    hot: bool  # temperature > 0
+    safe: bool  # graph_safe(planner)
+    produced: int = 0
+    started: bool = False  # the question chunk has run
+    warm: bool = False  # one eager one-token step has run
+    finish_reason: str | None = None  # "stop" | "length" once finished
+    tokens: list[int] = field(default_factory=list)
+    logits: torch.Tensor | None = None  # [V] fp32 of the step whose token was returned last
+    touched: torch.Tensor | None = None  # [L] fp64 sums of frame fractions (track_fraction)
+    counted: int = 0  # (kv head, query token) pairs summed in `touched`, per layer
+
+    @property
+    def active(self) -> bool:
+        return self.finish_reason is None
+
+
+@dataclass
+class CapturedStep:
+    key: tuple  # the batch's slots
+    graph: object  # torch.cuda.CUDAGraph
+    tokens: torch.Tensor  # [B] int64, static output
+    logits: torch.Tensor  # [B, V] fp32, static output
+
+
+@dataclass
+class Issued:
+    """A one-token step of `reqs`, enqueued on the device, tokens not read yet."""
+
+    reqs: list[Request]
+    tokens: torch.Tensor  # [B] int64: on CUDA a pinned host copy, valid once `done` has completed
+    logits: torch.Tensor  # [B, V] fp32, the step's own (a later replay does not overwrite it)
+    done: torch.cuda.Event | None  # recorded after the copies (None on the CPU: already done)
+    status: str  # how it ran: the runner's `graph_status` of that step
+
+    @classmethod
+    def of(cls, reqs: list[Request], tokens: torch.Tensor, logits: torch.Tensor, status: str) -> Issued:
+        """The step's outputs copied where the next step cannot overwrite them (a graph's outputs are
+        static buffers), in stream order: no host sync."""
+        if tokens.device.type != "cuda":
+            return cls(reqs, tokens.clone(), logits.clone(), None, status)
+        host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
+        host.copy_(tokens, non_blocking=True)
+        done = torch.cuda.Event()
+        done.record()
+        return cls(reqs, host, logits.clone(), done, status)
+
+    def token_ids(self) -> list[int]:
+        """The step's tokens (waits for the step on CUDA)."""
+        if self.done is not None:
+            self.done.synchronize()
+        return self.tokens.tolist()
+
+    def settle(self) -> None:
+        """Wait until the step has run (before a buffer or a graph it uses may be released)."""
+        if self.done is not None:
+            self.done.synchronize()
