@@ -48,6 +48,16 @@ CUDA graph when it can:
   workspaces are per stream. Planners are called plan(L + 1) before update(L); their per-step
   state is per layer (`indexer.base.Planner`). Fidelity (KL to dense, default model, CPU): lag 1
   costs little, lag 2 breaks down at 8K (`benchmarks/bench_early_plans.py`, RESULTS.md).
+* **Pipelined steps** (`pipelined`, the default on CUDA): a step's inputs for the next one (each
+  request's next token and position) are written on the device, so `step()` issues the next
+  one-token step of the same batch *before* it reads its own tokens; the device then runs it while
+  the host reads the tokens, streams them and schedules, and the next call finds it issued (no
+  device idle between tokens). The step's outputs are first copied out of the graph's static
+  buffers (tokens to pinned host memory, logits on the device: `decoder.requests.Issued`). Not
+  issued ahead: when requests join (their question chunk comes first) or when a request would pass
+  its max_new_tokens. A request that stops on EOS was part of the step issued after it, which is
+  discarded for it (its buffers are released only after that step has run: `remove` waits for it,
+  as does dropping a graph it replays). Tokens and logits equal the plain runner's (tests).
 * **Sampling** on the device (`decoder/sampling.py`): greedy at temperature 0, else Gumbel-max
   with counter-based noise of (seed, position), reproducible whatever the batch or graph replay.
 * **CUDA graph** (`graphs=True` on CUDA): the one-token step of the current batch (embedding to
