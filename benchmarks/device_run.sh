@@ -7,7 +7,7 @@
 #                    carry=[".whl", ".old"])
 #   stages: tests | kerneltests | decode | decodecold | decode512 | before_after | kernels | e2e32 | e2e128 |
 #           e2e128rest | e2eprof | e2elayer | attntests | decodeab | psaab | latency | ncu | psasweep | pdlab | e2enow |
-#           offload | psa32sweep | offloadfit | ivfsweep | ivfcpp | cslfsweep | ivfsel | ivfeager | ivfsample | ncusel | psaemit | psafuse | psastop | rtrip | rerankreg | rerank96 | e2ectkvr | ncuivf | verify | repro | e2eh200 | pushab | decode512h200 | s14ab | s14e2e | s14final | s14frame | s14tests | s14lfpse2e | s15ivf | s15ivf2 | s15dot | s15final | s15rerank | s16ahead | s16overlap | s16more | s16tests | s16early | s17ahead | s17pipe
+#           offload | psa32sweep | offloadfit | ivfsweep | ivfcpp | cslfsweep | ivfsel | ivfeager | ivfsample | ncusel | psaemit | psafuse | psastop | rtrip | rerankreg | rerank96 | e2ectkvr | ncuivf | verify | repro | e2eh200 | pushab | decode512h200 | s14ab | s14e2e | s14final | s14frame | s14tests | s14lfpse2e | s15ivf | s15ivf2 | s15dot | s15final | s15rerank | s16ahead | s16overlap | s16more | s16tests | s16early | s17ahead | s17pipe | s17offload | s17reads
 #   (default: tests decode before_after)
 #   .old = the tree before the plan/run redesign (`git archive <commit> decoder indexer storage`), for
 #   the before/after decode comparison.
@@ -445,6 +445,15 @@ for stage in $stages; do
       python3 benchmarks/gpu_e2e.py --lengths 131072 --batches 1 8 --methods full streaming saap psa ctkvr \
         --pipelined off on --plan-ahead off on --eager-tokens 0 --hf-tokens 0 --tokens 8 --budget-s 420 \
         --check-prefill 0 --out "$OUT/pipe128" 2>&1 | tee "$OUT/gpu_e2e_pipe128.log" | grep "^| \|ERROR\|Error" ;;
+    s17offload)  # session 17: ctkvr all-GPU vs offload_v (eight context copies in host memory) at 128K with pipelined
+      # steps, B = 1 (profiled) and 8
+      python3 benchmarks/gpu_e2e.py --lengths 131072 --batches 1 8 --methods ctkvr --backends triton offload_v \
+        --offload-batches 1 8 --offload-methods ctkvr --offload-contexts copies --profile --eager-tokens 0 \
+        --hf-tokens 0 --tokens 8 --budget-s 450 --check-prefill 0 --out "$OUT/offload128" 2>&1 \
+        | tee "$OUT/gpu_e2e_offload128.log" | grep "^| \|rror\|profile" ;;
+    s17reads)  # session 17: offload_v's slow B = 8 (ctkvr-shaped reads of eight contexts' values in host memory)
+      python3 benchmarks/gpu_host_reads.py --sections batch --out "$OUT/reads" 2>&1 | tee "$OUT/gpu_host_reads_batch.log" \
+        | tail -12 ;;
     decode512)
       python3 benchmarks/gpu_decode.py --lengths 524288 --batches 1 --backends triton \
         --methods streaming topk csattn ctkvr lfps psa saap --out "$OUT/512k" 2>&1 | tee "$OUT/gpu_decode_512k.log" \

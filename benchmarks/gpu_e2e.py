@@ -300,8 +300,11 @@ class Bench:
         local = self.a.question + max_new
         run = Runner(self.lm, be, self.dev, graphs=graphs, track_fraction=True, fused_layer=fused_layer,
                      plan_ahead=plan_ahead, pipelined=pipelined)
-        if contexts is None:
-            contexts = "shared" if b == 1 else self.a.offload_contexts if be.host_arrays else self.a.contexts
+        if contexts is None:  # B = 1 shares the context it was given, except an offload row in "copies" mode,
+            # which was given the GPU-resident context and must copy it to where the backend keeps it
+            copies = be.host_arrays and self.a.offload_contexts == "copies"
+            contexts = "copies" if copies else "shared" if b == 1 else \
+                self.a.offload_contexts if be.host_arrays else self.a.contexts
         for j, q in enumerate(qs):
             c, rd = (ctx, reader) if contexts == "shared" else rotated(ctx, reader, j, len(self.w.layers))
             if contexts == "copies":

@@ -10,9 +10,15 @@ against the same reads from HBM, in one run:
 * a Triton row gather (rows of KVH x D, scattered and in 32-row blocks) from a mapped host tensor
   and from a GPU tensor;
 * the attention kernel (`decoder.kernels.attention.frame_attention`) over a 5% plan with the
-  context in host memory and on the GPU, eager and graph-replayed; the outputs must agree.
+  context in host memory and on the GPU, eager and graph-replayed; the outputs must agree;
+* `--sections batch` (session 17): the offload_v shape that runs slowest end to end, eight requests
+  on eight contexts whose values are in host memory, each attending ctkvr's 1,024 scattered rows per
+  KV head plus its frame (sink 4, window 256), graph-replayed one after another as a runner step
+  issues them: the attention over mapped values (default launch, and smaller chunks spread over more
+  programs), against gathering the same value rows of all eight requests into HBM in one launch
+  first, and against the attention with the values in HBM.
 
-    python benchmarks/gpu_host_reads.py [--n 131072] [--out DIR]
+    python benchmarks/gpu_host_reads.py [--n 131072] [--sections base batch] [--out DIR]
 
 Writes `host_reads.json` (rows: name, ms, bytes, GB/s) to --out.
 """
@@ -36,7 +42,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _gpu_timing import BF, D, G, KVH, M_LOCAL, Timing  # noqa: E402
 
 from decoder.backends.offload import mapped  # noqa: E402
-from decoder.kernels.attention import frame_attention  # noqa: E402
+from decoder.kernels.attention import KernelConfig, frame_attention  # noqa: E402
 
 
 @triton.jit
@@ -59,6 +65,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--n", type=int, default=131072)
     ap.add_argument("--frac", type=float, default=0.05)
+    ap.add_argument("--sections", nargs="+", choices=["base", "batch"], default=["base"])
     ap.add_argument("--out", default=os.environ.get("OUT", "benchmarks/out"))
     a = ap.parse_args()
     t = Timing("cuda")
@@ -70,6 +77,10 @@ def main() -> None:
 
     n, kvh, d = a.n, KVH, D
     torch.manual_seed(0)
+    if "batch" in a.sections:
+        batch_section(t, add, n)
+    if "base" not in a.sections:
+        return finish(a, n, rows_out)
     host_k = torch.randn(kvh, n, d, dtype=BF).pin_memory()
     host_v = torch.randn(kvh, n, d, dtype=BF).pin_memory()
     dev_k, dev_v = host_k.cuda(), host_v.cuda()
@@ -119,9 +130,78 @@ def main() -> None:
                 add(f"attention B={b} {label}, host, graph", gms, nbytes, batch=b)
             else:
                 print("graph failed:", why)
+    finish(a, n, rows_out)
+
+
+def finish(a, n, rows_out) -> None:
     Path(a.out).mkdir(parents=True, exist_ok=True)
-    info = {"device": torch.cuda.get_device_name(), "n": n, "frac": a.frac, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
+    info = {"device": torch.cuda.get_device_name(), "n": n, "frac": a.frac, "sections": a.sections,
+            "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
     (Path(a.out) / "host_reads.json").write_text(json.dumps({"info": info, "rows": rows_out}, indent=1))
+
+
+@triton.jit
+def _gather_many(srcs, rows, out, n_rows, N: tl.constexpr, D: tl.constexpr, BLOCK: tl.constexpr):
+    """Program (row block, kv head, request): rows of request b's source (its address in `srcs`)."""
+    h = tl.program_id(1)
+    b = tl.program_id(2)
+    kvh = tl.num_programs(1)
+    src = tl.load(srcs + b).to(tl.pointer_type(tl.bfloat16))
+    r = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    ok = r < n_rows
+    base = (b * kvh + h) * n_rows
+    pos = tl.load(rows + base + r, mask=ok, other=0).to(tl.int64)
+    d = tl.arange(0, D)
+    x = tl.load(src + (h * N + pos)[:, None] * D + d[None, :], mask=ok[:, None])
+    tl.store(out + (base + r)[:, None].to(tl.int64) * D + d[None, :], x, mask=ok[:, None])
+
+
+def batch_section(t: Timing, add, n: int, b: int = 8, k: int = 1024, sink: int = 4, window: int = 256) -> None:
+    kvh, d = KVH, D
+    host_v = [torch.randn(kvh, n, d, dtype=BF).pin_memory() for _ in range(b)]
+    map_v = [mapped(h) for h in host_v]
+    dev_v = [h.cuda() for h in host_v]
+    dev_k = [torch.randn(kvh, n, d, dtype=BF, device="cuda") for _ in range(b)]
+    q = torch.randn(b, kvh, G, 1, d, dtype=BF, device="cuda")
+    loc_k = torch.randn(kvh, M_LOCAL, d, dtype=BF, device="cuda")
+    loc_v = torch.randn_like(loc_k)
+    q_pos = torch.tensor([n + M_LOCAL - 1], device="cuda")
+    plans = [torch.sort(torch.stack([torch.randperm(n - window - sink, device="cuda")[:k] + sink
+                                     for _ in range(kvh)]), dim=-1).values.to(torch.int32)[:, None, :]
+             for _ in range(b)]
+    frame = torch.cat([torch.arange(sink), torch.arange(n - window + 1, n)]).cuda()
+    rows = torch.stack([torch.cat([frame.expand(kvh, -1), p[:, 0].long()], dim=1) for p in plans]).to(torch.int32)
+    n_rows = rows.shape[-1]
+    nbytes = rows.numel() * d * 2  # the value rows read from host memory per layer
+    staged = torch.empty(b, kvh, n_rows, d, dtype=BF, device="cuda")
+    srcs = torch.tensor([v.data_ptr() for v in map_v], dtype=torch.int64, device="cuda")
+
+    def att(vs, cfg=None):
+        return [frame_attention(q[i], dev_k[i], vs[i], loc_k, loc_v, q_pos, plans[i], sink, window, d ** -0.5,
+                                cfg=cfg or KernelConfig()) for i in range(b)]
+
+    def gather_all():
+        _gather_many[(triton.cdiv(n_rows, 16), kvh, b)](srcs, rows, staged, n_rows, n, d, 16)
+
+    ref = att(dev_v)
+    assert all(torch.equal(x, y) for x, y in zip(ref, att(map_v))), "attention over host values differs"
+    gather_all()
+    want = torch.stack([v.gather(1, r.long()[..., None].expand(-1, -1, d)) for v, r in zip(dev_v, rows)])
+    assert torch.equal(staged, want), "the batched gather read other rows"
+    variants = [("attention, values in HBM", lambda: att(dev_v)),
+                ("attention, values mapped (default launch)", lambda: att(map_v)),
+                ("attention, values mapped, chunks of 32, 8 programs per SM",
+                 lambda: att(map_v, KernelConfig(block_n=32, programs_per_sm=8))),
+                ("attention, values mapped, chunks of 16, 16 programs per SM",
+                 lambda: att(map_v, KernelConfig(block_n=16, programs_per_sm=16))),
+                ("gather of every request's value rows, one launch", gather_all),
+                ("gather, then attention with values in HBM", lambda: (gather_all(), att(dev_v)))]
+    for label, fn in variants:
+        gms, why = t.graph_ms(fn, reps=20)
+        if gms is None:
+            print(f"{label}: graph failed: {why}")
+            continue
+        add(f"B={b} ctkvr-shaped, {label}", gms, nbytes, batch=b, rows_per_head=n_rows)
 
 
 if __name__ == "__main__":
