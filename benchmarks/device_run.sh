@@ -7,7 +7,7 @@
 #                    carry=[".whl", ".old"])
 #   stages: tests | kerneltests | decode | decodecold | decode512 | before_after | kernels | e2e32 | e2e128 |
 #           e2e128rest | e2eprof | e2elayer | attntests | decodeab | psaab | latency | ncu | psasweep | pdlab | e2enow |
-#           offload | psa32sweep | offloadfit | ivfsweep | ivfcpp | cslfsweep | ivfsel | ivfeager | ivfsample | ncusel | psaemit | psafuse | psastop | rtrip | rerankreg | rerank96 | e2ectkvr | ncuivf | verify | repro | e2eh200 | pushab | decode512h200 | s14ab | s14e2e | s14final | s14frame | s14tests | s14lfpse2e | s15ivf | s15ivf2 | s15dot | s15final | s15rerank | s16ahead | s16overlap | s16more | s16tests | s16early | s17ahead | s17pipe | s17offload | s17reads
+#           offload | psa32sweep | offloadfit | ivfsweep | ivfcpp | cslfsweep | ivfsel | ivfeager | ivfsample | ncusel | psaemit | psafuse | psastop | rtrip | rerankreg | rerank96 | e2ectkvr | ncuivf | verify | repro | e2eh200 | pushab | decode512h200 | s14ab | s14e2e | s14final | s14frame | s14tests | s14lfpse2e | s15ivf | s15ivf2 | s15dot | s15final | s15rerank | s16ahead | s16overlap | s16more | s16tests | s16early | s17ahead | s17pipe | s17offload | s17reads | s17fuse
 #   (default: tests decode before_after)
 #   .old = the tree before the plan/run redesign (`git archive <commit> decoder indexer storage`), for
 #   the before/after decode comparison.
@@ -454,6 +454,21 @@ for stage in $stages; do
     s17reads)  # session 17: offload_v's slow B = 8 (ctkvr-shaped reads of eight contexts' values in host memory)
       python3 benchmarks/gpu_host_reads.py --sections batch --out "$OUT/reads" 2>&1 | tee "$OUT/gpu_host_reads_batch.log" \
         | tail -12 ;;
+    s17fuse)  # session 17: the RoPE launch also writing the step's K/V slots (this tree) against index_copy_ per request
+      # and layer (.old/{runner,layer,requests}_head.py): the GPU tests of both files, then 128K end to end, old then new
+      python3 -m pytest -q -p no:cacheprovider -m gpu -o addopts="" tests/test_runner.py 2>&1 \
+        | tee "$OUT/gpu_runner_tests.log" | tail -3
+      python3 -m pytest -q -p no:cacheprovider -o addopts="" tests/test_layer_kernels.py 2>&1 \
+        | tee "$OUT/gpu_layer_kernel_tests.log" | tail -3
+      rm -rf /tmp/old && mkdir -p /tmp/old && cp -r benchmarks decoder indexer storage tests training /tmp/old/ \
+        && cp .old/runner_head.py /tmp/old/decoder/runner.py && cp .old/layer_head.py /tmp/old/decoder/kernels/layer.py \
+        && cp .old/requests_head.py /tmp/old/decoder/requests.py || exit 1
+      (cd /tmp/old && python3 benchmarks/gpu_e2e.py --lengths 131072 --batches 1 8 --methods full ctkvr saap \
+        --plan-ahead off on --eager-tokens 0 --hf-tokens 0 --tokens 8 --budget-s 200 --check-prefill 0 \
+        --out "$OUT/fuse_old" 2>&1 | grep "^| 131072\|rror")
+      python3 benchmarks/gpu_e2e.py --lengths 131072 --batches 1 8 --methods full ctkvr saap --plan-ahead off on \
+        --eager-tokens 0 --hf-tokens 0 --tokens 8 --budget-s 200 --check-prefill 0 --profile --out "$OUT/fuse_new" 2>&1 \
+        | grep "^| 131072\|rror\|profile" ;;
     decode512)
       python3 benchmarks/gpu_decode.py --lengths 524288 --batches 1 --backends triton \
         --methods streaming topk csattn ctkvr lfps psa saap --out "$OUT/512k" 2>&1 | tee "$OUT/gpu_decode_512k.log" \

@@ -40,6 +40,8 @@ class Request:
     finish_reason: str | None = None  # "stop" | "length" once finished
     tokens: list[int] = field(default_factory=list)
     logits: torch.Tensor | None = None  # [V] fp32 of the step whose token was returned last
+    slot_base: torch.Tensor | None = None  # [2, L] int64: addresses of loc_k[l], loc_v[l] (fused slot writes)
+    head_stride: torch.Tensor | None = None  # [1] int64: elements between two heads of loc_k[l] (max_local x D)
     touched: torch.Tensor | None = None  # [L] fp64 sums of frame fractions (track_fraction)
     counted: int = 0  # (kv head, query token) pairs summed in `touched`, per layer
 

@@ -23,6 +23,9 @@ CUDA graph when it can:
   the residual add before it, RoPE of q and k, SiLU·up) are one Triton launch each
   (`decoder/kernels/layer.py`, `fused_layer`): ~15 kernels per layer instead of ~41, the same
   roundings as the torch functions of `decoder/layers.py`, which stay the reference and the CPU path.
+  The RoPE launch also stores every request's new K/V rows into its local slots (each request's
+  buffer addresses are device constants made at `add`), instead of two `index_copy_` per request
+  and layer.
 * **Requests' attention in parallel** (`parallel=True`, CUDA, B > 1, context on the device): each
   request's plan + run + update of a layer is issued on its own side stream (the batch position's
   stream: fork from the step's stream, join back before o_proj), so the small search and attention
@@ -219,6 +222,10 @@ class Runner:
             seed=torch.full((1,), int(seed) & 0x7FFFFFFF, dtype=torch.long, device=dev),
             max_new=max_new_tokens, hot=temperature > 0, safe=graph_safe(planner),
             touched=torch.zeros(len(w.layers), dtype=torch.float64, device=dev))
+        if self.layer_kernels is not None:  # the fused RoPE launch writes each step's K/V slots (`_forward`)
+            r.slot_base = torch.tensor([[t.data_ptr() + i * t.stride(0) * t.element_size() for i in range(shape[0])]
+                                        for t in (r.loc_k, r.loc_v)], dtype=torch.int64, device=dev)
+            r.head_stride = torch.full((1,), max_local * w.head_dim, dtype=torch.long, device=dev)
         self.requests[slot] = r
         return slot
 
@@ -397,6 +404,9 @@ class Runner:
         x = F.embedding(ids, w.embed)  # [S, C]
         cos, sin = rope_cos_sin(pos, w.inv_freq, w.rope_scaling, x.dtype)  # [S, D]
         fk = self.layer_kernels
+        rows = None if fk is None else fk.SlotRows(  # where the RoPE launch stores each row's k and v
+            torch.stack([r.slot_base for r in reqs]) if t == 1 else reqs[0].slot_base.expand(t, -1, -1).contiguous(),
+            torch.cat(slots) * d, torch.cat([r.head_stride.expand(t) for r in reqs]))
         branch = None  # fused path: the MLP output not yet added to x (added by the next RMSNorm)
         ahead = [i for i, r in enumerate(reqs) if r.planner.reads_query] if self.plan_ahead and t == 1 else []
         planned: Ahead | None = None  # this layer's plans, made ahead during the layer before
@@ -410,17 +420,19 @@ class Runner:
             nxt = plan_next(self, reqs, ahead, layer + 1, x, cos, sin, q_pos, slots) \
                 if ahead and layer + 1 < len(w.layers) else None
             qkv = F.linear(hn, lw.wqkv, lw.bqkv)  # [S, (H + 2 KVH) D]
+            # this layer's plans, made ahead: joined before this layer's K/V are written into the
+            # step's slots, where the planner saw the predicted key
+            plans = planned.join() if planned is not None else {}
             if fk is None:
                 q, k, _ = qkv.split([h * d, kvh * d, kvh * d], dim=-1)  # v: the view below, both paths
                 q = apply_rope(q.view(-1, h, d), cos, sin)  # [S, H, D]
                 k = apply_rope(k.view(-1, kvh, d), cos, sin)  # [S, KVH, D]
             else:
-                q, k = fk.rope_qk(qkv, cos, sin, h, kvh, d)
+                q, k = fk.rope_qk(qkv, cos, sin, h, kvh, d, rows, layer)  # + the K/V slot writes
             v = qkv[:, (h + kvh) * d:].view(-1, kvh, d)
-            plans = planned.join() if planned is not None else {}
             outs = fork_join(self._streams(b), [
                 lambda i=i, r=r: self._attend(r, layer, lw.scale, q[i * t:(i + 1) * t], k[i * t:(i + 1) * t],
-                                              v[i * t:(i + 1) * t], q_pos[i], slots[i], plans.get(i))
+                                              v[i * t:(i + 1) * t], q_pos[i], slots[i], plans.get(i), rows is None)
                 for i, r in enumerate(reqs)])
             planned = nxt
             a = outs[0] if b == 1 else torch.cat(outs)  # [S, H D]
@@ -453,16 +465,19 @@ class Runner:
             self._side.append(torch.cuda.Stream(self.device))
         return self._side[:b]
 
-    def _attend(self, r: Request, layer: int, scale: float, q, k, v, q_pos, slots, plan=None) -> torch.Tensor:
+    def _attend(self, r: Request, layer: int, scale: float, q, k, v, q_pos, slots, plan=None,
+                write: bool = True) -> torch.Tensor:
         """One request's attention of one layer. q [T, H, D], k/v [T, KVH, D] post-RoPE, q_pos [T]
-        absolute positions, slots [T] local slots -> [T, H D]. `plan`: made ahead (else planned here)."""
+        absolute positions, slots [T] local slots -> [T, H D]. `plan`: made ahead (else planned here).
+        `write`: store k/v into the slots here (False: the fused RoPE launch did)."""
         w = self.w
         t = q.shape[0]
         kvh, g, d = w.n_kv_heads, w.group, w.head_dim
         new_k, new_v = k.transpose(0, 1), v.transpose(0, 1)  # [KVH, T, D]
         loc_k, loc_v = r.loc_k[layer], r.loc_v[layer]  # [KVH, max_local, D]
-        loc_k.index_copy_(1, slots, new_k)
-        loc_v.index_copy_(1, slots, new_v)
+        if write:
+            loc_k.index_copy_(1, slots, new_k)
+            loc_v.index_copy_(1, slots, new_v)
         ctx_k, ctx_v = r.ctx_kv[layer]
         qh = q.transpose(0, 1).reshape(kvh, g, t, d)  # q head i*G + j belongs to kv head i
         kv = KVView(ctx_k, ctx_v, loc_k, loc_v, q_pos)

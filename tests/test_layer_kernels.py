@@ -66,6 +66,32 @@ def test_rope_of_q_and_k_is_exact(dtype, h, kvh, d):
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_rope_writes_each_rows_key_and_value_into_its_slot(dtype):
+    """`slots`: the RoPE launch also stores row s's rotated key and its value into its request's
+    layer buffers ([KVH, M, D], M per request) at its slot, exactly, and nothing else there."""
+    h, kvh, d, n_layers = 4, 2, 32, 3
+    gen = torch.Generator().manual_seed(5)
+    qkv = torch.randn(3, (h + 2 * kvh) * d, generator=gen).to(dtype).to(DEVICE)
+    inv_freq = 1.0 / 10000.0 ** (torch.arange(0, d, 2).float() / d)
+    cos, sin = (x.to(DEVICE) for x in rope_cos_sin(torch.tensor([7, 300, 4096]), inv_freq, 1.0, dtype))
+    # rows 0 and 1: one request (M = 6, slots 2 and 3); row 2: another (M = 9, slot 8)
+    bufs = [torch.full((2, n_layers, kvh, m, d), -7.0, dtype=dtype, device=DEVICE) for m in (6, 9)]
+    base = torch.tensor([[[b[i].data_ptr() + lyr * b[i].stride(0) * b.element_size() for lyr in range(n_layers)]
+                          for i in range(2)] for b in (bufs[0], bufs[0], bufs[1])], dtype=torch.int64, device=DEVICE)
+    slot = torch.tensor([2, 3, 8], device=DEVICE)
+    rows = layer.SlotRows(base, slot * d, torch.tensor([6 * d, 6 * d, 9 * d], device=DEVICE))
+    before = [b.clone() for b in bufs]
+    q, k = layer.rope_qk(qkv, cos, sin, h, kvh, d, rows, layer=1)
+    q0, k0 = layer.rope_qk(qkv, cos, sin, h, kvh, d)
+    assert torch.equal(q, q0) and torch.equal(k, k0)
+    v = qkv[:, (h + kvh) * d:].view(3, kvh, d)
+    for row, (b, sl) in enumerate(((0, 2), (0, 3), (1, 8))):
+        before[b][0, 1, :, sl] = k[row]
+        before[b][1, 1, :, sl] = v[row]
+    assert torch.equal(bufs[0], before[0]) and torch.equal(bufs[1], before[1])
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_silu_times_up(dtype):
     gen = torch.Generator().manual_seed(2)
     gu = (torch.randn(3, 2 * 1500, generator=gen) * 4).to(dtype)  # I = 1500: two blocks, a ragged one
@@ -76,8 +102,9 @@ def test_silu_times_up(dtype):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_runner_with_fused_layer_ops_equals_the_torch_functions(dtype, monkeypatch):
-    """A random tiny Llama (3 layers, GQA, head_dim 32): the runner with the fused ops decodes the same
-    greedy tokens as without them, and its logits agree to the ops' rounding."""
+    """A random tiny Llama (3 layers, GQA, head_dim 32): the runner with the fused ops (the RoPE
+    launch also writing the step's K/V slots) decodes the same greedy tokens as without them, for two
+    requests with buffers of different lengths in one batch, and its logits agree to the ops' rounding."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from decoder.attention import ATTN_IMPLEMENTATION, register_attention
@@ -106,21 +133,26 @@ def test_runner_with_fused_layer_ops_equals_the_torch_functions(dtype, monkeypat
     for name in ("rms_norm", "rope_qk", "silu_mul"):
         fn = getattr(layer, name)
         monkeypatch.setattr(layer, name, lambda *a, _fn=fn, _name=name, **k: calls.append(_name) or _fn(*a, **k))
+    other = torch.randint(0, 512, (4,), generator=g).tolist()
     out = {}
     for fused in (False, True):
         runner = Runner(lm, get_backend("torch_ref"), fused_layer=fused, graphs=False)
         assert (runner.layer_kernels is not None) == fused
-        slot = runner.add(ctx, full.open(None, params, DecodeContext(200, lm.spec, 12)), params, question, 6)
-        logits = []
+        slots = [runner.add(ctx, full.open(None, params, DecodeContext(200, lm.spec, len(qq) + n)), params, qq, n)
+                 for qq, n in ((question, 6), (other, 9))]
+        logits = {s: [] for s in slots}
+        steps = 0
         while runner.active():
             for s, _ in runner.step():
-                logits.append(runner.requests[s].logits.clone())
-        out[fused] = (runner.requests[slot].tokens, torch.stack(logits))
-    (tok_f, lg_f), (tok_t, lg_t) = out[True], out[False]
-    assert tok_f == tok_t and len(tok_f) == 6
-    # fp32: the ops' fp32 rounding; bf16: a bf16 rounding in a norm moves a logit by ~1e-2 at most here
-    atol = 1e-4 if dtype == torch.float32 else 0.1
-    torch.testing.assert_close(lg_f, lg_t, atol=atol, rtol=0)
-    # the fused path ran: per layer two norms, one RoPE, one SiLU·up, and the final norm, per step
-    steps = len(tok_f)
-    assert calls.count("rope_qk") == 3 * steps and calls.count("rms_norm") == (2 * 3 + 1) * steps
+                logits[s].append(runner.requests[s].logits.clone())
+            steps += 1
+        out[fused] = [(runner.requests[s].tokens, torch.stack(logits[s])) for s in slots]
+    for (tok_f, lg_f), (tok_t, lg_t), n in zip(out[True], out[False], (6, 9)):
+        assert tok_f == tok_t and len(tok_f) == n
+        # fp32: the ops' fp32 rounding; bf16: a bf16 rounding in a norm moves a logit by ~1e-2 at most here
+        atol = 1e-4 if dtype == torch.float32 else 0.1
+        torch.testing.assert_close(lg_f, lg_t, atol=atol, rtol=0)
+    # the fused path ran: per layer two norms, one RoPE, one SiLU·up, and the final norm, per forward
+    # (the two questions run one at a time, then one-token steps of both together)
+    forwards = steps + 1
+    assert calls.count("rope_qk") == 3 * forwards and calls.count("rms_norm") == (2 * 3 + 1) * forwards

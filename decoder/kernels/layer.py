@@ -5,7 +5,9 @@ Why: a graph-replayed one-token step of an 8B model ran ~41 kernels per layer, ~
 of which ~1,100 are small torch ops (RMSNorm as a cast, a square, a mean, an add, an rsqrt, two
 multiplies and a cast; RoPE as a negation, a cat, two multiplies and an add, for q and for k; the
 residual adds; SiLU and the multiply): about 2 ms of device time per token plus a launch gap each
-(benchmarks/RESULTS.md, "End to end at 128K"). Here they are 4 launches per layer.
+(benchmarks/RESULTS.md, "End to end at 128K"). Here they are 4 launches per layer, and the RoPE
+launch also writes the step's keys and values into the requests' local slots (`SlotRows`: what two
+`index_copy_` per request and layer did; RESULTS.md, "Pipelined steps").
 
 Same numbers as the torch functions in `decoder/runner.py` (the reference and the CPU path):
 every torch op on bf16/fp16 tensors computes in fp32 and rounds its result to the tensor's dtype,
@@ -25,6 +27,7 @@ multiply-add would round x·cos + rot·sin once where torch rounds each product.
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -55,11 +58,15 @@ def _rms_norm_kernel(X, RES, W, OUT, XOUT, C, sx, sr, so, sxo, eps, DT: tl.const
     tl.store(OUT + row * so + offs, _round_as(w * y, DT).to(DT), mask=m)
 
 
-@triton.jit
-def _rope_qk_kernel(QKV, COS, SIN, Q, K, sqkv, scs, H, KVH, D: tl.constexpr, DT: tl.constexpr):
+@triton.jit(do_not_specialize=["layer"])
+def _rope_qk_kernel(QKV, COS, SIN, Q, K, BASE, ROFF, HST, sqkv, scs, sb, layer, H, KVH, D: tl.constexpr,
+                    DT: tl.constexpr, SLOTS: tl.constexpr):
     """Program (row s, head j < H + KVH): head j of the QKV row, rotated (rotate-half):
     x·cos + rot(x)·sin, each product rounded to the dtype before the sum -> Q [S, H, D] or
-    K [S, KVH, D]."""
+    K [S, KVH, D]. SLOTS: a K head's program also stores the rotated key and the row's value of that
+    head into the request-local K/V buffers: row s's layer `layer` buffers start at the addresses
+    BASE[s, 0, layer] (keys) and BASE[s, 1, layer] (values), its slot row at element ROFF[s] of
+    head 0, heads HST[s] elements apart."""
     s = tl.program_id(0).to(tl.int64)
     j = tl.program_id(1)
     HALF: tl.constexpr = D // 2
@@ -75,12 +82,24 @@ def _rope_qk_kernel(QKV, COS, SIN, Q, K, sqkv, scs, H, KVH, D: tl.constexpr, DT:
     a2 = _round_as(x2 * c2, DT)
     b1 = _round_as(-x2 * s1, DT)  # rot = [-x2, x1]
     b2 = _round_as(x1 * s2, DT)
+    y1 = _round_as(a1 + b1, DT).to(DT)
+    y2 = _round_as(a2 + b2, DT).to(DT)
     if j < H:
         dst = Q + (s * H + j) * D
     else:
         dst = K + (s * KVH + (j - H)) * D
-    tl.store(dst + i, _round_as(a1 + b1, DT).to(DT))
-    tl.store(dst + HALF + i, _round_as(a2 + b2, DT).to(DT))
+    tl.store(dst + i, y1)
+    tl.store(dst + HALF + i, y2)
+    if SLOTS:
+        if j >= H:
+            off = tl.load(ROFF + s) + (j - H) * tl.load(HST + s)
+            kdst = tl.load(BASE + s * sb + layer).to(tl.pointer_type(DT)) + off
+            vdst = tl.load(BASE + s * sb + sb // 2 + layer).to(tl.pointer_type(DT)) + off
+            tl.store(kdst + i, y1)
+            tl.store(kdst + HALF + i, y2)
+            vsrc = QKV + s * sqkv + (H + KVH + (j - H)) * D
+            tl.store(vdst + i, tl.load(vsrc + i))
+            tl.store(vdst + HALF + i, tl.load(vsrc + HALF + i))
 
 
 @triton.jit
@@ -124,17 +143,32 @@ def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float, res: torch.Tensor | N
     return (out, xo) if res is not None else out
 
 
+@dataclass
+class SlotRows:
+    """Where `rope_qk` also writes each row's key and value (a step's request-local slots):
+    base [S, 2, L] int64: the addresses of the row's request's K (0) and V (1) buffers of each layer
+    (each [KVH, M, D], contiguous); row_off [S] int64: the row's slot x D; head_stride [S] int64: M x D."""
+
+    base: torch.Tensor
+    row_off: torch.Tensor
+    head_stride: torch.Tensor
+
+
 def rope_qk(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, n_heads: int, n_kv_heads: int,
-            head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+            head_dim: int, slots: SlotRows | None = None, layer: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """qkv [S, (H + 2 KVH) D] (rows of unit-stride heads), cos/sin [S, D] -> q [S, H, D], k [S, KVH, D]
-    rotated: `decoder.layers.apply_rope` of the q and k parts in one launch (v is not touched)."""
+    rotated: `decoder.layers.apply_rope` of the q and k parts in one launch. With `slots`, the same
+    launch stores each row's rotated key and its value (the v part, unchanged) into its slot of
+    `layer`'s request-local buffers: what `index_copy_` of k and v there would do."""
     s = qkv.shape[0]
     q = torch.empty(s, n_heads, head_dim, dtype=qkv.dtype, device=qkv.device)
     k = torch.empty(s, n_kv_heads, head_dim, dtype=qkv.dtype, device=qkv.device)
     cos, sin = cos.contiguous(), sin.contiguous()
-    _rope_qk_kernel[(s, n_heads + n_kv_heads)](qkv, cos, sin, q, k, qkv.stride(0), cos.stride(0), n_heads,
-                                               n_kv_heads, D=head_dim, DT=_TL[qkv.dtype], num_warps=1,
-                                               enable_fp_fusion=False)
+    base, roff, hst = (slots.base, slots.row_off, slots.head_stride) if slots is not None else (k, k, k)
+    _rope_qk_kernel[(s, n_heads + n_kv_heads)](qkv, cos, sin, q, k, base, roff, hst, qkv.stride(0), cos.stride(0),
+                                               base.stride(0) if slots is not None else 0, layer, n_heads,
+                                               n_kv_heads, D=head_dim, DT=_TL[qkv.dtype], SLOTS=slots is not None,
+                                               num_warps=1, enable_fp_fusion=False)
     return q, k
 
 
@@ -149,4 +183,4 @@ def silu_mul(gu: torch.Tensor) -> torch.Tensor:
     return out
 
 
-__all__ = ["rms_norm", "rope_qk", "silu_mul", "unsupported"]
+__all__ = ["SlotRows", "rms_norm", "rope_qk", "silu_mul", "unsupported"]
