@@ -128,8 +128,6 @@ def _layer_kernels(w: ModelWeights, device: torch.device, fused: bool | None):
     return None if layer.unsupported(probe, w.head_dim) else layer
 
 
-
-
 def graph_safe(planner: Planner) -> bool:
     """Whether a planner's one-token plan()/update() may be captured and replayed (see the module
     docstring). Planners say so with a `graph_safe` attribute; one without it counts as safe unless
