@@ -80,13 +80,8 @@ class Issued:
         done.record()
         return cls(reqs, host, logits.clone(), done, status)
 
-    def token_ids(self) -> list[int]:
-        """The step's tokens (waits for the step on CUDA)."""
-        if self.done is not None:
-            self.done.synchronize()
-        return self.tokens.tolist()
-
     def settle(self) -> None:
-        """Wait until the step has run (before a buffer or a graph it uses may be released)."""
+        """Wait until the step has run: before its tokens are read, or a buffer or a graph it uses is
+        released."""
         if self.done is not None:
             self.done.synchronize()
