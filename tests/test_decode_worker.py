@@ -126,3 +126,29 @@ def test_plan_ahead_setting_reaches_the_runner(tmp_path, redis_prefix, lm):
         plain = _runner_answer(lm, text, "topk", params, question, 10, plan_ahead=False)
     assert ahead != plain  # the precondition that makes this test able to fail
     assert got["stats"]["runner"] == "batched" and got["token_ids"] == ahead, got["text"]
+
+
+def test_decode_pipelined_setting_reaches_the_runner(tmp_path, redis_prefix, lm, monkeypatch):
+    """CTXCACHE_DECODE_PIPELINED: the batched worker builds its runner with `pipelined=None` (the
+    runner's default: on CUDA) when the setting is on and `pipelined=False` when it is off. On this
+    CPU both run unpipelined; the GPU test of the runner compares the two."""
+    import decoder.runner as runner_module
+
+    seen = []
+
+    class Recording(runner_module.Runner):
+        def __init__(self, *args, **kwargs):
+            seen.append(kwargs.get("pipelined", "not passed"))
+            super().__init__(*args, **kwargs)
+
+    monkeypatch.setattr(runner_module, "Runner", Recording)
+    for on in (True, False):
+        settings = _settings(tmp_path, redis_prefix, decode_runner="batched", decode_pipelined=on)
+        with TestClient(create_app(settings, lm=lm)) as c:
+            cid = c.post("/v1/contexts", json={"text": passkey_document(4242, n_rep=4)}).json()["id"]
+            assert wait_ready(c, cid)["status"] == "ready"
+            r = c.post(f"/v1/contexts/{cid}/completions",
+                       json={"question": PASSKEY_QUESTION, "method": "full", "max_tokens": 3})
+        assert r.status_code == 200, r.text
+        assert r.json()["stats"]["runner"] == "batched"
+    assert seen == [None, False]
