@@ -16,7 +16,7 @@ import torch
 from indexer.base import Planner
 
 
-@dataclass
+@dataclass(eq=False)  # identity: the runner finds a request in a step's list by `in` (fields hold tensors)
 class Request:
     slot: int
     planner: Planner

@@ -278,7 +278,7 @@ class Runner:
             parts.append(([r], tok, logits))
         issued = self._issued  # this call's step of `batch`, issued by the last call (it may also hold
         # requests that finished since; every started request that is still active is in it)
-        assert issued is None or set(map(id, batch)) <= set(map(id, issued.reqs))
+        assert issued is None or set(batch) <= set(issued.reqs)
         ahead = self.pipelined and batch and not new and all(r.produced + 2 <= r.max_new for r in batch)
         if batch and issued is None:
             tok, logits = self._decode(batch, prompted=bool(new))
