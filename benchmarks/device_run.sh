@@ -7,7 +7,7 @@
 #                    carry=[".whl", ".old"])
 #   stages: tests | kerneltests | decode | decodecold | decode512 | before_after | kernels | e2e32 | e2e128 |
 #           e2e128rest | e2eprof | e2elayer | attntests | decodeab | psaab | latency | ncu | psasweep | pdlab | e2enow |
-#           offload | psa32sweep | offloadfit | ivfsweep | ivfcpp | cslfsweep | ivfsel | ivfeager | ivfsample | ncusel | psaemit | psafuse | psastop | rtrip | rerankreg | rerank96 | e2ectkvr | ncuivf | verify | repro | e2eh200 | pushab | decode512h200 | s14ab | s14e2e | s14final | s14frame | s14tests | s14lfpse2e | s15ivf | s15ivf2 | s15dot | s15final | s15rerank | s16ahead | s16overlap | s16more | s16tests | s16early | s17ahead | s17pipe | s17offload | s17reads | s17fuse
+#           offload | psa32sweep | offloadfit | ivfsweep | ivfcpp | cslfsweep | ivfsel | ivfeager | ivfsample | ncusel | psaemit | psafuse | psastop | rtrip | rerankreg | rerank96 | e2ectkvr | ncuivf | verify | repro | e2eh200 | pushab | decode512h200 | s14ab | s14e2e | s14final | s14frame | s14tests | s14lfpse2e | s15ivf | s15ivf2 | s15dot | s15final | s15rerank | s16ahead | s16overlap | s16more | s16tests | s16early | s17ahead | s17pipe | s17offload | s17reads | s17fuse | s18pages | s18offprof | s18offab | s18numa
 #   (default: tests decode before_after)
 #   .old = the tree before the plan/run redesign (`git archive <commit> decoder indexer storage`), for
 #   the before/after decode comparison.
@@ -477,6 +477,29 @@ for stage in $stages; do
       python3 benchmarks/decode_before_after.py --impl new --device cuda --model random --n-ctx 8192 2>&1 | tail -4
       PYTHONPATH=.old:/tmp/site python3 benchmarks/decode_before_after.py --impl old --device cuda --model random \
         --n-ctx 8192 2>&1 | tail -4 ;;
+    s18pages)  # session 18: offload_v's B = 8 reads with 4 KiB pinned pages against transparent huge pages, a 2 GB
+      # footprint (one layer replayed) against a 64 GB one (30 layers in turn)
+      python3 benchmarks/gpu_host_reads.py --sections pages --layers 30 --out "$OUT/pages" 2>&1 \
+        | tee "$OUT/gpu_host_reads_pages.log" | tail -8 ;;
+    s18offprof)  # session 18: where offload_v's B = 8 step goes: ctkvr all-GPU and offload_v (context copies), 128K,
+      # both profiled at B = 8
+      python3 benchmarks/gpu_e2e.py --lengths 131072 --batches 8 --methods ctkvr --backends triton offload_v \
+        --offload-batches 8 --offload-methods ctkvr --offload-contexts copies --profile --profile-batches 8 \
+        --eager-tokens 0 --hf-tokens 0 --tokens 8 --budget-s 400 --check-prefill 0 --out "$OUT/offprof" 2>&1 \
+        | tee "$OUT/gpu_e2e_offprof.log" | grep "^| \|rror\|profile" ;;
+    s18offab)  # session 18: offload_v ctkvr B = 8 (copies pinned on huge pages now): each request's attention on its own
+      # stream or one after another, and the kernel's programs per SM; ctkvr all-GPU in the same run; then the GPU
+      # tests of the host memory and the offload paths
+      python3 benchmarks/gpu_e2e.py --lengths 131072 --batches 8 --methods ctkvr --backends triton offload_v \
+        --offload-batches 8 --offload-methods ctkvr --offload-contexts copies --offload-parallel on off \
+        --offload-programs-per-sm 2 1 4 --eager-tokens 0 --hf-tokens 0 --tokens 8 --budget-s 420 --check-prefill 0 \
+        --out "$OUT/offab" 2>&1 | tee "$OUT/gpu_e2e_offab.log" | grep "^| \|rror"
+      python3 -m pytest -q -p no:cacheprovider -m gpu -o addopts="" tests/test_host_memory.py tests/test_pipeline.py \
+        tests/test_backends.py 2>&1 | tee "$OUT/gpu_host_memory_tests.log" | tail -3 ;;
+    s18numa)  # session 18: the host's NUMA layout, and offload_v's B = 8 reads from huge pages bound to each node in turn
+      (nvidia-smi topo -m; lscpu | grep -i "numa\|socket\|model name") 2>&1 | tee "$OUT/topology.txt"
+      python3 benchmarks/gpu_host_reads.py --sections pages --layers 12 --numa --out "$OUT/numa" 2>&1 \
+        | tee "$OUT/gpu_host_reads_numa.log" | tail -16 ;;
     *) echo "unknown stage $stage" ;;
   esac
 done

@@ -61,6 +61,8 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import gc
+import itertools
 import json
 import os
 import platform
@@ -80,6 +82,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
 
 from benchmarks._gpu_timing import kernel_profile, method_spec, stream_overlap  # noqa: E402
+from decoder import host_memory  # noqa: E402
 from decoder.backends import get_backend  # noqa: E402
 from decoder.backends.offload import mapped  # noqa: E402
 from decoder.generate import ContextKV, generate  # noqa: E402
@@ -292,14 +295,18 @@ class Bench:
 
     def runner(self, n: int, ctx: ContextKV, name: str, method, params, reader, backend_name: str, b: int,
                graphs: bool, tokens: int, extra: dict, fused_layer: bool | None = None,
-               contexts: str | None = None, plan_ahead: bool = False, pipelined: bool = True) -> None:
+               contexts: str | None = None, plan_ahead: bool = False, pipelined: bool = True,
+               parallel: bool = True, programs_per_sm: int | None = None) -> None:
         be = get_backend(backend_name)
+        if programs_per_sm is not None:  # the attention kernel's launch: programs per SM it aims at
+            from decoder.kernels.attention import KernelConfig
+            be = type(be)(KernelConfig(programs_per_sm=programs_per_sm))
         qs = self.questions(b, n + b)
-        prof_steps = 4 if self.a.profile and graphs and b == 1 else 0
+        prof_steps = 4 if self.a.profile and graphs and b in self.a.profile_batches else 0
         max_new = tokens + 4 + prof_steps  # + 1: the last timed step still issues the next (pipelined)
         local = self.a.question + max_new
         run = Runner(self.lm, be, self.dev, graphs=graphs, track_fraction=True, fused_layer=fused_layer,
-                     plan_ahead=plan_ahead, pipelined=pipelined)
+                     plan_ahead=plan_ahead, pipelined=pipelined, parallel=parallel)
         if contexts is None:  # B = 1 shares the context it was given, except an offload row in "copies" mode,
             # which was given the GPU-resident context and must copy it to where the backend keeps it
             copies = be.host_arrays and self.a.offload_contexts == "copies"
@@ -349,11 +356,11 @@ class Bench:
                 prof["top"] = prof["top"][:40]
             except Exception as e:  # noqa: BLE001 - extra information only
                 prof = {"error": f"{type(e).__name__}: {e}"[:200]}
-            log(f"    profile {name} B=1: {prof.get('kernels_per_call', 0):.0f} kernels, "
+            log(f"    profile {name} B={b}: {prof.get('kernels_per_call', 0):.0f} kernels, "
                 f"{prof.get('device_us_per_call', 0) / 1e3:.2f} ms of device time per token; top {prof.get('top', [])[:6]}")
             try:  # how the replayed step's streams overlap (plan_ahead's side streams)
                 prof["overlap"] = stream_overlap(run.step, sync=self.sync)
-                log(f"    overlap {name} B=1 plan_ahead={plan_ahead}: "
+                log(f"    overlap {name} B={b} plan_ahead={plan_ahead}: "
                     f"{ {k: v for k, v in prof['overlap'].items() if k != 'streams'} }")
             except Exception as e:  # noqa: BLE001 - extra information only
                 prof["overlap"] = {"error": f"{type(e).__name__}: {e}"[:200]}
@@ -367,7 +374,8 @@ class Bench:
                "kv_fraction": frac, "graph": status, "first_step": first_status, "prompt_ms": t_prompt * 1e3,
                "warmup_ms": t_warm * 1e3, "capture_or_first_ms": t_first * 1e3,
                "fused_layer": run.layer_kernels is not None, "contexts": contexts, "plan_ahead": plan_ahead,
-               "pipelined": run.pipelined, "ms_wall_mean": wall_mean,
+               "pipelined": run.pipelined, "ms_wall_mean": wall_mean, "parallel": run.parallel,
+               "programs_per_sm": programs_per_sm,  # None: KernelConfig's default
                **extra}
         if prof is not None:
             row["profile"] = prof
@@ -375,6 +383,9 @@ class Bench:
         if host:  # the offload backends: the share of the K/V rows read from host memory, over PCIe
             row["pcie_floor_ms"] = kv_bytes * len(host) / 2 / self.info["h2d_bytes_per_s"] * 1e3
         self.add(row)
+        if contexts == "copies":  # hand the copies' host memory back before the next row pins its own
+            del run, c
+            gc.collect()
 
 
 def rotated(ctx: ContextKV, reader: IndexReader | None, j: int, n_layers: int) -> tuple[ContextKV, IndexReader | None]:
@@ -392,8 +403,8 @@ def rotated(ctx: ContextKV, reader: IndexReader | None, j: int, n_layers: int) -
 
 
 def pinned_copy(t: torch.Tensor) -> torch.Tensor:
-    """t copied into pinned host memory (plain host memory on a CPU smoke run)."""
-    return torch.empty(t.shape, dtype=t.dtype, pin_memory=t.is_cuda).copy_(t)
+    """t copied into pinned host memory, as the service pins it (plain host memory on a CPU smoke run)."""
+    return host_memory.pinned_copy(t) if t.is_cuda else t.clone()
 
 
 def own_copy(ctx: ContextKV, host_arrays: frozenset[str], n_layers: int) -> ContextKV:
@@ -462,6 +473,11 @@ def main() -> None:
                     help="'hf' = transformers eager (generate + full); the rest run in the runner")
     ap.add_argument("--backends", nargs="+", default=None, help="default: triton on CUDA, torch_ref on CPU")
     ap.add_argument("--offload-batches", type=int, nargs="+", default=[8], help="batches of the offload backend's rows")
+    ap.add_argument("--offload-parallel", nargs="+", choices=["off", "on"], default=["on"],
+                    help="offload rows (copies mode): each request's attention on its own stream (on, the runner's "
+                         "default) or one after another on the step's stream (off)")
+    ap.add_argument("--offload-programs-per-sm", type=int, nargs="+", default=[None],
+                    help="offload rows (copies mode): the attention kernel's programs per SM (KernelConfig)")
     ap.add_argument("--offload-methods", nargs="+", default=["csattn", "saap", "psa", "ctkvr"],
                     help="methods that get offload rows when the offload backend is asked for")
     ap.add_argument("--tokens", type=int, default=16, help="timed one-token steps per row")
@@ -486,7 +502,9 @@ def main() -> None:
     ap.add_argument("--check-prefill", type=int, default=256,
                     help="compare the prefill with the HF one at this n (0: off)")
     ap.add_argument("--budget-s", type=float, default=540.0, help="start no new measurement after this many seconds")
-    ap.add_argument("--profile", action="store_true", help="kernels of one replayed B = 1 step per method")
+    ap.add_argument("--profile", action="store_true", help="kernels of one replayed step per method, at the "
+                    "batch sizes of --profile-batches")
+    ap.add_argument("--profile-batches", type=int, nargs="+", default=[1], help="batch sizes --profile profiles")
     ap.add_argument("--layer-ab", action="store_true",
                     help="also time each runner row with the fused layer ops off (torch RMSNorm/RoPE/SiLU)")
     ap.add_argument("--device", default="cuda")
@@ -607,9 +625,11 @@ def main() -> None:
                                 bench.runner(n, ctx, label, method, params, reader, be, b, False, a.eager_tokens, extra)
                     for be in on_host if name in a.offload_methods else ():
                         if a.offload_contexts == "copies":  # each request copies its own context from the GPU's
-                            for b in a.offload_batches:
+                            for b, par, pps in itertools.product(a.offload_batches, a.offload_parallel,
+                                                                 a.offload_programs_per_sm):
                                 if not bench.over_budget():
-                                    bench.runner(n, ctx, label, method, params, reader, be, b, True, a.tokens, extra)
+                                    bench.runner(n, ctx, label, method, params, reader, be, b, True, a.tokens, extra,
+                                                 parallel=par == "on", programs_per_sm=pps)
                             continue
                         if be not in host_ctx:
                             host_ctx[be] = host_context({"kv/k": ctx_k, "kv/v": ctx_v}, get_backend(be).host_arrays,
@@ -641,6 +661,10 @@ def main() -> None:
             fl += " (plan ahead)"
         if r.get("pipelined") is False and r["runner"] == "runner_graph":
             fl += " (not pipelined)"
+        if r.get("parallel") is False and r.get("batch", 1) > 1:
+            fl += " (attention serial)"
+        if r.get("programs_per_sm") is not None:
+            fl += f" ({r['programs_per_sm']} programs/SM)"
         print(f"| {r['n']} | {r['batch']} | {r['runner']}{fl} | {r['method']} | {r['backend']} | {f(r['ms_per_token'])} | "
               f"{f(r['tokens_per_s'], 1)} | {f(r['floor_ms'])} | {f(ratio, 1)} | {f(r.get('kv_fraction'), 3)} | "
               f"{r.get('graph') or ('derived' if r.get('derived_from_b1') else '')} |")

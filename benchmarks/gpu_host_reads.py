@@ -17,8 +17,15 @@ against the same reads from HBM, in one run:
   issues them: the attention over mapped values (default launch, and smaller chunks spread over more
   programs), against gathering the same value rows of all eight requests into HBM in one launch
   first, and against the attention with the values in HBM.
+* `--sections pages` (session 18): the same B = 8 attention over mapped values, with each request's
+  values for `--layers` layers in one host allocation (the footprint of a real batch: 8 x 30 layers
+  is 64 GB at 128K), replayed layer after layer and, against that, one layer over and over (a 2 GB
+  footprint). Once with torch's pinned allocator (cudaHostAlloc, 4 KiB pages) and once with
+  transparent huge pages (an anonymous mapping advised MADV_HUGEPAGE, faulted in, then
+  cudaHostRegister'ed): whether the GPU's address translation of scattered host rows, not PCIe,
+  bounds offload_v.
 
-    python benchmarks/gpu_host_reads.py [--n 131072] [--sections base batch] [--out DIR]
+    python benchmarks/gpu_host_reads.py [--n 131072] [--sections base batch pages] [--layers 30] [--out DIR]
 
 Writes `host_reads.json` (rows: name, ms, bytes, GB/s) to --out.
 """
@@ -26,8 +33,10 @@ Writes `host_reads.json` (rows: name, ms, bytes, GB/s) to --out.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -41,6 +50,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _gpu_timing import BF, D, G, KVH, M_LOCAL, Timing  # noqa: E402
 
+from decoder import host_memory  # noqa: E402
 from decoder.backends.offload import mapped  # noqa: E402
 from decoder.kernels.attention import KernelConfig, frame_attention  # noqa: E402
 
@@ -65,7 +75,9 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--n", type=int, default=131072)
     ap.add_argument("--frac", type=float, default=0.05)
-    ap.add_argument("--sections", nargs="+", choices=["base", "batch"], default=["base"])
+    ap.add_argument("--sections", nargs="+", choices=["base", "batch", "pages"], default=["base"])
+    ap.add_argument("--layers", type=int, default=30, help="pages: layers per request's host allocation")
+    ap.add_argument("--numa", action="store_true", help="pages: also huge pages bound to each NUMA node in turn")
     ap.add_argument("--out", default=os.environ.get("OUT", "benchmarks/out"))
     a = ap.parse_args()
     t = Timing("cuda")
@@ -79,6 +91,11 @@ def main() -> None:
     torch.manual_seed(0)
     if "batch" in a.sections:
         batch_section(t, add, n)
+    if "pages" in a.sections:
+        nodes = sorted(int(p.name[4:]) for p in Path("/sys/devices/system/node").glob("node[0-9]*"))
+        print(f"NUMA nodes {nodes}, the GPU's: {host_memory.numa_node_of()}", flush=True)
+        for mode, node in [("cudaHostAlloc", None), ("THP", None)] + ([("THP", k) for k in nodes] if a.numa else []):
+            pages_section(t, add, n, a.layers, mode, node)
     if "base" not in a.sections:
         return finish(a, n, rows_out)
     host_k = torch.randn(kvh, n, d, dtype=BF).pin_memory()
@@ -202,6 +219,108 @@ def batch_section(t: Timing, add, n: int, b: int = 8, k: int = 1024, sink: int =
             print(f"{label}: graph failed: {why}")
             continue
         add(f"B={b} ctkvr-shaped, {label}", gms, nbytes, batch=b, rows_per_head=n_rows)
+
+
+def _meminfo(key: str) -> int:
+    for line in Path("/proc/meminfo").read_text().splitlines():
+        if line.startswith(key + ":"):
+            return int(line.split()[1]) * 1024
+    return -1
+
+
+def _thp_pinned(nbytes: int, node: int | None) -> tuple[torch.Tensor, object]:
+    """decoder.host_memory's huge-page mapping (bound to `node` when given), registered with CUDA;
+    (uint8 tensor, its mapping: it unregisters itself when the last tensor over it goes)."""
+    t, m = host_memory.huge_mapping(nbytes, node)
+    rc = torch.cuda.cudart().cudaHostRegister(t.data_ptr(), nbytes, 1 | 2)  # portable | mapped
+    if int(rc) != 0:
+        raise RuntimeError(f"cudaHostRegister failed: {rc}")
+    m.registered, m.nbytes = t.data_ptr(), nbytes
+    return t, m
+
+
+def pages_section(t: Timing, add, n: int, n_layers: int, mode: str, node: int | None = None, b: int = 8, k: int = 1024, sink: int = 4,
+                  window: int = 256) -> None:
+    kvh, d = KVH, D
+    per_layer = kvh * n * d * 2
+    thp = {"enabled": Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text().strip(),
+           "defrag": Path("/sys/kernel/mm/transparent_hugepage/defrag").read_text().strip()}
+    huge0 = _meminfo("AnonHugePages")
+    t0 = time.perf_counter()
+    keep = []
+    host_v = []
+    for _ in range(b):
+        if mode == "THP":
+            buf, m = _thp_pinned(n_layers * per_layer, node)
+            keep.append(m)
+        else:
+            buf = torch.empty(n_layers * per_layer, dtype=torch.uint8, pin_memory=True)
+        host_v.append(buf.view(BF).view(n_layers, kvh, n, d))
+    alloc_s = time.perf_counter() - t0
+    huge = _meminfo("AnonHugePages") - huge0
+    mode = mode if node is None else f"{mode} on node {node}"
+    print(f"pages {mode}: {b} x {n_layers} layers, {b * n_layers * per_layer / 1e9:.1f} GB in {alloc_s:.1f} s, "
+          f"huge pages {huge / 1e9:.1f} GB, thp {thp}", flush=True)
+    src = torch.randn(kvh, n, d, dtype=BF, device="cuda")
+    for hv in host_v:
+        for layer in range(n_layers):
+            hv[layer].copy_(src.roll(layer, dims=1))
+    torch.cuda.synchronize()
+    map_v = [mapped(hv) for hv in host_v]
+    dev_k = torch.randn(kvh, n, d, dtype=BF, device="cuda")
+    q = torch.randn(b, kvh, G, 1, d, dtype=BF, device="cuda")
+    loc_k = torch.randn(kvh, M_LOCAL, d, dtype=BF, device="cuda")
+    loc_v = torch.randn_like(loc_k)
+    q_pos = torch.tensor([n + M_LOCAL - 1], device="cuda")
+    plans = [torch.sort(torch.stack([torch.randperm(n - window - sink, device="cuda")[:k] + sink
+                                     for _ in range(kvh)]), dim=-1).values.to(torch.int32)[:, None, :]
+             for _ in range(b)]
+    nbytes = b * kvh * (k + sink + window - 1) * d * 2
+
+    def att(layer):
+        return [frame_attention(q[i], dev_k, map_v[i][layer], loc_k, loc_v, q_pos, plans[i], sink, window, d ** -0.5)
+                for i in range(b)]
+
+    for layer in (0, n_layers - 1):
+        want = [frame_attention(q[i], dev_k, src.roll(layer, dims=1), loc_k, loc_v, q_pos, plans[i], sink, window,
+                                d ** -0.5) for i in range(b)]
+        assert all(torch.equal(x, y) for x, y in zip(want, att(layer))), f"{mode}: layer {layer} reads other bytes"
+    graphs = []
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        att(0)
+    torch.cuda.current_stream().wait_stream(s)
+    for layer in range(n_layers):
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            att(layer)
+        graphs.append(g)
+    torch.cuda.synchronize()
+
+    def timed(order, reps=3):
+        times = []
+        for _ in range(reps):
+            for layer in order:
+                t.flush_l2()
+                e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                e0.record()
+                graphs[layer].replay()
+                e1.record()
+                e1.synchronize()
+                times.append(e0.elapsed_time(e1))
+        return statistics.median(times)
+
+    timed(range(n_layers), reps=1)  # warm: every layer's pages touched once
+    info = {"batch": b, "layers": n_layers, "pages": mode, "footprint_GB": b * n_layers * per_layer / 1e9,
+            "huge_GB": huge / 1e9, "alloc_s": alloc_s, **{f"thp_{k_}": v for k_, v in thp.items()}}
+    add(f"B={b} pages {mode}, one layer again and again", timed([0] * n_layers), nbytes, **info)
+    add(f"B={b} pages {mode}, layer after layer ({n_layers})", timed(range(n_layers)), nbytes, **info)
+    del graphs, map_v, host_v, buf
+    torch.cuda.synchronize()
+    del keep
+    gc.collect()  # the THP mappings go with their last tensor
+    torch._C._host_emptyCache()  # torch's pinned blocks go back too
 
 
 if __name__ == "__main__":

@@ -72,7 +72,8 @@ class Offload(AttentionBackend):
     name = "offload"
     host_arrays = frozenset({"kv/k", "kv/v"})
 
-    def __init__(self):
+    def __init__(self, cfg=None):
+        self.cfg = cfg  # the triton kernel's KernelConfig (None: its defaults)
         self._gpu: AttentionBackend | None = None  # the backend that runs on a GPU (decided on first use)
 
     def _on_gpu(self, q: torch.Tensor) -> AttentionBackend:
@@ -84,7 +85,7 @@ class Offload(AttentionBackend):
             except ImportError:  # no triton: torch's kernels read the mapped rows too
                 return self._gpu
             if not unsupported(q.shape[-1], q.dtype):
-                self._gpu = TritonAttention()
+                self._gpu = TritonAttention(self.cfg)
         return self._gpu
 
     def run(self, q: torch.Tensor, kv: KVView, plan: Plan, sink: int, window: int, scale: float) -> torch.Tensor:
