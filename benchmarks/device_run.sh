@@ -7,7 +7,7 @@
 #                    carry=[".whl", ".old"])
 #   stages: tests | kerneltests | decode | decodecold | decode512 | before_after | kernels | e2e32 | e2e128 |
 #           e2e128rest | e2eprof | e2elayer | attntests | decodeab | psaab | latency | ncu | psasweep | pdlab | e2enow |
-#           offload | psa32sweep | offloadfit | ivfsweep | ivfcpp | cslfsweep | ivfsel | ivfeager | ivfsample | ncusel | psaemit | psafuse | psastop | rtrip | rerankreg | rerank96 | e2ectkvr | ncuivf | verify | repro | e2eh200 | pushab | decode512h200 | s14ab | s14e2e | s14final | s14frame | s14tests | s14lfpse2e | s15ivf | s15ivf2 | s15dot | s15final | s15rerank | s16ahead | s16overlap | s16more | s16tests | s16early | s17ahead | s17pipe | s17offload | s17reads | s17fuse | s18pages | s18offprof | s18offab | s18numa
+#           offload | psa32sweep | offloadfit | ivfsweep | ivfcpp | cslfsweep | ivfsel | ivfeager | ivfsample | ncusel | psaemit | psafuse | psastop | rtrip | rerankreg | rerank96 | e2ectkvr | ncuivf | verify | repro | e2eh200 | pushab | decode512h200 | s14ab | s14e2e | s14final | s14frame | s14tests | s14lfpse2e | s15ivf | s15ivf2 | s15dot | s15final | s15rerank | s16ahead | s16overlap | s16more | s16tests | s16early | s17ahead | s17pipe | s17offload | s17reads | s17fuse | s18pages | s18offprof | s18offab | s18numa | s18staged | s18prio
 #   (default: tests decode before_after)
 #   .old = the tree before the plan/run redesign (`git archive <commit> decoder indexer storage`), for
 #   the before/after decode comparison.
@@ -500,6 +500,23 @@ for stage in $stages; do
       (nvidia-smi topo -m; lscpu | grep -i "numa\|socket\|model name") 2>&1 | tee "$OUT/topology.txt"
       python3 benchmarks/gpu_host_reads.py --sections pages --layers 12 --numa --out "$OUT/numa" 2>&1 \
         | tee "$OUT/gpu_host_reads_numa.log" | tail -16 ;;
+    s18staged)  # session 18: offload_v ctkvr B = 8 with plan_ahead, reading host memory in the attention or staging the
+      # value rows into a GPU mirror during the layer before; all-GPU with and without plan_ahead in the same run;
+      # then the GPU tests of the runner and the staging kernel
+      python3 benchmarks/gpu_e2e.py --lengths 131072 --batches 8 --methods ctkvr --backends triton offload_v \
+        --plan-ahead off on --offload-batches 8 --offload-methods ctkvr --offload-contexts copies \
+        --offload-plan-ahead off on staged --eager-tokens 0 --hf-tokens 0 --tokens 8 --budget-s 400 \
+        --check-prefill 0 --out "$OUT/staged" 2>&1 | tee "$OUT/gpu_e2e_staged.log" | grep "^| \|rror"
+      python3 -m pytest -q -p no:cacheprovider -m gpu -o addopts="" tests/test_runner.py tests/test_stage_kernel.py \
+        2>&1 | tee "$OUT/gpu_runner_stage_tests.log" | tail -3
+      python3 -m pytest -q -p no:cacheprovider -o addopts="" tests/test_stage_kernel.py 2>&1 \
+        | tee "$OUT/gpu_stage_kernel_tests.log" | tail -2 ;;
+    s18prio)  # session 18: the same staged offload_v row and all-GPU plan-ahead row with the planning side streams at
+      # high CUDA priority
+      python3 benchmarks/gpu_e2e.py --lengths 131072 --batches 8 --methods ctkvr --backends triton offload_v \
+        --plan-ahead on --offload-batches 8 --offload-methods ctkvr --offload-contexts copies \
+        --offload-plan-ahead staged --ahead-priority -1 --eager-tokens 0 --hf-tokens 0 --tokens 8 --budget-s 300 \
+        --check-prefill 0 --out "$OUT/prio" 2>&1 | tee "$OUT/gpu_e2e_prio.log" | grep "^| \|rror" ;;
     *) echo "unknown stage $stage" ;;
   esac
 done

@@ -296,7 +296,7 @@ class Bench:
     def runner(self, n: int, ctx: ContextKV, name: str, method, params, reader, backend_name: str, b: int,
                graphs: bool, tokens: int, extra: dict, fused_layer: bool | None = None,
                contexts: str | None = None, plan_ahead: bool = False, pipelined: bool = True,
-               parallel: bool = True, programs_per_sm: int | None = None) -> None:
+               parallel: bool = True, programs_per_sm: int | None = None, stage_values: bool | None = None) -> None:
         be = get_backend(backend_name)
         if programs_per_sm is not None:  # the attention kernel's launch: programs per SM it aims at
             from decoder.kernels.attention import KernelConfig
@@ -306,7 +306,11 @@ class Bench:
         max_new = tokens + 4 + prof_steps  # + 1: the last timed step still issues the next (pipelined)
         local = self.a.question + max_new
         run = Runner(self.lm, be, self.dev, graphs=graphs, track_fraction=True, fused_layer=fused_layer,
-                     plan_ahead=plan_ahead, pipelined=pipelined, parallel=parallel)
+                     plan_ahead=plan_ahead, pipelined=pipelined, parallel=parallel, stage_values=stage_values)
+        if plan_ahead and self.a.ahead_priority and self.dev == "cuda":  # planning (and staging) streams first
+            run.ahead_streams = [torch.cuda.Stream(self.dev, priority=self.a.ahead_priority) for _ in range(2)]
+            run.ahead_side = [[torch.cuda.Stream(self.dev, priority=self.a.ahead_priority) for _ in range(b)]
+                              for _ in range(2)]
         if contexts is None:  # B = 1 shares the context it was given, except an offload row in "copies" mode,
             # which was given the GPU-resident context and must copy it to where the backend keeps it
             copies = be.host_arrays and self.a.offload_contexts == "copies"
@@ -376,6 +380,7 @@ class Bench:
                "fused_layer": run.layer_kernels is not None, "contexts": contexts, "plan_ahead": plan_ahead,
                "pipelined": run.pipelined, "ms_wall_mean": wall_mean, "parallel": run.parallel,
                "programs_per_sm": programs_per_sm,  # None: KernelConfig's default
+               "stage_values": run.stage_values, "ahead_priority": self.a.ahead_priority if plan_ahead else None,
                **extra}
         if prof is not None:
             row["profile"] = prof
@@ -476,6 +481,11 @@ def main() -> None:
     ap.add_argument("--offload-parallel", nargs="+", choices=["off", "on"], default=["on"],
                     help="offload rows (copies mode): each request's attention on its own stream (on, the runner's "
                          "default) or one after another on the step's stream (off)")
+    ap.add_argument("--offload-plan-ahead", nargs="+", choices=["off", "on", "staged"], default=["off"],
+                    help="offload rows (copies mode): plan_ahead off, on with the attention reading host memory, or "
+                         "on with the value rows staged into a GPU mirror during the layer before (stage_values)")
+    ap.add_argument("--ahead-priority", type=int, default=0,
+                    help="plan_ahead rows: CUDA priority of the planning side streams (negative = higher)")
     ap.add_argument("--offload-programs-per-sm", type=int, nargs="+", default=[None],
                     help="offload rows (copies mode): the attention kernel's programs per SM (KernelConfig)")
     ap.add_argument("--offload-methods", nargs="+", default=["csattn", "saap", "psa", "ctkvr"],
@@ -625,11 +635,12 @@ def main() -> None:
                                 bench.runner(n, ctx, label, method, params, reader, be, b, False, a.eager_tokens, extra)
                     for be in on_host if name in a.offload_methods else ():
                         if a.offload_contexts == "copies":  # each request copies its own context from the GPU's
-                            for b, par, pps in itertools.product(a.offload_batches, a.offload_parallel,
-                                                                 a.offload_programs_per_sm):
+                            for b, ahead, par, pps in itertools.product(a.offload_batches, a.offload_plan_ahead,
+                                                                        a.offload_parallel, a.offload_programs_per_sm):
                                 if not bench.over_budget():
                                     bench.runner(n, ctx, label, method, params, reader, be, b, True, a.tokens, extra,
-                                                 parallel=par == "on", programs_per_sm=pps)
+                                                 parallel=par == "on", programs_per_sm=pps, plan_ahead=ahead != "off",
+                                                 stage_values=ahead == "staged")
                             continue
                         if be not in host_ctx:
                             host_ctx[be] = host_context({"kv/k": ctx_k, "kv/v": ctx_v}, get_backend(be).host_arrays,
@@ -663,6 +674,10 @@ def main() -> None:
             fl += " (not pipelined)"
         if r.get("parallel") is False and r.get("batch", 1) > 1:
             fl += " (attention serial)"
+        if r.get("stage_values"):
+            fl += " (staged values)"
+        if r.get("ahead_priority"):
+            fl += f" (side priority {r['ahead_priority']})"
         if r.get("programs_per_sm") is not None:
             fl += f" ({r['programs_per_sm']} programs/SM)"
         print(f"| {r['n']} | {r['batch']} | {r['runner']}{fl} | {r['method']} | {r['backend']} | {f(r['ms_per_token'])} | "

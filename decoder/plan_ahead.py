@@ -19,11 +19,12 @@ Llama-family modules (q_proj, k_proj, input_layernorm, position_embeddings in th
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 
+from decoder.kernels.stage import stage_rows
 from decoder.layers import apply_rope, rms_norm
 from decoder.streams import fork_join
 from indexer.base import KVView, Planner
@@ -35,11 +36,14 @@ OWN_KEYS = ("hidden", "predicted")
 class Ahead:
     """Plans of one layer made ahead (batch position -> Plan), queued on `stream` (None: done). `x`
     (the residual the side stream reads) is held until the join: freed earlier, the caching
-    allocator could hand its memory to the main stream while the side stream still reads it."""
+    allocator could hand its memory to the main stream while the side stream still reads it.
+    `values`: batch position -> the GPU mirror its plan's value rows were staged into (the
+    runner's staged values; empty when it does not stage)."""
 
     stream: object  # torch.cuda.Stream | None
     plans: dict
     x: torch.Tensor
+    values: dict = field(default_factory=dict)
 
     def join(self) -> dict:
         if self.stream is not None:
@@ -76,7 +80,12 @@ def plan_next(runner, reqs: list, ahead: list[int], layer: int, x: torch.Tensor,
             loc_k = r.loc_k[layer]
             loc_k.index_copy_(1, slots[i], pk[i:i + 1].transpose(0, 1))  # the step's own slot: predicted
             qh = pq[i:i + 1].transpose(0, 1).reshape(kvh, g, 1, d)
-            return r.planner.plan(layer, qh, KVView(*r.ctx_kv[layer], loc_k, r.loc_v[layer], q_pos[i]))
+            plan = r.planner.plan(layer, qh, KVView(*r.ctx_kv[layer], loc_k, r.loc_v[layer], q_pos[i]))
+            if r.staged_v is None or plan.is_dense:
+                return plan, None
+            mirror = r.staged_v[layer % 2]  # layer - 2's attention, its last reader, ran before this fork
+            stage_rows(r.ctx_kv[layer][1], mirror, plan.positions, r.sink, r.window)
+            return plan, mirror
 
         streams = None
         if runner.parallel and len(ahead) > 1:
@@ -85,15 +94,16 @@ def plan_next(runner, reqs: list, ahead: list[int], layer: int, x: torch.Tensor,
                 side.append(torch.cuda.Stream(runner.device))
             streams = side[:len(ahead)]
         outs = fork_join(streams, [lambda i=i: plan_one(i) for i in ahead])
-        return dict(zip(ahead, outs))
+        return {i: p for i, (p, _) in zip(ahead, outs)}, {i: m for i, (_, m) in zip(ahead, outs) if m is not None}
 
     if runner.ahead_streams is None:
-        return Ahead(None, predict(), x)
+        plans, values = predict()
+        return Ahead(None, plans, x, values)
     stream = runner.ahead_streams[layer % 2]
     stream.wait_stream(torch.cuda.current_stream(runner.device))
     with torch.cuda.stream(stream):
-        plans = predict()
-    return Ahead(stream, plans, x)
+        plans, values = predict()
+    return Ahead(stream, plans, x, values)
 
 
 class PredictedQueries(Planner):

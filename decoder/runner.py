@@ -51,6 +51,13 @@ CUDA graph when it can:
   workspaces are per stream. Planners are called plan(L + 1) before update(L); their per-step
   state is per layer (`indexer.base.Planner`). Fidelity (KL to dense, default model, CPU): lag 1
   costs little, lag 2 breaks down at 8K (`benchmarks/bench_early_plans.py`, RESULTS.md).
+* **Staged values** (`stage_values`, with plan_ahead under a backend that keeps the context's values
+  in host memory: `offload_v`, `offload`): right after plan(L) the side stream also copies the
+  value rows that plan attends (sink, window, plan positions) from host memory into a GPU mirror of
+  the context's values (`decoder/kernels/stage.py`; two per request, by layer parity: 2·KVH·N·D
+  elements, 537 MB for a 128K context of the 8B shape), and layer L's attention reads the mirror.
+  The PCIe reads then overlap layer L - 1 instead of stalling layer L. Same bytes, same kernels:
+  the tokens equal the unstaged ones (test). Layer 0 and the question chunk read host memory.
 * **Pipelined steps** (`pipelined`, the default on CUDA): a step's inputs for the next one (each
   request's next token and position) are written on the device, so `step()` issues the next
   one-token step of the same batch *before* it reads its own tokens; the device then runs it while
@@ -156,11 +163,15 @@ class Runner:
     arithmetic), within the fidelity measured in RESULTS.md.
     `pipelined`: issue the next one-token step before reading this one's tokens (module docstring);
     None = on CUDA. The tokens are the same; on a CPU it would only delay each token by a step.
+    `stage_values`: with plan_ahead, stage the value rows a layer attends into a GPU mirror while
+    the layer before runs, when the backend keeps values in host memory (module docstring); None =
+    on CUDA, True = also on a CPU (tests). Ignored without plan_ahead or such a backend.
     """
 
     def __init__(self, lm, backend: AttentionBackend, device: str | torch.device | None = None, *,
                  graphs: bool = True, track_fraction: bool = False, parallel: bool = True,
-                 fused_layer: bool | None = None, plan_ahead: bool = False, pipelined: bool | None = None):
+                 fused_layer: bool | None = None, plan_ahead: bool = False, pipelined: bool | None = None,
+                 stage_values: bool | None = None):
         model = lm.model
         self.w = fuse_weights(model)
         self.device = torch.device(device) if device is not None else self.w.embed.device
@@ -187,6 +198,8 @@ class Runner:
         self.ahead_side: list[list[torch.cuda.Stream]] = [[], []]  # per batch position, by layer parity
         self._eager_key: tuple | None = None  # the batch of the last eager one-token step
         self.pipelined = cuda if pipelined is None else pipelined
+        self.stage_values = plan_ahead and "kv/v" in backend.host_arrays and (
+            cuda if stage_values is None else stage_values)
         self._issued: Issued | None = None  # the next call's step, issued by the last call (pipelined)
         self.layer_kernels = _layer_kernels(self.w, self.device, fused_layer)  # None: the torch functions
 
@@ -224,6 +237,9 @@ class Runner:
             r.slot_base = torch.tensor([[t.data_ptr() + i * t.stride(0) * t.element_size() for i in range(shape[0])]
                                         for t in (r.loc_k, r.loc_v)], dtype=torch.int64, device=dev)
             r.head_stride = torch.full((1,), max_local * w.head_dim, dtype=torch.long, device=dev)
+        if self.stage_values:  # zeros: rows never staged are never attended, but stay finite
+            ctx_v = r.ctx_kv[0][1]
+            r.staged_v = [torch.zeros(ctx_v.shape, dtype=ctx_v.dtype, device=dev) for _ in range(2)]
         self.requests[slot] = r
         return slot
 
@@ -421,6 +437,7 @@ class Runner:
             # this layer's plans, made ahead: joined before this layer's K/V are written into the
             # step's slots, where the planner saw the predicted key
             plans = planned.join() if planned is not None else {}
+            staged = planned.values if planned is not None else {}
             if fk is None:
                 q, k, _ = qkv.split([h * d, kvh * d, kvh * d], dim=-1)  # v: the view below, both paths
                 q = apply_rope(q.view(-1, h, d), cos, sin)  # [S, H, D]
@@ -430,7 +447,8 @@ class Runner:
             v = qkv[:, (h + kvh) * d:].view(-1, kvh, d)
             outs = fork_join(self._streams(b), [
                 lambda i=i, r=r: self._attend(r, layer, lw.scale, q[i * t:(i + 1) * t], k[i * t:(i + 1) * t],
-                                              v[i * t:(i + 1) * t], q_pos[i], slots[i], plans.get(i), rows is None)
+                                              v[i * t:(i + 1) * t], q_pos[i], slots[i], plans.get(i), rows is None,
+                                              staged.get(i))
                 for i, r in enumerate(reqs)])
             planned = nxt
             a = outs[0] if b == 1 else torch.cat(outs)  # [S, H D]
@@ -464,10 +482,11 @@ class Runner:
         return self._side[:b]
 
     def _attend(self, r: Request, layer: int, scale: float, q, k, v, q_pos, slots, plan=None,
-                write: bool = True) -> torch.Tensor:
+                write: bool = True, staged_v: torch.Tensor | None = None) -> torch.Tensor:
         """One request's attention of one layer. q [T, H, D], k/v [T, KVH, D] post-RoPE, q_pos [T]
         absolute positions, slots [T] local slots -> [T, H D]. `plan`: made ahead (else planned here).
-        `write`: store k/v into the slots here (False: the fused RoPE launch did)."""
+        `write`: store k/v into the slots here (False: the fused RoPE launch did). `staged_v`: the
+        GPU mirror holding the context's value rows this plan attends (staged values)."""
         w = self.w
         t = q.shape[0]
         kvh, g, d = w.n_kv_heads, w.group, w.head_dim
@@ -477,6 +496,8 @@ class Runner:
             loc_k.index_copy_(1, slots, new_k)
             loc_v.index_copy_(1, slots, new_v)
         ctx_k, ctx_v = r.ctx_kv[layer]
+        if staged_v is not None:
+            ctx_v = staged_v
         qh = q.transpose(0, 1).reshape(kvh, g, t, d)  # q head i*G + j belongs to kv head i
         kv = KVView(ctx_k, ctx_v, loc_k, loc_v, q_pos)
         if plan is None:

@@ -402,6 +402,39 @@ def test_pipelined_steps_equal_plain_steps(lm, captured_2k, passkey_cap):
     assert issued_with_stop and issued_with_stop[0] >= 2  # a step was in flight, the stopped request in it
 
 
+def test_staged_values_equal_reading_host_memory(lm, captured_2k, passkey_cap):
+    """`stage_values` (plan_ahead under `offload_v`): right after plan(L) the value rows it attends
+    are copied from the context into a mirror, and layer L's attention reads the mirror. Same plans,
+    same bytes: a batch of topk and ctkvr gets the unstaged runner's logits exactly (a row staged
+    from the wrong layer, into the wrong mirror or not at all would change them: the mirrors start
+    as zeros and are shared by the layers of one parity); rows were staged, far from all of them."""
+    be = get_backend("offload_v")
+    cases = [(passkey_cap, None, "topk", lm.question_ids(PASSKEY_QUESTION), 6, {}),
+             (captured_2k, 1024, "ctkvr", lm.question_ids("What does the scheduler do?"), 6,
+              {"k": 128, "list_size": 256})]
+    out = {}
+    for stage in (False, True):
+        runner = Runner(lm, be, plan_ahead=True, stage_values=stage)
+        slots = []
+        for cap, n, name, q, n_new, kw in cases:
+            ctx, sub = capture_ctx(cap, n)
+            planner, params = open_planner(name, sub, lm.spec, len(q) + n_new, **kw)
+            slots.append(runner.add(ctx, planner(), params, q, n_new))
+        assert runner.stage_values is stage
+        out[stage] = list(run_all(runner, slots).values())
+        for s in slots:
+            r = runner.requests[s]
+            if not stage:
+                assert r.staged_v is None
+                continue
+            for mirror in r.staged_v:  # rows were staged into both, and far from all of them
+                staged = float((mirror.abs().sum(-1) > 0).float().mean())
+                assert 0 < staged < 0.9, staged
+            runner.remove(s)
+    for got, want in zip(out[True], out[False], strict=True):
+        torch.testing.assert_close(got, want, atol=0, rtol=0)
+
+
 # ---------------------------------------------------------------------------------------------
 # GPU: random weights of SmolLM2's shape, triton backend
 
@@ -683,6 +716,44 @@ def test_gpu_offload_reads_host_memory_in_place_and_equals_triton(backend):
         for s in slots:
             runner.remove(s)
     (want_l, want_t), (got_l, got_t) = runs["triton"], runs[backend]
+    for want, got, toks_w, toks_g in zip(want_l, got_l, want_t, got_t):
+        assert toks_w == toks_g
+        assert float(_rel(got, want).max()) <= REL_GRAPH
+
+
+@pytest.mark.gpu
+def test_gpu_staged_values_equal_host_reads():
+    """`stage_values` on CUDA (the default with plan_ahead under offload_v): the value rows each
+    layer's plan attends are staged from mapped host memory into a GPU mirror on the planning side
+    stream, in the captured step. Tokens and logits equal the same runner reading host memory in
+    place (fp32: the same kernels over the same bytes), and steps replay without a host sync."""
+    from decoder.backends.offload import mapped
+
+    lm, (ctx, sub) = gpu_setup(torch.float32)
+    arrays = {"kv/k": sub.k, "kv/v": mapped(sub.v.cpu().pin_memory())}
+    host_ctx = ContextKV(sub.n_tokens, lambda name, layer: arrays[name][layer])
+    n_new = 8
+    be = get_backend("offload_v")
+    runs = {}
+    for stage in (False, True):
+        runner = Runner(lm, be, plan_ahead=True, stage_values=stage)
+        assert runner.stage_values is stage
+        reqs = _gpu_requests(lm, (host_ctx, sub), n_new, names=("topk", "ctkvr", "psa"))
+        slots = [runner.add(c, planner(), params, q, n_new) for _, c, planner, params, q in reqs]
+        runner.step()
+        runner.step()
+        runner.sync_check = True
+        got_logits, got_tokens, status = _drain(runner, slots)
+        assert status[0] == "captured" and set(status[1:]) == {"replayed"}, (stage, status)
+        runs[stage] = (got_logits, got_tokens)
+        if stage:
+            for s in slots:
+                r = runner.requests[s]
+                for mirror in r.staged_v:  # rows were staged into both (this small context: all of them)
+                    assert float((mirror.abs().sum(-1) > 0).float().mean()) > 0
+        for s in slots:
+            runner.remove(s)
+    (want_l, want_t), (got_l, got_t) = runs[False], runs[True]
     for want, got, toks_w, toks_g in zip(want_l, got_l, want_t, got_t):
         assert toks_w == toks_g
         assert float(_rel(got, want).max()) <= REL_GRAPH
