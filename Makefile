@@ -23,7 +23,7 @@ serve: setup
 # Needs a Redis server at CTXCACHE_TEST_REDIS_URL (default redis://127.0.0.1:6379/0), which this
 # target does not start (e.g. `redis-server --save '' --appendonly no &`); tests use their own key
 # prefixes. Runs the suite in TEST_WORKERS processes (pytest-xdist; a test file stays in one worker,
-# which keeps its module fixtures): 15-25 minutes on 2 CPU cores from a clean clone, 29 in one
+# which keeps its module fixtures): 10-25 minutes on 2 CPU cores from a clean clone, 29 in one
 # process (GPU tests are skipped without a GPU).
 TEST_WORKERS ?= 2
 test: setup

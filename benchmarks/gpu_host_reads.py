@@ -239,8 +239,8 @@ def _thp_pinned(nbytes: int, node: int | None) -> tuple[torch.Tensor, object]:
     return t, m
 
 
-def pages_section(t: Timing, add, n: int, n_layers: int, mode: str, node: int | None = None, b: int = 8, k: int = 1024, sink: int = 4,
-                  window: int = 256) -> None:
+def pages_section(t: Timing, add, n: int, n_layers: int, mode: str, node: int | None = None, b: int = 8,
+                  k: int = 1024, sink: int = 4, window: int = 256) -> None:
     kvh, d = KVH, D
     per_layer = kvh * n * d * 2
     thp = {"enabled": Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text().strip(),

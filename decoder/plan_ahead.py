@@ -15,6 +15,16 @@ multi-token chunks plan as usual. Planned that early, the step's own key does no
 
 Forward pre-hooks on the model's decoder layers keep each layer's input; close() removes them.
 Llama-family modules (q_proj, k_proj, input_layernorm, position_embeddings in the layer's kwargs).
+
+**Staged values** (`Runner(stage_values=...)`, on by default on CUDA when it plans ahead under a
+backend that keeps the context's values in host memory: `offload_v`, `offload`): right after
+plan(L), the side stream also copies the value rows that plan attends (sink, window, plan
+positions) from host memory into a GPU mirror of the context's values (`decoder/kernels/stage.py`;
+two per request, by layer parity: 2·KVH·N·D elements, 537 MB for a 128K context of the 8B shape),
+and layer L's attention reads the mirror, so the PCIe reads leave layer L's critical path. Same
+bytes, same kernels: the tokens equal the unstaged ones (tests/test_runner.py). Layer 0 and the
+question chunk read host memory. Measured (benchmarks/RESULTS.md, "Offload_v's reads"): ctkvr at
+128K, B = 8 174.0 -> 186.3 tokens/s; the step then waits on the side streams' plan -> stage chain.
 """
 
 from __future__ import annotations

@@ -50,14 +50,8 @@ CUDA graph when it can:
   may overlap the end of plan(L) and runs while layer L's attention reads plan(L); kernel
   workspaces are per stream. Planners are called plan(L + 1) before update(L); their per-step
   state is per layer (`indexer.base.Planner`). Fidelity (KL to dense, default model, CPU): lag 1
-  costs little, lag 2 breaks down at 8K (`benchmarks/bench_early_plans.py`, RESULTS.md).
-* **Staged values** (`stage_values`, with plan_ahead under a backend that keeps the context's values
-  in host memory: `offload_v`, `offload`): right after plan(L) the side stream also copies the
-  value rows that plan attends (sink, window, plan positions) from host memory into a GPU mirror of
-  the context's values (`decoder/kernels/stage.py`; two per request, by layer parity: 2·KVH·N·D
-  elements, 537 MB for a 128K context of the 8B shape), and layer L's attention reads the mirror.
-  The PCIe reads then overlap layer L - 1 instead of stalling layer L. Same bytes, same kernels:
-  the tokens equal the unstaged ones (test). Layer 0 and the question chunk read host memory.
+  costs little, lag 2 breaks down at 8K (`benchmarks/bench_early_plans.py`, RESULTS.md). Under
+  offload backends it also stages the values a plan attends into HBM (`decoder/plan_ahead.py`).
 * **Pipelined steps** (`pipelined`, the default on CUDA): a step's inputs for the next one (each
   request's next token and position) are written on the device, so `step()` issues the next
   one-token step of the same batch *before* it reads its own tokens; the device then runs it while
@@ -163,9 +157,8 @@ class Runner:
     arithmetic), within the fidelity measured in RESULTS.md.
     `pipelined`: issue the next one-token step before reading this one's tokens (module docstring);
     None = on CUDA. The tokens are the same; on a CPU it would only delay each token by a step.
-    `stage_values`: with plan_ahead, stage the value rows a layer attends into a GPU mirror while
-    the layer before runs, when the backend keeps values in host memory (module docstring); None =
-    on CUDA, True = also on a CPU (tests). Ignored without plan_ahead or such a backend.
+    `stage_values`: with plan_ahead under a backend keeping values in host memory, stage them into a
+    GPU mirror (decoder/plan_ahead.py); None = on CUDA, True = also on a CPU (tests).
     """
 
     def __init__(self, lm, backend: AttentionBackend, device: str | torch.device | None = None, *,
@@ -198,8 +191,8 @@ class Runner:
         self.ahead_side: list[list[torch.cuda.Stream]] = [[], []]  # per batch position, by layer parity
         self._eager_key: tuple | None = None  # the batch of the last eager one-token step
         self.pipelined = cuda if pipelined is None else pipelined
-        self.stage_values = plan_ahead and "kv/v" in backend.host_arrays and (
-            cuda if stage_values is None else stage_values)
+        staging = cuda if stage_values is None else stage_values
+        self.stage_values = plan_ahead and "kv/v" in backend.host_arrays and staging
         self._issued: Issued | None = None  # the next call's step, issued by the last call (pipelined)
         self.layer_kernels = _layer_kernels(self.w, self.device, fused_layer)  # None: the torch functions
 
@@ -238,8 +231,7 @@ class Runner:
                                         for t in (r.loc_k, r.loc_v)], dtype=torch.int64, device=dev)
             r.head_stride = torch.full((1,), max_local * w.head_dim, dtype=torch.long, device=dev)
         if self.stage_values:  # zeros: rows never staged are never attended, but stay finite
-            ctx_v = r.ctx_kv[0][1]
-            r.staged_v = [torch.zeros(ctx_v.shape, dtype=ctx_v.dtype, device=dev) for _ in range(2)]
+            r.staged_v = [torch.zeros(r.ctx_kv[0][1].shape, dtype=r.ctx_kv[0][1].dtype, device=dev) for _ in range(2)]
         self.requests[slot] = r
         return slot
 
@@ -485,8 +477,7 @@ class Runner:
                 write: bool = True, staged_v: torch.Tensor | None = None) -> torch.Tensor:
         """One request's attention of one layer. q [T, H, D], k/v [T, KVH, D] post-RoPE, q_pos [T]
         absolute positions, slots [T] local slots -> [T, H D]. `plan`: made ahead (else planned here).
-        `write`: store k/v into the slots here (False: the fused RoPE launch did). `staged_v`: the
-        GPU mirror holding the context's value rows this plan attends (staged values)."""
+        `write`: store k/v into the slots here (False: the fused RoPE launch did). `staged_v`: values' mirror."""
         w = self.w
         t = q.shape[0]
         kvh, g, d = w.n_kv_heads, w.group, w.head_dim
@@ -496,8 +487,7 @@ class Runner:
             loc_k.index_copy_(1, slots, new_k)
             loc_v.index_copy_(1, slots, new_v)
         ctx_k, ctx_v = r.ctx_kv[layer]
-        if staged_v is not None:
-            ctx_v = staged_v
+        ctx_v = ctx_v if staged_v is None else staged_v
         qh = q.transpose(0, 1).reshape(kvh, g, t, d)  # q head i*G + j belongs to kv head i
         kv = KVView(ctx_k, ctx_v, loc_k, loc_v, q_pos)
         if plan is None:

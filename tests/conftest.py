@@ -50,6 +50,17 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
         terminalreporter.write_line(f"ctxcache: {n} GPU test(s) SKIPPED: {GPU_SKIP_REASON}", yellow=True, bold=True)
 
 
+@pytest.fixture(autouse=True)
+def _worker_stays_on_one_thread():
+    """In an xdist worker, put torch back on one thread after any test that changed it (an eval
+    config's `torch_threads`, a CLI run): the setting is process-wide, and every later test of the
+    worker would otherwise run oversubscribed (the eval smoke fixture took 141 s in the suite after
+    its config set 2 threads, 18 s alone)."""
+    yield
+    if os.environ.get("PYTEST_XDIST_WORKER") and torch.get_num_threads() != 1:
+        torch.set_num_threads(1)
+
+
 @pytest.fixture(scope="module")
 def one_torch_thread():
     """Pin torch to one intra-op thread for a module (`pytestmark = pytest.mark.usefixtures(...)`).
