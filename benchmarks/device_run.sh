@@ -7,7 +7,7 @@
 #                    carry=[".whl", ".old"])
 #   stages: tests | kerneltests | decode | decodecold | decode512 | before_after | kernels | e2e32 | e2e128 |
 #           e2e128rest | e2eprof | e2elayer | attntests | decodeab | psaab | latency | ncu | psasweep | pdlab | e2enow |
-#           offload | psa32sweep | offloadfit | ivfsweep | ivfcpp | cslfsweep | ivfsel | ivfeager | ivfsample | ncusel | psaemit | psafuse | psastop | rtrip | rerankreg | rerank96 | e2ectkvr | ncuivf | verify | repro | e2eh200 | pushab | decode512h200 | s14ab | s14e2e | s14final | s14frame | s14tests | s14lfpse2e | s15ivf | s15ivf2 | s15dot | s15final | s15rerank | s16ahead | s16overlap | s16more | s16tests | s16early | s17ahead | s17pipe | s17offload | s17reads | s17fuse | s18pages | s18offprof | s18offab | s18numa | s18staged | s18prio | s18stprof
+#           offload | psa32sweep | offloadfit | ivfsweep | ivfcpp | cslfsweep | ivfsel | ivfeager | ivfsample | ncusel | psaemit | psafuse | psastop | rtrip | rerankreg | rerank96 | e2ectkvr | ncuivf | verify | repro | e2eh200 | pushab | decode512h200 | s14ab | s14e2e | s14final | s14frame | s14tests | s14lfpse2e | s15ivf | s15ivf2 | s15dot | s15final | s15rerank | s16ahead | s16overlap | s16more | s16tests | s16early | s17ahead | s17pipe | s17offload | s17reads | s17fuse | s18pages | s18offprof | s18offab | s18numa | s18staged | s18prio | s18stprof | s18frame
 #   (default: tests decode before_after)
 #   .old = the tree before the plan/run redesign (`git archive <commit> decoder indexer storage`), for
 #   the before/after decode comparison.
@@ -522,6 +522,14 @@ for stage in $stages; do
         --offload-batches 8 --offload-methods ctkvr --offload-contexts copies --offload-plan-ahead on staged \
         --profile --profile-batches 8 --eager-tokens 0 --hf-tokens 0 --tokens 8 --budget-s 300 --check-prefill 0 \
         --out "$OUT/stprof" 2>&1 | tee "$OUT/gpu_e2e_stprof.log" | grep "^| \|rror\|overlap\|profile" ;;
+    s18frame)  # session 18: staged values with the frame's rows from their GPU copy against from host memory; then
+      # the GPU tests of the staging kernel and of the staged runner
+      python3 benchmarks/gpu_e2e.py --lengths 131072 --batches 8 --methods ctkvr --backends offload_v \
+        --offload-batches 8 --offload-methods ctkvr --offload-contexts copies \
+        --offload-plan-ahead staged-hostframe staged --eager-tokens 0 --hf-tokens 0 --tokens 8 --budget-s 200 \
+        --check-prefill 0 --out "$OUT/frame" 2>&1 | tee "$OUT/gpu_e2e_frame.log" | grep "^| \|rror"
+      python3 -m pytest -q -p no:cacheprovider -o addopts="" tests/test_stage_kernel.py \
+        "tests/test_runner.py::test_gpu_staged_values_equal_host_reads" 2>&1 | tee "$OUT/gpu_stage_tests.log" | tail -2 ;;
     *) echo "unknown stage $stage" ;;
   esac
 done
