@@ -522,7 +522,8 @@ for stage in $stages; do
         --offload-batches 8 --offload-methods ctkvr --offload-contexts copies --offload-plan-ahead on staged \
         --profile --profile-batches 8 --eager-tokens 0 --hf-tokens 0 --tokens 8 --budget-s 300 --check-prefill 0 \
         --out "$OUT/stprof" 2>&1 | tee "$OUT/gpu_e2e_stprof.log" | grep "^| \|rror\|overlap\|profile" ;;
-    s18frame)  # session 18: staged values with the frame's rows from their GPU copy against from host memory; then
+    s18frame)  # session 18 (ran on commit e0a3974; its `staged-hostframe` option went with the GPU frame copy, which
+      # gained nothing): staged values with the frame's rows from their GPU copy against from host memory; then
       # the GPU tests of the staging kernel and of the staged runner
       python3 benchmarks/gpu_e2e.py --lengths 131072 --batches 8 --methods ctkvr --backends offload_v \
         --offload-batches 8 --offload-methods ctkvr --offload-contexts copies \

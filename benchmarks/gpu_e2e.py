@@ -296,8 +296,7 @@ class Bench:
     def runner(self, n: int, ctx: ContextKV, name: str, method, params, reader, backend_name: str, b: int,
                graphs: bool, tokens: int, extra: dict, fused_layer: bool | None = None,
                contexts: str | None = None, plan_ahead: bool = False, pipelined: bool = True,
-               parallel: bool = True, programs_per_sm: int | None = None, stage_values: bool | None = None,
-               host_frame: bool = False) -> None:
+               parallel: bool = True, programs_per_sm: int | None = None, stage_values: bool | None = None) -> None:
         be = get_backend(backend_name)
         if programs_per_sm is not None:  # the attention kernel's launch: programs per SM it aims at
             from decoder.kernels.attention import KernelConfig
@@ -328,9 +327,6 @@ class Bench:
                               "contexts": contexts, "error": f"does not fit: {j} of {b} context copies placed"})
                     return
             run.add(c, method.open(rd, params, DecodeContext(n, self.lm.spec, local)), params, q, max_new)
-        if host_frame:  # staged values with the frame's rows staged from host memory too (before session 18's copy)
-            for r in run.requests.values():
-                r.frame_v = None
         t0 = time.perf_counter()
         run.step()  # the questions, one chunk per request
         t_prompt = time.perf_counter() - t0
@@ -384,8 +380,7 @@ class Bench:
                "fused_layer": run.layer_kernels is not None, "contexts": contexts, "plan_ahead": plan_ahead,
                "pipelined": run.pipelined, "ms_wall_mean": wall_mean, "parallel": run.parallel,
                "programs_per_sm": programs_per_sm,  # None: KernelConfig's default
-               "stage_values": run.stage_values, "host_frame": host_frame if run.stage_values else None,
-               "ahead_priority": self.a.ahead_priority if plan_ahead else None,
+               "stage_values": run.stage_values, "ahead_priority": self.a.ahead_priority if plan_ahead else None,
                **extra}
         if prof is not None:
             row["profile"] = prof
@@ -486,11 +481,9 @@ def main() -> None:
     ap.add_argument("--offload-parallel", nargs="+", choices=["off", "on"], default=["on"],
                     help="offload rows (copies mode): each request's attention on its own stream (on, the runner's "
                          "default) or one after another on the step's stream (off)")
-    ap.add_argument("--offload-plan-ahead", nargs="+", choices=["off", "on", "staged", "staged-hostframe"],
-                    default=["off"],
+    ap.add_argument("--offload-plan-ahead", nargs="+", choices=["off", "on", "staged"], default=["off"],
                     help="offload rows (copies mode): plan_ahead off, on with the attention reading host memory, or "
-                         "on with the value rows staged into a GPU mirror during the layer before (stage_values; "
-                         "staged-hostframe: the frame's rows staged from host memory too, not from their GPU copy)")
+                         "on with the value rows staged into a GPU mirror during the layer before (stage_values)")
     ap.add_argument("--ahead-priority", type=int, default=0,
                     help="plan_ahead rows: CUDA priority of the planning side streams (negative = higher)")
     ap.add_argument("--offload-programs-per-sm", type=int, nargs="+", default=[None],
@@ -647,8 +640,7 @@ def main() -> None:
                                 if not bench.over_budget():
                                     bench.runner(n, ctx, label, method, params, reader, be, b, True, a.tokens, extra,
                                                  parallel=par == "on", programs_per_sm=pps, plan_ahead=ahead != "off",
-                                                 stage_values=ahead.startswith("staged"),
-                                                 host_frame=ahead == "staged-hostframe")
+                                                 stage_values=ahead == "staged")
                             continue
                         if be not in host_ctx:
                             host_ctx[be] = host_context({"kv/k": ctx_k, "kv/v": ctx_v}, get_backend(be).host_arrays,
@@ -683,7 +675,7 @@ def main() -> None:
         if r.get("parallel") is False and r.get("batch", 1) > 1:
             fl += " (attention serial)"
         if r.get("stage_values"):
-            fl += " (staged values" + (", frame from host)" if r.get("host_frame") else ")")
+            fl += " (staged values)"
         if r.get("ahead_priority"):
             fl += f" (side priority {r['ahead_priority']})"
         if r.get("programs_per_sm") is not None:

@@ -21,9 +21,7 @@ backend that keeps the context's values in host memory: `offload_v`, `offload`):
 plan(L), the side stream also copies the value rows that plan attends (sink, window, plan
 positions) from host memory into a GPU mirror of the context's values (`decoder/kernels/stage.py`;
 two per request, by layer parity: 2·KVH·N·D elements, 537 MB for a 128K context of the 8B shape),
-and layer L's attention reads the mirror, so the PCIe reads leave layer L's critical path. The
-frame's rows (sink and window: they need no plan) are kept on the GPU per layer (17 MB per 128K
-8B request) and staged from there, so only the plan's rows cross PCIe. Same
+and layer L's attention reads the mirror, so the PCIe reads leave layer L's critical path. Same
 bytes, same kernels: the tokens equal the unstaged ones (tests/test_runner.py). Layer 0 and the
 question chunk read host memory. Measured (benchmarks/RESULTS.md, "Offload_v's reads"): ctkvr at
 128K, B = 8 174.0 -> 186.3 tokens/s; the step then waits on the side streams' plan -> stage chain.
@@ -36,7 +34,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from decoder.kernels.stage import frame_rows, stage_rows
+from decoder.kernels.stage import stage_rows
 from decoder.layers import apply_rope, rms_norm
 from decoder.streams import fork_join
 from indexer.base import KVView, Planner
@@ -96,8 +94,7 @@ def plan_next(runner, reqs: list, ahead: list[int], layer: int, x: torch.Tensor,
             if r.staged_v is None or plan.is_dense:
                 return plan, None
             mirror = r.staged_v[layer % 2]  # layer - 2's attention, its last reader, ran before this fork
-            frame = r.frame_v[layer] if r.frame_v is not None else None
-            stage_rows(r.ctx_kv[layer][1], mirror, plan.positions, r.sink, r.window, frame)
+            stage_rows(r.ctx_kv[layer][1], mirror, plan.positions, r.sink, r.window)
             return plan, mirror
 
         streams = None
@@ -117,16 +114,6 @@ def plan_next(runner, reqs: list, ahead: list[int], layer: int, x: torch.Tensor,
     with torch.cuda.stream(stream):
         plans, values = predict()
     return Ahead(stream, plans, x, values)
-
-
-def staging_buffers(ctx_kv: list, sink: int, window: int, device) -> tuple[list, list]:
-    """A request's staged values (module docstring): two mirrors of its context's values [KVH, N, D]
-    (zeros: rows never staged are never attended, but stay finite) and each layer's frame rows
-    (`decoder.kernels.stage.frame_rows`: the sink and window, which need no plan) copied to the GPU
-    once, so a step's staging reads only the plan's rows from host memory."""
-    v = ctx_kv[0][1]
-    mirrors = [torch.zeros(v.shape, dtype=v.dtype, device=device) for _ in range(2)]
-    return mirrors, [frame_rows(cv, sink, window).to(device) for _, cv in ctx_kv]
 
 
 class PredictedQueries(Planner):

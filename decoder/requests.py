@@ -44,7 +44,6 @@ class Request:
     head_stride: torch.Tensor | None = None  # [1] int64: elements between two heads of loc_k[l] (max_local x D)
     touched: torch.Tensor | None = None  # [L] fp64 sums of frame fractions (track_fraction)
     staged_v: list | None = None  # two [KVH, N, D] GPU mirrors of the context's values, by layer parity (stage_values)
-    frame_v: list | None = None  # per layer [KVH, F, D]: the value rows of its frame, on the GPU (stage_values)
     counted: int = 0  # (kv head, query token) pairs summed in `touched`, per layer
 
     @property

@@ -109,7 +109,7 @@ import torch.nn.functional as F
 
 from decoder.backends import AttentionBackend, frame_fraction
 from decoder.layers import apply_rope, mlp, rms_norm, rope_cos_sin
-from decoder.plan_ahead import Ahead, plan_next, staging_buffers
+from decoder.plan_ahead import Ahead, plan_next
 from decoder.requests import CapturedStep, Issued, Request
 from decoder.sampling import sample_tokens
 from decoder.streams import fork_join
@@ -230,8 +230,8 @@ class Runner:
             r.slot_base = torch.tensor([[t.data_ptr() + i * t.stride(0) * t.element_size() for i in range(shape[0])]
                                         for t in (r.loc_k, r.loc_v)], dtype=torch.int64, device=dev)
             r.head_stride = torch.full((1,), max_local * w.head_dim, dtype=torch.long, device=dev)
-        if self.stage_values:  # the values' mirrors and each layer's frame rows on the GPU
-            r.staged_v, r.frame_v = staging_buffers(r.ctx_kv, sink, window, dev)
+        if self.stage_values:  # zeros: rows never staged are never attended, but stay finite
+            r.staged_v = [torch.zeros(r.ctx_kv[0][1].shape, dtype=r.ctx_kv[0][1].dtype, device=dev) for _ in range(2)]
         self.requests[slot] = r
         return slot
 

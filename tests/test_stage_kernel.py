@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from decoder.kernels.stage import frame_extent, frame_rows, stage_rows, stage_rows_torch
+from decoder.kernels.stage import frame_extent, stage_rows, stage_rows_torch
 
 
 def _attended(n: int, positions: torch.Tensor, sink: int, window: int) -> torch.Tensor:
@@ -42,34 +42,6 @@ def test_stage_copies_exactly_the_attended_rows(dtype, n, sink, window, k, impl)
     want = _attended(n, positions, sink, window)
     assert torch.equal(dst[want], src[want])  # every attended row, bit for bit
     assert bool((dst[~want] == 7.0).all())  # and nothing else
-
-
-@pytest.mark.parametrize("n,sink,window,k", [(200, 4, 16, 24), (37, 64, 8, 5), (300, 0, 1, 12)])
-@pytest.mark.parametrize("impl", ["triton", "torch"])
-def test_stage_reads_the_frame_from_its_gpu_copy(n, sink, window, k, impl):
-    """With `frame` (the sink and window rows kept on the GPU), those rows come from it and only the
-    plan's other rows from src: a frame copy made distinct here shows which source each row came from."""
-    torch.manual_seed(k)
-    kvh, d = 2, 16
-    dev = "cuda" if impl == "triton" and torch.cuda.is_available() else "cpu"
-    src = torch.randn(kvh, n, d)
-    positions = torch.stack([torch.randperm(n)[:k] for _ in range(kvh)])[:, None].to(torch.int32)
-    positions[0, 0, 0] = 0  # inside the sink (when there is one): staged with the frame, from the copy
-    positions[1, 0, 0] = n - 1  # inside the window (when there is one)
-    frame = frame_rows(src, sink, window) + 100.0
-    dst = torch.full_like(src, 7.0).to(dev)
-    (stage_rows if impl == "triton" else stage_rows_torch)(src.to(dev), dst, positions.to(dev), sink, window,
-                                                           frame.to(dev))
-    dst = dst.cpu()
-    s_end, wr = frame_extent(n, sink, window)
-    fixed = torch.cat([torch.arange(s_end), torch.arange(n - wr, n)])
-    assert torch.equal(dst[:, fixed], frame)
-    want = _attended(n, positions, sink, window)
-    plan_only = want.clone()
-    plan_only[:, fixed] = False
-    assert torch.equal(dst[plan_only], src[plan_only])
-    assert bool((dst[~want] == 7.0).all())
-    assert frame_rows(src, sink, window).shape == (kvh, s_end + wr, d)
 
 
 def test_stage_frame_extent_matches_the_attention_kernel():

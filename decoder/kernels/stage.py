@@ -15,9 +15,9 @@ mirror row that was not staged holds stale bytes nobody reads).
 The rows a one-token step reads from the context (`decoder/kernels/attention.py`): the sink
 [0, s_end), the window's context part [N - Wr, N), Wr = min(window - 1, N - s_end), and the plan's
 positions (-1 = none). `stage_rows` copies exactly those, each once (a position inside the frame is
-staged with the frame), the frame optionally from a copy kept on the GPU (`frame_rows`: it needs no
-plan, so only the plan's rows cross PCIe). One launch per request and layer, grid from shapes only
-(graph-capturable).
+staged with the frame). One launch per request and layer, grid from shapes only (graph-capturable).
+Keeping the frame's rows on the GPU instead (they need no plan: 20% of ctkvr's rows at 128K) was
+measured and gained nothing (benchmarks/RESULTS.md, "Offload_v's reads"): contiguous rows are cheap.
 """
 
 from __future__ import annotations
@@ -32,8 +32,8 @@ BLOCK_ROWS = 32
 
 
 @triton.jit(do_not_specialize=["n_ctx", "s_end", "win_rows", "n_pos"])
-def _stage_kernel(SRC, DST, POS, FRAME, s_src_h, s_src_n, s_dst_h, s_dst_n, s_pos_h, s_fr_h, s_fr_n, n_ctx, s_end,
-                  win_rows, n_pos, D: tl.constexpr, BLOCK: tl.constexpr, HAS_FRAME: tl.constexpr):
+def _stage_kernel(SRC, DST, POS, s_src_h, s_src_n, s_dst_h, s_dst_n, s_pos_h, n_ctx, s_end, win_rows, n_pos,
+                  D: tl.constexpr, BLOCK: tl.constexpr):
     """Program (row block, kv head): rows i of the list [sink | window | plan] of head h."""
     h = tl.program_id(1)
     i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
@@ -42,16 +42,10 @@ def _stage_kernel(SRC, DST, POS, FRAME, s_src_h, s_src_n, s_dst_h, s_dst_n, s_po
     in_plan = (i >= nf) & (i < nf + n_pos)
     p = tl.load(POS + h * s_pos_h + (i - nf), mask=in_plan, other=-1).to(tl.int64)
     row = tl.where(i < s_end, i.to(tl.int64), tl.where(in_frame, (n_ctx - nf + i).to(tl.int64), p))
-    plan_row = in_plan & (row >= s_end) & (row < n_ctx - win_rows)  # plan rows in the frame go with it
-    ok = plan_row | in_frame
+    ok = in_frame | (in_plan & (row >= s_end) & (row < n_ctx - win_rows))  # plan rows in the frame go with it
     d = tl.arange(0, D)
     h64 = h.to(tl.int64)
-    if HAS_FRAME:  # the frame from its GPU copy, the plan's rows from src
-        x = tl.load(SRC + h64 * s_src_h + row[:, None] * s_src_n + d[None, :], mask=plan_row[:, None])
-        xf = tl.load(FRAME + h64 * s_fr_h + i[:, None].to(tl.int64) * s_fr_n + d[None, :], mask=in_frame[:, None])
-        x = tl.where(in_frame[:, None], xf, x)
-    else:
-        x = tl.load(SRC + h64 * s_src_h + row[:, None] * s_src_n + d[None, :], mask=ok[:, None])
+    x = tl.load(SRC + h64 * s_src_h + row[:, None] * s_src_n + d[None, :], mask=ok[:, None])
     tl.store(DST + h64 * s_dst_h + row[:, None] * s_dst_n + d[None, :], x, mask=ok[:, None])
 
 
@@ -61,46 +55,28 @@ def frame_extent(n_ctx: int, sink: int, window: int) -> tuple[int, int]:
     return s_end, min(max(window - 1, 0), n_ctx - s_end)
 
 
-def frame_rows(src: torch.Tensor, sink: int, window: int) -> torch.Tensor:
-    """[KVH, s_end + Wr, D]: the context rows every one-token step reads whatever its plan (the sink
-    and the window's context part), in the order `stage_rows` lists them; a copy where src is."""
-    n_ctx = src.shape[1]
-    s_end, win_rows = frame_extent(n_ctx, sink, window)
-    return torch.cat([src[:, :s_end], src[:, n_ctx - win_rows:]], dim=1)
-
-
-def stage_rows(src: torch.Tensor, dst: torch.Tensor, positions: torch.Tensor, sink: int, window: int,
-               frame: torch.Tensor | None = None) -> None:
+def stage_rows(src: torch.Tensor, dst: torch.Tensor, positions: torch.Tensor, sink: int, window: int) -> None:
     """dst[h, p] = src[h, p] for every context row p a one-token step attends with this plan:
     src, dst [KVH, N, D] (src may be a mapped view of host memory), positions [KVH, 1, K] (-1 =
-    none). `frame`: `frame_rows(src, ...)` kept on the GPU, read instead of src for the sink and the
-    window (they need no plan: 20% of ctkvr's rows at 128K). Triton on CUDA (and through its
-    interpreter when TRITON_INTERPRET=1), else torch."""
+    none). Triton on CUDA (and through its interpreter when TRITON_INTERPRET=1), else torch."""
     kvh, n_ctx, d = src.shape
     if dst.shape != src.shape or dst.dtype != src.dtype or src.stride(-1) != 1 or dst.stride(-1) != 1:
         raise ValueError("dst must be src's shape and dtype, both with unit stride along D")
     if positions.dim() != 3 or positions.shape[:2] != (kvh, 1):
         raise ValueError("positions must be [KVH, 1, K]: one token's plan")
     s_end, win_rows = frame_extent(n_ctx, sink, window)
-    if frame is not None and (frame.shape != (kvh, s_end + win_rows, d) or frame.dtype != src.dtype
-                              or frame.stride(-1) != 1):
-        raise ValueError("frame must be frame_rows(src, sink, window)'s shape and dtype")
     n_pos = positions.shape[-1]
     if src.device.type != "cuda" and not interpreted():
-        stage_rows_torch(src, dst, positions, sink, window, frame)
+        stage_rows_torch(src, dst, positions, sink, window)
         return
     if positions.stride(-1) != 1:
         positions = positions.contiguous()
-    fr = frame if frame is not None else dst  # a placeholder pointer when unused
     grid = (triton.cdiv(s_end + win_rows + n_pos, BLOCK_ROWS), kvh)
-    _stage_kernel[grid](src, dst, positions, fr, src.stride(0), src.stride(1), dst.stride(0), dst.stride(1),
-                        positions.stride(0), fr.stride(0) if frame is not None else 0,
-                        fr.stride(1) if frame is not None else 0, n_ctx, s_end, win_rows, n_pos, D=d,
-                        BLOCK=BLOCK_ROWS, HAS_FRAME=frame is not None)
+    _stage_kernel[grid](src, dst, positions, src.stride(0), src.stride(1), dst.stride(0), dst.stride(1),
+                        positions.stride(0), n_ctx, s_end, win_rows, n_pos, D=d, BLOCK=BLOCK_ROWS)
 
 
-def stage_rows_torch(src: torch.Tensor, dst: torch.Tensor, positions: torch.Tensor, sink: int, window: int,
-                     frame: torch.Tensor | None = None) -> None:
+def stage_rows_torch(src: torch.Tensor, dst: torch.Tensor, positions: torch.Tensor, sink: int, window: int) -> None:
     """The reference (and the CPU path) of `stage_rows`."""
     kvh, n_ctx, d = src.shape
     s_end, win_rows = frame_extent(n_ctx, sink, window)
@@ -110,7 +86,7 @@ def stage_rows_torch(src: torch.Tensor, dst: torch.Tensor, positions: torch.Tens
         pos = positions[h, 0].to(dev).long()
         pos = pos[(pos >= s_end) & (pos < n_ctx - win_rows)]
         dst[h, pos] = src[h, pos]
-        dst[h, fixed] = src[h, fixed] if frame is None else frame[h]
+        dst[h, fixed] = src[h, fixed]
 
 
-__all__ = ["BLOCK_ROWS", "frame_extent", "frame_rows", "stage_rows", "stage_rows_torch"]
+__all__ = ["BLOCK_ROWS", "frame_extent", "stage_rows", "stage_rows_torch"]
