@@ -173,12 +173,10 @@ def _gather_many(srcs, rows, out, n_rows, N: tl.constexpr, D: tl.constexpr, BLOC
     tl.store(out + (base + r)[:, None].to(tl.int64) * D + d[None, :], x, mask=ok[:, None])
 
 
-def batch_section(t: Timing, add, n: int, b: int = 8, k: int = 1024, sink: int = 4, window: int = 256) -> None:
+def _ctkvr_step(n: int, b: int, k: int, sink: int, window: int) -> tuple:
+    """One-token queries of b requests, their local rows and position, and ctkvr-shaped plans (k
+    sorted random rows per KV head outside the frame, [KVH, 1, k] int32 each), on the GPU."""
     kvh, d = KVH, D
-    host_v = [torch.randn(kvh, n, d, dtype=BF).pin_memory() for _ in range(b)]
-    map_v = [mapped(h) for h in host_v]
-    dev_v = [h.cuda() for h in host_v]
-    dev_k = [torch.randn(kvh, n, d, dtype=BF, device="cuda") for _ in range(b)]
     q = torch.randn(b, kvh, G, 1, d, dtype=BF, device="cuda")
     loc_k = torch.randn(kvh, M_LOCAL, d, dtype=BF, device="cuda")
     loc_v = torch.randn_like(loc_k)
@@ -186,6 +184,16 @@ def batch_section(t: Timing, add, n: int, b: int = 8, k: int = 1024, sink: int =
     plans = [torch.sort(torch.stack([torch.randperm(n - window - sink, device="cuda")[:k] + sink
                                      for _ in range(kvh)]), dim=-1).values.to(torch.int32)[:, None, :]
              for _ in range(b)]
+    return q, loc_k, loc_v, q_pos, plans
+
+
+def batch_section(t: Timing, add, n: int, b: int = 8, k: int = 1024, sink: int = 4, window: int = 256) -> None:
+    kvh, d = KVH, D
+    host_v = [torch.randn(kvh, n, d, dtype=BF).pin_memory() for _ in range(b)]
+    map_v = [mapped(h) for h in host_v]
+    dev_v = [h.cuda() for h in host_v]
+    dev_k = [torch.randn(kvh, n, d, dtype=BF, device="cuda") for _ in range(b)]
+    q, loc_k, loc_v, q_pos, plans = _ctkvr_step(n, b, k, sink, window)
     frame = torch.cat([torch.arange(sink), torch.arange(n - window + 1, n)]).cuda()
     rows = torch.stack([torch.cat([frame.expand(kvh, -1), p[:, 0].long()], dim=1) for p in plans]).to(torch.int32)
     n_rows = rows.shape[-1]
@@ -268,13 +276,7 @@ def pages_section(t: Timing, add, n: int, n_layers: int, mode: str, node: int | 
     torch.cuda.synchronize()
     map_v = [mapped(hv) for hv in host_v]
     dev_k = torch.randn(kvh, n, d, dtype=BF, device="cuda")
-    q = torch.randn(b, kvh, G, 1, d, dtype=BF, device="cuda")
-    loc_k = torch.randn(kvh, M_LOCAL, d, dtype=BF, device="cuda")
-    loc_v = torch.randn_like(loc_k)
-    q_pos = torch.tensor([n + M_LOCAL - 1], device="cuda")
-    plans = [torch.sort(torch.stack([torch.randperm(n - window - sink, device="cuda")[:k] + sink
-                                     for _ in range(kvh)]), dim=-1).values.to(torch.int32)[:, None, :]
-             for _ in range(b)]
+    q, loc_k, loc_v, q_pos, plans = _ctkvr_step(n, b, k, sink, window)
     nbytes = b * kvh * (k + sink + window - 1) * d * 2
 
     def att(layer):

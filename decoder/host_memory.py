@@ -1,7 +1,7 @@
 """Pinned host memory for the context arrays a GPU reads in place (the `offload` backends).
 
 torch's pinned allocator (`pin_memory=True`: cudaHostAlloc) page-locks 4 KiB pages one at a time:
-measured on an H200 host, 64.4 GB in 41.8 s (1.5 GB/s; benchmarks/RESULTS.md "Huge pages"), so
+measured on an H200 host, 64.4 GB in 41.8 s (1.5 GB/s; benchmarks/RESULTS.md, "Offload_v's reads"), so
 pinning one 128K context's values for the 8B shape (8.6 GB) would hold up its first question by
 ~5.6 s. `pinned_empty` maps anonymous memory advised to use transparent huge pages (2 MiB, where
 the kernel grants them: THP in "madvise" or "always" mode), faults it in, and registers it with
