@@ -487,6 +487,26 @@ def _drain(runner, slots) -> tuple[list[torch.Tensor], list[list[int]], list[str
     return [torch.stack(logits[s]) for s in slots], [runner.requests[s].tokens for s in slots], status
 
 
+def _replayed(runner, reqs, n_new: int, label) -> tuple[list, list, list[int]]:
+    """Add `reqs` (as `_gpu_requests` lists them) to the runner, run the question and the eager
+    warm-up step, then drain with the sync check on: (logits, tokens, slots). The first one-token
+    step after the warm-up is captured and every later one replayed."""
+    slots = [runner.add(c, planner(), params, q, n_new) for _, c, planner, params, q in reqs]
+    runner.step()
+    runner.step()
+    runner.sync_check = True
+    got_logits, got_tokens, status = _drain(runner, slots)
+    assert status[0] == "captured" and set(status[1:]) == {"replayed"}, (label, status)
+    return got_logits, got_tokens, slots
+
+
+def _same_runs(want: tuple, got: tuple) -> None:
+    """Two runs' (logits, tokens) per request: equal tokens, logits within the graph tolerance."""
+    for want_l, toks_w, got_l, toks_g in zip(*want, *got):
+        assert toks_w == toks_g
+        assert float(_rel(got_l, want_l).max()) <= REL_GRAPH
+
+
 def gpu_setup(dtype):
     """(LoadedModel, (ContextKV, capture)) of a random SmolLM2-shaped model in `dtype` on CUDA and a
     1,024-token context prefilled by it (built once per dtype)."""
@@ -706,19 +726,11 @@ def test_gpu_offload_reads_host_memory_in_place_and_equals_triton(backend):
     runs = {}
     for name, c in (("triton", ctx), (backend, host_ctx)):
         runner = Runner(lm, get_backend(name))
-        slots = [runner.add(c, planner(), params, q, n_new) for _, _, planner, params, q in _gpu_requests(lm, (c, sub), n_new)]
-        runner.step()
-        runner.step()
-        runner.sync_check = True
-        got_logits, got_tokens, status = _drain(runner, slots)
-        assert status[0] == "captured" and set(status[1:]) == {"replayed"}, (name, status)
+        got_logits, got_tokens, slots = _replayed(runner, _gpu_requests(lm, (c, sub), n_new), n_new, name)
         runs[name] = (got_logits, got_tokens)
         for s in slots:
             runner.remove(s)
-    (want_l, want_t), (got_l, got_t) = runs["triton"], runs[backend]
-    for want, got, toks_w, toks_g in zip(want_l, got_l, want_t, got_t):
-        assert toks_w == toks_g
-        assert float(_rel(got, want).max()) <= REL_GRAPH
+    _same_runs(runs["triton"], runs[backend])
 
 
 @pytest.mark.gpu
@@ -739,12 +751,7 @@ def test_gpu_staged_values_equal_host_reads():
         runner = Runner(lm, be, plan_ahead=True, stage_values=stage)
         assert runner.stage_values is stage
         reqs = _gpu_requests(lm, (host_ctx, sub), n_new, names=("topk", "ctkvr", "psa"))
-        slots = [runner.add(c, planner(), params, q, n_new) for _, c, planner, params, q in reqs]
-        runner.step()
-        runner.step()
-        runner.sync_check = True
-        got_logits, got_tokens, status = _drain(runner, slots)
-        assert status[0] == "captured" and set(status[1:]) == {"replayed"}, (stage, status)
+        got_logits, got_tokens, slots = _replayed(runner, reqs, n_new, stage)
         runs[stage] = (got_logits, got_tokens)
         if stage:
             for s in slots:
@@ -753,7 +760,4 @@ def test_gpu_staged_values_equal_host_reads():
                     assert float((mirror.abs().sum(-1) > 0).float().mean()) > 0
         for s in slots:
             runner.remove(s)
-    (want_l, want_t), (got_l, got_t) = runs[False], runs[True]
-    for want, got, toks_w, toks_g in zip(want_l, got_l, want_t, got_t):
-        assert toks_w == toks_g
-        assert float(_rel(got, want).max()) <= REL_GRAPH
+    _same_runs(runs[False], runs[True])
