@@ -7,7 +7,7 @@
 #                    carry=[".whl", ".old"])
 #   stages: tests | kerneltests | decode | decodecold | decode512 | before_after | kernels | e2e32 | e2e128 |
 #           e2e128rest | e2eprof | e2elayer | attntests | decodeab | psaab | latency | ncu | psasweep | pdlab | e2enow |
-#           offload | psa32sweep | offloadfit | ivfsweep | ivfcpp | cslfsweep | ivfsel | ivfeager | ivfsample | ncusel | psaemit | psafuse | psastop | rtrip | rerankreg | rerank96 | e2ectkvr | ncuivf | verify | repro | e2eh200 | pushab | decode512h200 | s14ab | s14e2e | s14final | s14frame | s14tests | s14lfpse2e | s15ivf | s15ivf2 | s15dot | s15final | s15rerank | s16ahead | s16overlap | s16more | s16tests | s16early | s17ahead | s17pipe | s17offload | s17reads | s17fuse | s18pages | s18offprof | s18offab | s18numa | s18staged | s18prio | s18stprof | s18frame
+#           offload | psa32sweep | offloadfit | ivfsweep | ivfcpp | cslfsweep | ivfsel | ivfeager | ivfsample | ncusel | psaemit | psafuse | psastop | rtrip | rerankreg | rerank96 | e2ectkvr | ncuivf | verify | repro | e2eh200 | pushab | decode512h200 | s14ab | s14e2e | s14final | s14frame | s14tests | s14lfpse2e | s15ivf | s15ivf2 | s15dot | s15final | s15rerank | s16ahead | s16overlap | s16more | s16tests | s16early | s17ahead | s17pipe | s17offload | s17reads | s17fuse | s18pages | s18offprof | s18offab | s18numa | s18staged | s18prio | s18stprof | s18frame | s19tests | s19granule
 #   (default: tests decode before_after)
 #   .old = the tree before the plan/run redesign (`git archive <commit> decoder indexer storage`), for
 #   the before/after decode comparison.
@@ -531,6 +531,16 @@ for stage in $stages; do
         --check-prefill 0 --out "$OUT/frame" 2>&1 | tee "$OUT/gpu_e2e_frame.log" | grep "^| \|rror"
       python3 -m pytest -q -p no:cacheprovider -o addopts="" tests/test_stage_kernel.py \
         "tests/test_runner.py::test_gpu_staged_values_equal_host_reads" 2>&1 | tee "$OUT/gpu_stage_tests.log" | tail -2 ;;
+    s19tests)  # session 19, the tree as it landed: every GPU-marked test, the staging kernel's and host memory's included
+      python3 -m pytest -q -p no:cacheprovider -m gpu -o addopts="" \
+        tests/test_gpu_decode.py tests/test_triton_attention.py tests/test_backends.py tests/test_pipeline.py \
+        tests/test_csattn.py tests/test_saap_device.py tests/test_runner.py tests/test_kernels_*.py \
+        tests/test_host_memory.py 2>&1 | tee "$OUT/gpu_marked_tests.log" | tail -4
+      python3 -m pytest -q -p no:cacheprovider -o addopts="" tests/test_stage_kernel.py 2>&1 \
+        | tee -a "$OUT/gpu_marked_tests.log" | tail -2 ;;
+    s19granule)  # session 19: scattered host reads by their size (64 B to 8 KiB) against contiguous ones
+      python3 benchmarks/gpu_host_reads.py --sections granule --out "$OUT/granule" 2>&1 \
+        | tee "$OUT/gpu_host_reads_granule.log" | tail -12 ;;
     *) echo "unknown stage $stage" ;;
   esac
 done

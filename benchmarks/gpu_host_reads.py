@@ -24,8 +24,14 @@ against the same reads from HBM, in one run:
   transparent huge pages (an anonymous mapping advised MADV_HUGEPAGE, faulted in, then
   cudaHostRegister'ed): whether the GPU's address translation of scattered host rows, not PCIe,
   bounds offload_v.
+* `--sections granule` (session 19): what a scattered read costs by its size. One kernel reads
+  21 MB (offload_v's B = 8 layer) from a 16 GB pinned huge-page allocation in granules of 64 B to
+  8 KiB at random aligned offsets (sorted, as plans are), against one contiguous 21 MB region
+  read the same way and a copy-engine `copy_` of it: whether the PCIe rate of 256-byte value rows
+  is set by the bytes or by the number of reads (which decides whether 8-bit values, 128-byte
+  rows, would halve the time or not change it).
 
-    python benchmarks/gpu_host_reads.py [--n 131072] [--sections base batch pages] [--layers 30] [--out DIR]
+    python benchmarks/gpu_host_reads.py [--n 131072] [--sections base batch pages granule] [--layers 30] [--out DIR]
 
 Writes `host_reads.json` (rows: name, ms, bytes, GB/s) to --out.
 """
@@ -75,7 +81,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--n", type=int, default=131072)
     ap.add_argument("--frac", type=float, default=0.05)
-    ap.add_argument("--sections", nargs="+", choices=["base", "batch", "pages"], default=["base"])
+    ap.add_argument("--sections", nargs="+", choices=["base", "batch", "pages", "granule"], default=["base"])
     ap.add_argument("--layers", type=int, default=30, help="pages: layers per request's host allocation")
     ap.add_argument("--numa", action="store_true", help="pages: also huge pages bound to each NUMA node in turn")
     ap.add_argument("--out", default=os.environ.get("OUT", "benchmarks/out"))
@@ -91,6 +97,8 @@ def main() -> None:
     torch.manual_seed(0)
     if "batch" in a.sections:
         batch_section(t, add, n)
+    if "granule" in a.sections:
+        granule_section(t, add)
     if "pages" in a.sections:
         nodes = sorted(int(p.name[4:]) for p in Path("/sys/devices/system/node").glob("node[0-9]*"))
         print(f"NUMA nodes {nodes}, the GPU's: {host_memory.numa_node_of()}", flush=True)
@@ -323,6 +331,55 @@ def pages_section(t: Timing, add, n: int, n_layers: int, mode: str, node: int | 
     del keep
     gc.collect()  # the THP mappings go with their last tensor
     torch._C._host_emptyCache()  # torch's pinned blocks go back too
+
+
+@triton.jit
+def _granules(src, offs, out, n, W: tl.constexpr, R: tl.constexpr):
+    """out[i] = src[offs[i] : offs[i] + W] (int64 words) for the R granules of this program."""
+    i = tl.program_id(0) * R + tl.arange(0, R)
+    ok = i < n
+    o = tl.load(offs + i, mask=ok, other=0)
+    w = tl.arange(0, W)
+    x = tl.load(src + o[:, None] + w[None, :], mask=ok[:, None])
+    tl.store(out + i[:, None].to(tl.int64) * W + w[None, :], x, mask=ok[:, None])
+
+
+def granule_section(t: Timing, add, total: int = 21 * 2 ** 20, footprint: int = 16 * 2 ** 30) -> None:
+    buf, m = _thp_pinned(footprint, None)
+    words = buf.view(torch.int64)
+    for i in range(0, words.numel(), 2 ** 27):  # word i holds i: a read checks its own offsets
+        torch.arange(i, min(i + 2 ** 27, words.numel()), out=words[i:i + 2 ** 27])
+    src = mapped(words)
+    region = words[:total // 8]
+    dev = torch.empty_like(region, device="cuda")
+    add("granule: copy_ of a contiguous 21 MB region (copy engine)",
+        t.cuda_ms(lambda: dev.copy_(region, non_blocking=True), reps=20), total, granule=total, footprint=footprint)
+    g = torch.Generator().manual_seed(0)
+    for size in (64, 128, 256, 512, 1024, 2048, 8192, None):
+        w = 8 if size is None else size // 8
+        n = total // (8 * w)
+        if size is None:  # one contiguous region, read in 256-byte granules
+            w, n = 32, total // 256
+            offs = torch.arange(n, dtype=torch.int64) * w
+            label = "contiguous 21 MB, 256-byte granules"
+        else:
+            slots = words.numel() // w
+            offs = torch.sort(torch.randperm(slots, generator=g)[:n]).values * w
+            label = f"{size}-byte granules scattered over 16 GB"
+        offs = offs.cuda()
+        out = torch.empty(n, w, dtype=torch.int64, device="cuda")
+        r = max(1, 2048 // w)
+        launch = (lambda offs=offs, out=out, n=n, w=w, r=r:
+                  _granules[(triton.cdiv(n, r),)](src, offs, out, n, w, r))
+        launch()
+        assert torch.equal(out, offs[:, None] + torch.arange(w, device="cuda")), f"{label}: read other words"
+        ms = t.cuda_ms(launch, reps=20)
+        add(f"granule: {label}", ms, n * w * 8, granule=size or 256, granules=n, footprint=footprint,
+            reads_per_us=n / ms / 1e3)
+    del src, region, words, buf
+    torch.cuda.synchronize()
+    del m
+    gc.collect()
 
 
 if __name__ == "__main__":
