@@ -7,7 +7,7 @@
 #                    carry=[".whl", ".old"])
 #   stages: tests | kerneltests | decode | decodecold | decode512 | before_after | kernels | e2e32 | e2e128 |
 #           e2e128rest | e2eprof | e2elayer | attntests | decodeab | psaab | latency | ncu | psasweep | pdlab | e2enow |
-#           offload | psa32sweep | offloadfit | ivfsweep | ivfcpp | cslfsweep | ivfsel | ivfeager | ivfsample | ncusel | psaemit | psafuse | psastop | rtrip | rerankreg | rerank96 | e2ectkvr | ncuivf | verify | repro | e2eh200 | pushab | decode512h200 | s14ab | s14e2e | s14final | s14frame | s14tests | s14lfpse2e | s15ivf | s15ivf2 | s15dot | s15final | s15rerank | s16ahead | s16overlap | s16more | s16tests | s16early | s17ahead | s17pipe | s17offload | s17reads | s17fuse | s18pages | s18offprof | s18offab | s18numa | s18staged | s18prio | s18stprof | s18frame | s19tests | s19granule
+#           offload | psa32sweep | offloadfit | ivfsweep | ivfcpp | cslfsweep | ivfsel | ivfeager | ivfsample | ncusel | psaemit | psafuse | psastop | rtrip | rerankreg | rerank96 | e2ectkvr | ncuivf | verify | repro | e2eh200 | pushab | decode512h200 | s14ab | s14e2e | s14final | s14frame | s14tests | s14lfpse2e | s15ivf | s15ivf2 | s15dot | s15final | s15rerank | s16ahead | s16overlap | s16more | s16tests | s16early | s17ahead | s17pipe | s17offload | s17reads | s17fuse | s18pages | s18offprof | s18offab | s18numa | s18staged | s18prio | s18stprof | s18frame | s19tests | s19granule | s19cached | s19overlap
 #   (default: tests decode before_after)
 #   .old = the tree before the plan/run redesign (`git archive <commit> decoder indexer storage`), for
 #   the before/after decode comparison.
@@ -538,6 +538,20 @@ for stage in $stages; do
         tests/test_host_memory.py 2>&1 | tee "$OUT/gpu_marked_tests.log" | tail -4
       python3 -m pytest -q -p no:cacheprovider -o addopts="" tests/test_stage_kernel.py 2>&1 \
         | tee -a "$OUT/gpu_marked_tests.log" | tail -2 ;;
+    s19cached)  # session 19: offload_v ctkvr B = 8 with staged values, without and with the row cache of each layer's
+      # previous plan; ctkvr all-GPU in the same run; then the GPU tests of the staging kernel and the staged runner
+      python3 benchmarks/gpu_e2e.py --lengths 131072 --batches 8 --methods ctkvr --backends triton offload_v \
+        --offload-batches 8 --offload-methods ctkvr --offload-contexts copies --offload-plan-ahead staged cached \
+        --eager-tokens 0 --hf-tokens 0 --tokens 8 --budget-s 400 --check-prefill 0 --out "$OUT/cached" 2>&1 \
+        | tee "$OUT/gpu_e2e_cached.log" | grep "^| \|rror"
+      python3 -m pytest -q -p no:cacheprovider -o addopts="" tests/test_stage_kernel.py \
+        "tests/test_runner.py::test_gpu_staged_values_equal_host_reads" 2>&1 | tee "$OUT/gpu_stage_tests.log" | tail -2 ;;
+    s19overlap)  # session 19: the same, with 69% of each one-token plan's slots pinned to the layer's first plan
+      # (gpu_e2e.OverlappingPlans: consecutive plans overlap as the real model's do, random weights' do not), profiled
+      python3 benchmarks/gpu_e2e.py --lengths 131072 --batches 8 --methods ctkvr --backends triton offload_v \
+        --offload-batches 8 --offload-methods ctkvr --offload-contexts copies --offload-plan-ahead staged cached \
+        --plan-overlap 0.69 --profile --profile-batches 8 --eager-tokens 0 --hf-tokens 0 --tokens 8 --budget-s 400 \
+        --check-prefill 0 --out "$OUT/overlap" 2>&1 | tee "$OUT/gpu_e2e_overlap.log" | grep "^| \|rror\|overlap" ;;
     s19granule)  # session 19: scattered host reads by their size (64 B to 8 KiB) against contiguous ones
       python3 benchmarks/gpu_host_reads.py --sections granule --out "$OUT/granule" 2>&1 \
         | tee "$OUT/gpu_host_reads_granule.log" | tail -12 ;;

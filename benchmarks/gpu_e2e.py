@@ -88,9 +88,10 @@ from decoder.backends.offload import mapped  # noqa: E402
 from decoder.generate import ContextKV, generate  # noqa: E402
 from indexer.rope import undo_rope  # noqa: E402
 from decoder.layers import apply_rope, mlp, rms_norm, rope_cos_sin  # noqa: E402
+from decoder.plan_ahead import cache_counts  # noqa: E402
 from decoder.runner import Runner  # noqa: E402
 from decoder.weights import ModelWeights, fuse_weights  # noqa: E402
-from indexer.base import DecodeContext, IndexReader, PrefillCapture, get_method  # noqa: E402
+from indexer.base import DecodeContext, IndexReader, Planner, PrefillCapture, get_method  # noqa: E402
 
 MODELS = {  # name -> LlamaConfig fields
     "llama8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
@@ -296,7 +297,8 @@ class Bench:
     def runner(self, n: int, ctx: ContextKV, name: str, method, params, reader, backend_name: str, b: int,
                graphs: bool, tokens: int, extra: dict, fused_layer: bool | None = None,
                contexts: str | None = None, plan_ahead: bool = False, pipelined: bool = True,
-               parallel: bool = True, programs_per_sm: int | None = None, stage_values: bool | None = None) -> None:
+               parallel: bool = True, programs_per_sm: int | None = None, stage_values: bool | None = None,
+               cache_rows: bool | None = None, plan_overlap: float | None = None) -> None:
         be = get_backend(backend_name)
         if programs_per_sm is not None:  # the attention kernel's launch: programs per SM it aims at
             from decoder.kernels.attention import KernelConfig
@@ -306,7 +308,8 @@ class Bench:
         max_new = tokens + 4 + prof_steps  # + 1: the last timed step still issues the next (pipelined)
         local = self.a.question + max_new
         run = Runner(self.lm, be, self.dev, graphs=graphs, track_fraction=True, fused_layer=fused_layer,
-                     plan_ahead=plan_ahead, pipelined=pipelined, parallel=parallel, stage_values=stage_values)
+                     plan_ahead=plan_ahead, pipelined=pipelined, parallel=parallel, stage_values=stage_values,
+                     cache_rows=cache_rows)
         if plan_ahead and self.a.ahead_priority and self.dev == "cuda":  # planning (and staging) streams first
             run.ahead_streams = [torch.cuda.Stream(self.dev, priority=self.a.ahead_priority) for _ in range(2)]
             run.ahead_side = [[torch.cuda.Stream(self.dev, priority=self.a.ahead_priority) for _ in range(b)]
@@ -326,7 +329,10 @@ class Bench:
                     self.add({"n": n, "batch": b, "runner": "runner_graph", "method": name, "backend": backend_name,
                               "contexts": contexts, "error": f"does not fit: {j} of {b} context copies placed"})
                     return
-            run.add(c, method.open(rd, params, DecodeContext(n, self.lm.spec, local)), params, q, max_new)
+            planner = method.open(rd, params, DecodeContext(n, self.lm.spec, local))
+            if plan_overlap is not None:
+                planner = OverlappingPlans(planner, plan_overlap)
+            run.add(c, planner, params, q, max_new)
         t0 = time.perf_counter()
         run.step()  # the questions, one chunk per request
         t_prompt = time.perf_counter() - t0
@@ -368,6 +374,7 @@ class Bench:
                     f"{ {k: v for k, v in prof['overlap'].items() if k != 'streams'} }")
             except Exception as e:  # noqa: BLE001 - extra information only
                 prof["overlap"] = {"error": f"{type(e).__name__}: {e}"[:200]}
+        hits, rows = (sum(x) for x in zip(*(cache_counts(r) for r in run.requests.values())))
         for s in list(run.requests):
             run.remove(s)
         ms = statistics.median(times)
@@ -381,7 +388,8 @@ class Bench:
                "pipelined": run.pipelined, "ms_wall_mean": wall_mean, "parallel": run.parallel,
                "programs_per_sm": programs_per_sm,  # None: KernelConfig's default
                "stage_values": run.stage_values, "ahead_priority": self.a.ahead_priority if plan_ahead else None,
-               **extra}
+               "cache_rows": run.cache_rows, "cache_hit_rate": hits / rows if rows else None,
+               "plan_overlap": plan_overlap, **extra}
         if prof is not None:
             row["profile"] = prof
         host = get_backend(backend_name).host_arrays
@@ -391,6 +399,42 @@ class Bench:
         if contexts == "copies":  # hand the copies' host memory back before the next row pins its own
             del run, c
             gc.collect()
+
+
+class OverlappingPlans(Planner):
+    """Benchmark only (`--plan-overlap F`): `inner`'s one-token plans with the first F share of
+    every KV head's slots holding the positions the layer's first one-token plan put there, so that
+    consecutive plans share at least that share of their rows. On the default model consecutive
+    plans share 67-81% of their rows (`benchmarks/bench_value_reuse.py`); on this script's random
+    weights ctkvr's share ~1% at 128K (chance), so the row cache (`Runner(cache_rows=...)`) would
+    be timed at a hit rate no real model has. The plan's work is the inner planner's; the rows
+    attended differ (a pinned slot may repeat a position the inner plan also chose: the attention
+    counts it twice), so the tokens are not the method's: time only."""
+
+    def __init__(self, inner: Planner, overlap: float):
+        self.inner, self.overlap = inner, overlap
+        self.graph_safe, self.reads_query = inner.graph_safe, inner.reads_query
+        self.first: dict[int, torch.Tensor] = {}  # layer -> [KVH, 1, m], made in the eager warm-up step
+
+    def plan(self, layer, q, kv):
+        plan = self.inner.plan(layer, q, kv)
+        if q.shape[2] != 1 or plan.is_dense:
+            return plan
+        m = int(plan.positions.shape[-1] * self.overlap)
+        if layer not in self.first:
+            self.first[layer] = plan.positions[..., :m].clone()
+        pos = plan.positions.clone()
+        pos[..., :m] = self.first[layer]
+        return dataclasses.replace(plan, positions=pos)
+
+    def update(self, layer, k, v, positions):
+        self.inner.update(layer, k, v, positions)
+
+    def stats(self):
+        return self.inner.stats()
+
+    def close(self):
+        self.inner.close()
 
 
 def rotated(ctx: ContextKV, reader: IndexReader | None, j: int, n_layers: int) -> tuple[ContextKV, IndexReader | None]:
@@ -481,9 +525,13 @@ def main() -> None:
     ap.add_argument("--offload-parallel", nargs="+", choices=["off", "on"], default=["on"],
                     help="offload rows (copies mode): each request's attention on its own stream (on, the runner's "
                          "default) or one after another on the step's stream (off)")
-    ap.add_argument("--offload-plan-ahead", nargs="+", choices=["off", "on", "staged"], default=["off"],
-                    help="offload rows (copies mode): plan_ahead off, on with the attention reading host memory, or "
-                         "on with the value rows staged into a GPU mirror during the layer before (stage_values)")
+    ap.add_argument("--offload-plan-ahead", nargs="+", choices=["off", "on", "staged", "cached"], default=["off"],
+                    help="offload rows (copies mode): plan_ahead off, on with the attention reading host memory, "
+                         "on with the value rows staged into a GPU mirror during the layer before (stage_values), "
+                         "or staged with the rows of each layer's previous plan from its row cache (cache_rows)")
+    ap.add_argument("--plan-overlap", type=float, nargs="+", default=[None],
+                    help="offload rows (copies mode): pin this share of each one-token plan's slots to the layer's "
+                         "first plan (OverlappingPlans: time only, the real model's consecutive plans overlap)")
     ap.add_argument("--ahead-priority", type=int, default=0,
                     help="plan_ahead rows: CUDA priority of the planning side streams (negative = higher)")
     ap.add_argument("--offload-programs-per-sm", type=int, nargs="+", default=[None],
@@ -635,12 +683,14 @@ def main() -> None:
                                 bench.runner(n, ctx, label, method, params, reader, be, b, False, a.eager_tokens, extra)
                     for be in on_host if name in a.offload_methods else ():
                         if a.offload_contexts == "copies":  # each request copies its own context from the GPU's
-                            for b, ahead, par, pps in itertools.product(a.offload_batches, a.offload_plan_ahead,
-                                                                        a.offload_parallel, a.offload_programs_per_sm):
+                            for b, ov, ahead, par, pps in itertools.product(
+                                    a.offload_batches, a.plan_overlap, a.offload_plan_ahead, a.offload_parallel,
+                                    a.offload_programs_per_sm):
                                 if not bench.over_budget():
                                     bench.runner(n, ctx, label, method, params, reader, be, b, True, a.tokens, extra,
                                                  parallel=par == "on", programs_per_sm=pps, plan_ahead=ahead != "off",
-                                                 stage_values=ahead == "staged")
+                                                 stage_values=ahead in ("staged", "cached"),
+                                                 cache_rows=ahead == "cached", plan_overlap=ov)
                             continue
                         if be not in host_ctx:
                             host_ctx[be] = host_context({"kv/k": ctx_k, "kv/v": ctx_v}, get_backend(be).host_arrays,
@@ -676,6 +726,10 @@ def main() -> None:
             fl += " (attention serial)"
         if r.get("stage_values"):
             fl += " (staged values)"
+        if r.get("plan_overlap") is not None:
+            fl += f" (plans {100 * r['plan_overlap']:.0f}% pinned)"
+        if r.get("cache_rows"):
+            fl += f" (row cache, {100 * (r.get('cache_hit_rate') or 0):.0f}% hits)"
         if r.get("ahead_priority"):
             fl += f" (side priority {r['ahead_priority']})"
         if r.get("programs_per_sm") is not None:

@@ -29,7 +29,10 @@ against the same reads from HBM, in one run:
   8 KiB at random aligned offsets (sorted, as plans are), against one contiguous 21 MB region
   read the same way and a copy-engine `copy_` of it: whether the PCIe rate of 256-byte value rows
   is set by the bytes or by the number of reads (which decides whether 8-bit values, 128-byte
-  rows, would halve the time or not change it).
+  rows, would halve the time or not change it). Then rows at ctkvr's density (1 in 128) over spans
+  of 32 MB to 16 GB, and the same reads from host memory mapped through CUDA's virtual memory API
+  (`cuMemCreate`, HOST_NUMA, 2 MiB granularity; held until the process exits): whether the
+  address translation's reach or its page size sets the rate.
 
     python benchmarks/gpu_host_reads.py [--n 131072] [--sections base batch pages granule] [--layers 30] [--out DIR]
 
@@ -344,6 +347,81 @@ def _granules(src, offs, out, n, W: tl.constexpr, R: tl.constexpr):
     tl.store(out + i[:, None].to(tl.int64) * W + w[None, :], x, mask=ok[:, None])
 
 
+class _CudaArray:
+    """A device pointer torch can wrap (__cuda_array_interface__), kept alive with its owner."""
+
+    def __init__(self, ptr: int, nbytes: int, owner):
+        self.owner = owner
+        self.__cuda_array_interface__ = {"shape": (nbytes // 8,), "typestr": "<i8", "data": (ptr, False),
+                                         "version": 3, "strides": None}
+
+
+def _vmm_host(nbytes: int, node: int = 0) -> tuple[torch.Tensor | None, str]:
+    """Pinned host memory from CUDA's virtual memory API (cuMemCreate with a HOST_NUMA location,
+    mapped at the allocation granularity the driver recommends): an int64 CUDA tensor over it, or
+    None and why. The experiment: whether the GPU maps it with larger pages than
+    cudaHostRegister'ed memory, so scattered reads miss its address translation less often."""
+    import ctypes
+
+    cu = ctypes.CDLL("libcuda.so.1")
+
+    class Loc(ctypes.Structure):
+        _fields_ = [("type", ctypes.c_int), ("id", ctypes.c_int)]
+
+    class Prop(ctypes.Structure):
+        _fields_ = [("type", ctypes.c_int), ("handles", ctypes.c_int), ("location", Loc),
+                    ("win32", ctypes.c_void_p), ("flags", ctypes.c_ubyte * 8)]
+
+    class Access(ctypes.Structure):
+        _fields_ = [("location", Loc), ("flags", ctypes.c_int)]
+
+    prop = Prop(1, 0, Loc(3, node), None)  # PINNED, no handle, HOST_NUMA node
+    gran = ctypes.c_size_t()
+    for kind in (1, 0):  # recommended, then minimum
+        rc = cu.cuMemGetAllocationGranularity(ctypes.byref(gran), ctypes.byref(prop), kind)
+        if rc == 0:
+            break
+    if rc != 0:
+        return None, f"cuMemGetAllocationGranularity {rc}"
+    size = -(-nbytes // gran.value) * gran.value
+    handle, ptr = ctypes.c_ulonglong(), ctypes.c_ulonglong()
+    steps = [("cuMemCreate", lambda: cu.cuMemCreate(ctypes.byref(handle), ctypes.c_size_t(size), ctypes.byref(prop),
+                                                    ctypes.c_ulonglong(0))),
+             ("cuMemAddressReserve", lambda: cu.cuMemAddressReserve(ctypes.byref(ptr), ctypes.c_size_t(size),
+                                                                    ctypes.c_size_t(gran.value), ctypes.c_ulonglong(0),
+                                                                    ctypes.c_ulonglong(0))),
+             ("cuMemMap", lambda: cu.cuMemMap(ptr, ctypes.c_size_t(size), ctypes.c_size_t(0), handle,
+                                              ctypes.c_ulonglong(0))),
+             ("cuMemSetAccess", lambda: cu.cuMemSetAccess(ptr, ctypes.c_size_t(size),
+                                                          ctypes.byref(Access(Loc(1, torch.cuda.current_device()), 3)),
+                                                          ctypes.c_size_t(1)))]
+    for name, call in steps:
+        rc = call()
+        if rc != 0:
+            return None, f"{name} {rc} (granularity {gran.value})"
+    host_rc = cu.cuMemSetAccess(ptr, ctypes.c_size_t(size), ctypes.byref(Access(Loc(3, node), 3)), ctypes.c_size_t(1))
+    t = torch.as_tensor(_CudaArray(ptr.value, size, (cu, handle)), device="cuda")
+    return t, f"granularity {gran.value}, host access rc {host_rc}"
+
+
+def _granule_reads(t: Timing, add, src: torch.Tensor, label: str, size: int, n: int, spread: int, g, **info) -> None:
+    """n granules of `size` bytes at sorted random aligned offsets within the first `spread` bytes of
+    src (int64 words, word i holding i), one kernel."""
+    w = size // 8
+    offs = torch.sort(torch.randperm(spread // size, generator=g)[:n]).values.cuda() * w
+    out = torch.empty(n, w, dtype=torch.int64, device="cuda")
+    r = max(1, 2048 // w)
+
+    def launch():
+        _granules[(triton.cdiv(n, r),)](src, offs, out, n, w, r)
+
+    launch()
+    assert torch.equal(out, offs[:, None] + torch.arange(w, device="cuda")), f"{label}: read other words"
+    ms = t.cuda_ms(launch, reps=20)
+    add(f"granule: {label}", ms, n * size, granule=size, granules=n, spread=spread, reads_per_us=n / ms / 1e3,
+        **info)
+
+
 def granule_section(t: Timing, add, total: int = 21 * 2 ** 20, footprint: int = 16 * 2 ** 30) -> None:
     buf, m = _thp_pinned(footprint, None)
     words = buf.view(torch.int64)
@@ -355,32 +433,35 @@ def granule_section(t: Timing, add, total: int = 21 * 2 ** 20, footprint: int = 
     add("granule: copy_ of a contiguous 21 MB region (copy engine)",
         t.cuda_ms(lambda: dev.copy_(region, non_blocking=True), reps=20), total, granule=total, footprint=footprint)
     g = torch.Generator().manual_seed(0)
-    for size in (64, 128, 256, 512, 1024, 2048, 8192, None):
-        w = 8 if size is None else size // 8
-        n = total // (8 * w)
-        if size is None:  # one contiguous region, read in 256-byte granules
-            w, n = 32, total // 256
-            offs = torch.arange(n, dtype=torch.int64) * w
-            label = "contiguous 21 MB, 256-byte granules"
-        else:
-            slots = words.numel() // w
-            offs = torch.sort(torch.randperm(slots, generator=g)[:n]).values * w
-            label = f"{size}-byte granules scattered over 16 GB"
-        offs = offs.cuda()
-        out = torch.empty(n, w, dtype=torch.int64, device="cuda")
-        r = max(1, 2048 // w)
-        launch = (lambda offs=offs, out=out, n=n, w=w, r=r:
-                  _granules[(triton.cdiv(n, r),)](src, offs, out, n, w, r))
-        launch()
-        assert torch.equal(out, offs[:, None] + torch.arange(w, device="cuda")), f"{label}: read other words"
-        ms = t.cuda_ms(launch, reps=20)
-        add(f"granule: {label}", ms, n * w * 8, granule=size or 256, granules=n, footprint=footprint,
-            reads_per_us=n / ms / 1e3)
+    for size in (64, 128, 256, 512, 1024, 2048, 8192):
+        _granule_reads(t, add, src, f"{size}-byte granules scattered over 16 GB", size, total // size, footprint, g,
+                       footprint=footprint)
+    _granule_reads(t, add, src, "contiguous 21 MB, 256-byte granules", 256, total // 256, total, g,
+                   footprint=footprint)
+    # ctkvr's density (one 256-byte row in 128) over growing spans: the address translation's reach
+    for spread in (2 ** 25, 2 ** 28, 2 ** 31, 2 ** 34):
+        for size in (128, 256):
+            _granule_reads(t, add, src, f"{size}-byte granules, 1 in {128 * 256 // size}, over {spread >> 20} MB",
+                           size, spread // (128 * 256), spread, g, footprint=footprint)
     del src, region, words, buf
     torch.cuda.synchronize()
     del m
     gc.collect()
-
+    # the same reads from host memory mapped through CUDA's virtual memory API
+    vm, why = _vmm_host(footprint)
+    print(f"cuMemCreate host memory: {why}", flush=True)
+    if vm is None:
+        add(f"granule: cuMemCreate host memory failed: {why}", float("nan"), 0)
+        return
+    for i in range(0, vm.numel(), 2 ** 27):
+        vm[i:i + 2 ** 27].copy_(torch.arange(i, min(i + 2 ** 27, vm.numel()), dtype=torch.int64, device="cuda"))
+    torch.cuda.synchronize()
+    for size in (128, 256, 2048):
+        _granule_reads(t, add, vm, f"{size}-byte granules scattered over 16 GB, cuMemCreate host", size,
+                       total // size, footprint, g, footprint=footprint, vmm=why)
+    for spread in (2 ** 28, 2 ** 31, 2 ** 34):
+        _granule_reads(t, add, vm, f"256-byte granules, 1 in 128, over {spread >> 20} MB, cuMemCreate host", 256,
+                       spread // (128 * 256), spread, g, footprint=footprint, vmm=why)
 
 if __name__ == "__main__":
     main()

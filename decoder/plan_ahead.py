@@ -25,6 +25,10 @@ and layer L's attention reads the mirror, so the PCIe reads leave layer L's crit
 bytes, same kernels: the tokens equal the unstaged ones (tests/test_runner.py). Layer 0 and the
 question chunk read host memory. Measured (benchmarks/RESULTS.md, "Offload_v's reads"): ctkvr at
 128K, B = 8 174.0 -> 186.3 tokens/s; the step then waits on the side streams' plan -> stage chain.
+With `cache_rows` (the default when staging) each request keeps, per layer, the rows its previous
+plan staged (`row_cache`, a `decoder.kernels.stage.RowCache` made in the first eager step) and
+stages only the others from host memory: a scattered host read costs the same whatever its size,
+so fewer reads is what shortens that chain (RESULTS.md, "Scattered host reads cost by count").
 """
 
 from __future__ import annotations
@@ -34,7 +38,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from decoder.kernels.stage import stage_rows
+from decoder.kernels.stage import RowCache, stage_rows
 from decoder.layers import apply_rope, rms_norm
 from decoder.streams import fork_join
 from indexer.base import KVView, Planner
@@ -94,7 +98,8 @@ def plan_next(runner, reqs: list, ahead: list[int], layer: int, x: torch.Tensor,
             if r.staged_v is None or plan.is_dense:
                 return plan, None
             mirror = r.staged_v[layer % 2]  # layer - 2's attention, its last reader, ran before this fork
-            stage_rows(r.ctx_kv[layer][1], mirror, plan.positions, r.sink, r.window)
+            stage_rows(r.ctx_kv[layer][1], mirror, plan.positions, r.sink, r.window,
+                       row_cache(r, layer, plan.positions.shape[-1], mirror) if runner.cache_rows else None)
             return plan, mirror
 
         streams = None
@@ -114,6 +119,24 @@ def plan_next(runner, reqs: list, ahead: list[int], layer: int, x: torch.Tensor,
     with torch.cuda.stream(stream):
         plans, values = predict()
     return Ahead(stream, plans, x, values)
+
+
+def row_cache(r, layer: int, k: int, mirror: torch.Tensor) -> RowCache:
+    """Request r's cache of layer `layer`'s last staged plan rows (`decoder.kernels.stage.RowCache`),
+    made at its first staging: in an eager step, before any capture (the runner's graph rules)."""
+    cache = r.row_caches.get(layer)
+    kvh, n, d = mirror.shape
+    if cache is None or not cache.fits(kvh, n, k):
+        cache = r.row_caches[layer] = RowCache.empty(kvh, n, k, d, mirror.dtype, mirror.device)
+    return cache
+
+
+def cache_counts(r) -> tuple[int, int]:
+    """(rows served from the row caches, plan rows staged) over request r's layers so far (a host sync)."""
+    if not r.row_caches:
+        return 0, 0
+    hits, rows = torch.stack([c.counts for c in r.row_caches.values()]).sum(0).tolist()
+    return int(hits), int(rows)
 
 
 class PredictedQueries(Planner):

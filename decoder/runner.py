@@ -158,13 +158,14 @@ class Runner:
     `pipelined`: issue the next one-token step before reading this one's tokens (module docstring);
     None = on CUDA. The tokens are the same; on a CPU it would only delay each token by a step.
     `stage_values`: with plan_ahead under a backend keeping values in host memory, stage them into a
-    GPU mirror (decoder/plan_ahead.py); None = on CUDA, True = also on a CPU (tests).
+    GPU mirror (decoder/plan_ahead.py); None = on CUDA, True = also on a CPU (tests). `cache_rows`:
+    with staging, stage from HBM the rows each layer's previous plan staged (None = True).
     """
 
     def __init__(self, lm, backend: AttentionBackend, device: str | torch.device | None = None, *,
                  graphs: bool = True, track_fraction: bool = False, parallel: bool = True,
                  fused_layer: bool | None = None, plan_ahead: bool = False, pipelined: bool | None = None,
-                 stage_values: bool | None = None):
+                 stage_values: bool | None = None, cache_rows: bool | None = None):
         model = lm.model
         self.w = fuse_weights(model)
         self.device = torch.device(device) if device is not None else self.w.embed.device
@@ -173,9 +174,7 @@ class Runner:
         self.eos = frozenset(getattr(lm, "eos_token_ids", ()) or ())
         self.graphs = graphs and self.device.type == "cuda"
         self.track_fraction = track_fraction
-        #: debugging: run every eager forward and graph replay under torch.cuda.set_sync_debug_mode("error")
-        #: (set it after the requests' first steps, which may allocate lazily)
-        self.sync_check = False
+        self.sync_check = False  #: debugging: eager forwards and replays under sync debug mode "error" (set late)
         self.requests: dict[int, Request] = {}
         self.graph_status = ""  # how the last decode batch ran: "captured" | "replayed" | "eager: <why>"
         self.captures = 0
@@ -191,8 +190,9 @@ class Runner:
         self.ahead_side: list[list[torch.cuda.Stream]] = [[], []]  # per batch position, by layer parity
         self._eager_key: tuple | None = None  # the batch of the last eager one-token step
         self.pipelined = cuda if pipelined is None else pipelined
-        staging = cuda if stage_values is None else stage_values
-        self.stage_values = plan_ahead and "kv/v" in backend.host_arrays and staging
+        self.stage_values = plan_ahead and "kv/v" in backend.host_arrays and (
+            stage_values or stage_values is None and cuda)
+        self.cache_rows = self.stage_values and cache_rows is not False  # RowCache per request and layer
         self._issued: Issued | None = None  # the next call's step, issued by the last call (pipelined)
         self.layer_kernels = _layer_kernels(self.w, self.device, fused_layer)  # None: the torch functions
 

@@ -19,6 +19,7 @@ import torch
 from conftest import PASSKEY_QUESTION, passkey_document
 from decoder.backends import get_backend
 from decoder.generate import ContextKV, DecodeStep, generate
+from decoder.plan_ahead import cache_counts
 from decoder.runner import Runner, graph_safe
 from decoder.sampling import gumbel_noise, sample_tokens
 from indexer.base import DecodeContext, IndexReader, Planner, PrefillCapture, get_method
@@ -407,32 +408,39 @@ def test_staged_values_equal_reading_host_memory(lm, captured_2k, passkey_cap):
     are copied from the context into a mirror, and layer L's attention reads the mirror. Same plans,
     same bytes: a batch of topk and ctkvr gets the unstaged runner's logits exactly (a row staged
     from the wrong layer, into the wrong mirror or not at all would change them: the mirrors start
-    as zeros and are shared by the layers of one parity); rows were staged, far from all of them."""
+    as zeros and are shared by the layers of one parity); rows were staged, far from all of them.
+    With `cache_rows` (the default) rows the layer's previous plan staged come from its row cache
+    instead: the same logits again, and the caches did serve rows (a stale or misplaced cached row
+    would change them)."""
     be = get_backend("offload_v")
     cases = [(passkey_cap, None, "topk", lm.question_ids(PASSKEY_QUESTION), 6, {}),
              (captured_2k, 1024, "ctkvr", lm.question_ids("What does the scheduler do?"), 6,
               {"k": 128, "list_size": 256})]
     out = {}
-    for stage in (False, True):
-        runner = Runner(lm, be, plan_ahead=True, stage_values=stage)
+    for stage, cache in ((False, None), (True, False), (True, None)):
+        runner = Runner(lm, be, plan_ahead=True, stage_values=stage, cache_rows=cache)
         slots = []
         for cap, n, name, q, n_new, kw in cases:
             ctx, sub = capture_ctx(cap, n)
             planner, params = open_planner(name, sub, lm.spec, len(q) + n_new, **kw)
             slots.append(runner.add(ctx, planner(), params, q, n_new))
-        assert runner.stage_values is stage
-        out[stage] = list(run_all(runner, slots).values())
+        assert runner.stage_values is stage and runner.cache_rows is (stage and cache is None)
+        out[stage, cache] = list(run_all(runner, slots).values())
         for s in slots:
             r = runner.requests[s]
+            hits, rows = cache_counts(r)
             if not stage:
-                assert r.staged_v is None
+                assert r.staged_v is None and rows == 0
                 continue
             for mirror in r.staged_v:  # rows were staged into both, and far from all of them
                 staged = float((mirror.abs().sum(-1) > 0).float().mean())
                 assert 0 < staged < 0.9, staged
+            # 4 one-token steps after the first: each layer planned ahead re-stages rows it planned before
+            assert (0 < hits < rows) if runner.cache_rows else (hits, rows, r.row_caches) == (0, 0, {}), (hits, rows)
             runner.remove(s)
-    for got, want in zip(out[True], out[False], strict=True):
-        torch.testing.assert_close(got, want, atol=0, rtol=0)
+    for variant in ((True, False), (True, None)):
+        for got, want in zip(out[variant], out[False, None], strict=True):
+            torch.testing.assert_close(got, want, atol=0, rtol=0)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -737,8 +745,10 @@ def test_gpu_offload_reads_host_memory_in_place_and_equals_triton(backend):
 def test_gpu_staged_values_equal_host_reads():
     """`stage_values` on CUDA (the default with plan_ahead under offload_v): the value rows each
     layer's plan attends are staged from mapped host memory into a GPU mirror on the planning side
-    stream, in the captured step. Tokens and logits equal the same runner reading host memory in
-    place (fp32: the same kernels over the same bytes), and steps replay without a host sync."""
+    stream, in the captured step; with `cache_rows` (the default) the rows the layer's previous plan
+    staged come from its row cache in HBM. Tokens and logits equal the same runner reading host
+    memory in place (fp32: the same kernels over the same bytes), steps replay without a host sync,
+    and the caches served rows in the replayed steps."""
     from decoder.backends.offload import mapped
 
     lm, (ctx, sub) = gpu_setup(torch.float32)
@@ -747,17 +757,19 @@ def test_gpu_staged_values_equal_host_reads():
     n_new = 8
     be = get_backend("offload_v")
     runs = {}
-    for stage in (False, True):
-        runner = Runner(lm, be, plan_ahead=True, stage_values=stage)
-        assert runner.stage_values is stage
+    for stage, cache in ((False, None), (True, False), (True, None)):
+        runner = Runner(lm, be, plan_ahead=True, stage_values=stage, cache_rows=cache)
+        assert runner.stage_values is stage and runner.cache_rows is (stage and cache is None)
         reqs = _gpu_requests(lm, (host_ctx, sub), n_new, names=("topk", "ctkvr", "psa"))
-        got_logits, got_tokens, slots = _replayed(runner, reqs, n_new, stage)
-        runs[stage] = (got_logits, got_tokens)
-        if stage:
-            for s in slots:
-                r = runner.requests[s]
-                for mirror in r.staged_v:  # rows were staged into both (this small context: all of them)
+        got_logits, got_tokens, slots = _replayed(runner, reqs, n_new, (stage, cache))
+        runs[stage, cache] = (got_logits, got_tokens)
+        counts = torch.tensor([cache_counts(runner.requests[s]) for s in slots]).sum(0).tolist()
+        assert (0 < counts[0] < counts[1]) if runner.cache_rows else counts == [0, 0], counts
+        for s in slots:
+            if stage:
+                for mirror in runner.requests[s].staged_v:  # rows were staged into both (this small context: all)
                     assert float((mirror.abs().sum(-1) > 0).float().mean()) > 0
         for s in slots:
             runner.remove(s)
-    _same_runs(runs[False], runs[True])
+    _same_runs(runs[False, None], runs[True, False])
+    _same_runs(runs[False, None], runs[True, None])
