@@ -9,6 +9,7 @@ planned positions outside the frame are compared with:
 
 * `prev`: the positions the step before planned (a cache holding exactly the last plan);
   This is the hit rate of the row cache the staging kernel keeps (`decoder.kernels.stage.RowCache`).
+* `last g`: the positions any of the g steps before planned (a cache of the last g plans' rows).
 * `cache C`: the alternative it was chosen over, a direct-mapped cache of C slots per layer and
   head, a slot per N / C consecutive positions, filled with the first planned position of a bucket
   that misses (one writer per slot per step, so no races); C = the plan's K times 1, 2, 4.
@@ -64,6 +65,15 @@ def reuse(steps: list[list[torch.Tensor]], n: int, factors=(1, 2, 4)) -> dict:
                     first[1:] = bucket[1:] != bucket[:-1]
                     ins = first & ~hit
                     cache[layer, h, bucket[ins]] = p[ins]
+    for g in (2, 4):  # a cache of the last g plans' rows
+        hit_g = 0
+        for t in range(1, len(steps)):
+            for layer, pos in enumerate(steps[t]):
+                for h in range(kvh):
+                    p = torch.unique(pos[h][pos[h] >= 0].long())
+                    before = torch.cat([steps[u][layer][h] for u in range(max(0, t - g), t)])
+                    hit_g += int(torch.isin(p, before[before >= 0].long()).sum())
+        out[f"last {g}"] = hit_g / max(planned, 1)
     out["prev"] = prev_hits / max(planned, 1)
     out.update({f"cache {f}k": hits[f] / max(planned, 1) for f in factors})
     return out

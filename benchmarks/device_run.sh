@@ -7,7 +7,7 @@
 #                    carry=[".whl", ".old"])
 #   stages: tests | kerneltests | decode | decodecold | decode512 | before_after | kernels | e2e32 | e2e128 |
 #           e2e128rest | e2eprof | e2elayer | attntests | decodeab | psaab | latency | ncu | psasweep | pdlab | e2enow |
-#           offload | psa32sweep | offloadfit | ivfsweep | ivfcpp | cslfsweep | ivfsel | ivfeager | ivfsample | ncusel | psaemit | psafuse | psastop | rtrip | rerankreg | rerank96 | e2ectkvr | ncuivf | verify | repro | e2eh200 | pushab | decode512h200 | s14ab | s14e2e | s14final | s14frame | s14tests | s14lfpse2e | s15ivf | s15ivf2 | s15dot | s15final | s15rerank | s16ahead | s16overlap | s16more | s16tests | s16early | s17ahead | s17pipe | s17offload | s17reads | s17fuse | s18pages | s18offprof | s18offab | s18numa | s18staged | s18prio | s18stprof | s18frame | s19tests | s19granule | s19cached | s19overlap
+#           offload | psa32sweep | offloadfit | ivfsweep | ivfcpp | cslfsweep | ivfsel | ivfeager | ivfsample | ncusel | psaemit | psafuse | psastop | rtrip | rerankreg | rerank96 | e2ectkvr | ncuivf | verify | repro | e2eh200 | pushab | decode512h200 | s14ab | s14e2e | s14final | s14frame | s14tests | s14lfpse2e | s15ivf | s15ivf2 | s15dot | s15final | s15rerank | s16ahead | s16overlap | s16more | s16tests | s16early | s17ahead | s17pipe | s17offload | s17reads | s17fuse | s18pages | s18offprof | s18offab | s18numa | s18staged | s18prio | s18stprof | s18frame | s19tests | s19granule | s19cached | s19overlap | s19sweep | s19gen
 #   (default: tests decode before_after)
 #   .old = the tree before the plan/run redesign (`git archive <commit> decoder indexer storage`), for
 #   the before/after decode comparison.
@@ -552,6 +552,17 @@ for stage in $stages; do
         --offload-batches 8 --offload-methods ctkvr --offload-contexts copies --offload-plan-ahead staged cached \
         --plan-overlap 0.69 --profile --profile-batches 8 --eager-tokens 0 --hf-tokens 0 --tokens 8 --budget-s 400 \
         --check-prefill 0 --out "$OUT/overlap" 2>&1 | tee "$OUT/gpu_e2e_overlap.log" | grep "^| \|rror\|overlap" ;;
+    s19sweep)  # session 19: the row cache at 35% and 70% of each plan pinned, ctkvr and csattn, all-GPU in the same run
+      python3 benchmarks/gpu_e2e.py --lengths 131072 --batches 8 --methods ctkvr csattn --backends triton offload_v \
+        --offload-batches 8 --offload-methods ctkvr csattn --offload-contexts copies --offload-plan-ahead cached \
+        --plan-overlap 0.35 0.7 --eager-tokens 0 --hf-tokens 0 --tokens 8 --budget-s 480 --check-prefill 0 \
+        --out "$OUT/sweep" 2>&1 | tee "$OUT/gpu_e2e_sweep.log" | grep "^| \|rror" ;;
+    s19gen)  # session 19: the row cache as one launch keeping the last two plans, at 69%, 76% and 82% of each plan
+      # pinned (the default model's ctkvr plans: one, two and four steps back); all-GPU ctkvr in the same run
+      python3 benchmarks/gpu_e2e.py --lengths 131072 --batches 8 --methods ctkvr --backends triton offload_v \
+        --offload-batches 8 --offload-methods ctkvr --offload-contexts copies --offload-plan-ahead cached \
+        --plan-overlap 0.69 0.76 0.82 --eager-tokens 0 --hf-tokens 0 --tokens 8 --budget-s 300 --check-prefill 0 \
+        --out "$OUT/gen" 2>&1 | tee "$OUT/gpu_e2e_gen.log" | grep "^| \|rror" ;;
     s19granule)  # session 19: scattered host reads by their size (64 B to 8 KiB) against contiguous ones
       python3 benchmarks/gpu_host_reads.py --sections granule --out "$OUT/granule" 2>&1 \
         | tee "$OUT/gpu_host_reads_granule.log" | tail -12 ;;

@@ -25,8 +25,8 @@ and layer L's attention reads the mirror, so the PCIe reads leave layer L's crit
 bytes, same kernels: the tokens equal the unstaged ones (tests/test_runner.py). Layer 0 and the
 question chunk read host memory. Measured (benchmarks/RESULTS.md, "Offload_v's reads"): ctkvr at
 128K, B = 8 174.0 -> 186.3 tokens/s; the step then waits on the side streams' plan -> stage chain.
-With `cache_rows` (the default when staging) each request keeps, per layer, the rows its previous
-plan staged (`row_cache`, a `decoder.kernels.stage.RowCache` made in the first eager step) and
+With `cache_rows` (the default when staging) each request keeps, per layer, the rows its last two
+plans staged (`row_cache`, a `decoder.kernels.stage.RowCache` made in the first eager step) and
 stages only the others from host memory: a scattered host read costs the same whatever its size,
 so fewer reads is what shortens that chain (RESULTS.md, "Scattered host reads cost by count").
 """
@@ -99,7 +99,7 @@ def plan_next(runner, reqs: list, ahead: list[int], layer: int, x: torch.Tensor,
                 return plan, None
             mirror = r.staged_v[layer % 2]  # layer - 2's attention, its last reader, ran before this fork
             stage_rows(r.ctx_kv[layer][1], mirror, plan.positions, r.sink, r.window,
-                       row_cache(r, layer, plan.positions.shape[-1], mirror) if runner.cache_rows else None)
+                       row_cache(r, layer, plan.positions.shape[-1], mirror) if runner.cache_rows else None, r.pos)
             return plan, mirror
 
         streams = None
@@ -122,8 +122,9 @@ def plan_next(runner, reqs: list, ahead: list[int], layer: int, x: torch.Tensor,
 
 
 def row_cache(r, layer: int, k: int, mirror: torch.Tensor) -> RowCache:
-    """Request r's cache of layer `layer`'s last staged plan rows (`decoder.kernels.stage.RowCache`),
-    made at its first staging: in an eager step, before any capture (the runner's graph rules)."""
+    """Request r's cache of the rows layer `layer`'s last plans staged (`decoder.kernels.stage.RowCache`,
+    its default plans kept), made at its first staging: in an eager step, before any capture (the
+    runner's graph rules)."""
     cache = r.row_caches.get(layer)
     kvh, n, d = mirror.shape
     if cache is None or not cache.fits(kvh, n, k):

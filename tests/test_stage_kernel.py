@@ -60,46 +60,68 @@ def test_stage_refuses_what_it_cannot_stage():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("plans", [1, 2])
 @pytest.mark.parametrize("impl", ["triton", "torch"])
-def test_stage_row_cache_serves_exactly_the_previous_plans_rows(dtype, impl):
-    """Three steps over one layer's cache. A plan row the step before planned comes from the cache
-    (its host row is poisoned, yet the mirror is right); any other row, including one planned two
-    steps before, comes from host memory (which then differs); the device counters agree."""
-    torch.manual_seed(3)
+def test_stage_row_cache_serves_exactly_the_last_plans_rows(dtype, plans, impl):
+    """Six steps over one layer's cache keeping `plans` plans. A plan row one of the last `plans`
+    plans had comes from the cache (its host row is poisoned, yet the mirror is right); any other
+    row, including one planned a step earlier than that, comes from host memory, which differs from
+    step to step (host_t = src + t), so the mirror shows the step it was last read at. The
+    device counters, and the slots this step's plan was written to, agree."""
+    torch.manual_seed(3 + plans)
     kvh, n, d, sink, window, k = 3, 300, 32, 4, 16, 40
     dev = "cuda" if impl == "triton" and torch.cuda.is_available() else "cpu"
     stage = stage_rows if impl == "triton" else stage_rows_torch
     src = torch.randn(kvh, n, d).to(dtype)
     selectable = torch.arange(sink, n - window + 1)  # outside the frame: the rows the cache may serve
-    perm = torch.stack([selectable[torch.randperm(selectable.numel())] for _ in range(kvh)])  # distinct per head
-    h2, q4 = k // 2, k // 4
-    plans = [perm[:, :k],
-             torch.cat([perm[:, :h2], perm[:, k:k + h2]], 1),  # half of step 0's plan, half new
-             # step 0's rows step 1 did not plan, some of step 1's, new rows, padding
-             torch.cat([perm[:, h2:h2 + q4], perm[:, k:k + q4], perm[:, 2 * k:2 * k + h2 - 1],
-                        torch.full((kvh, 1), -1)], 1)]
-    cache = RowCache.empty(kvh, n, k, d, dtype, dev)
+    plans_of = []  # per step: [KVH, K], distinct per head, with -1 padding
+    for t in range(6):
+        rows = []
+        for h in range(kvh):
+            old = torch.unique(torch.cat([x[h] for x in plans_of[-3:]] or [torch.empty(0, dtype=torch.long)]))
+            old = old[old >= 0][torch.randperm(int((old >= 0).sum()))][: k // 2]
+            new = selectable[~torch.isin(selectable, old)]
+            new = new[torch.randperm(new.numel())][: k - 1 - old.numel()]
+            rows.append(torch.cat([old, new, torch.tensor([-1])]))
+        plans_of.append(torch.stack(rows))
+    step = torch.zeros(1, dtype=torch.long, device=dev)
+    cache = RowCache.empty(kvh, n, k, d, dtype, dev, plans=plans)
     dst = torch.zeros(kvh, n, d, dtype=dtype, device=dev)
-    hosts = [src, src.clone(), src + 1]
-    for h in range(kvh):  # step 1's host: step 0's rows poisoned
-        hosts[1][h, plans[0][h]] = float("nan")
-    hits = 0
-    for t, (host, plan) in enumerate(zip(hosts, plans)):
-        stage(host.to(dev), dst, plan[:, None].to(torch.int32).to(dev), sink, window, cache)
+    read_at = {}  # (h, p) -> the step whose host the cached row came from
+    hits = rows = 0
+    for t, plan in enumerate(plans_of):
+        expect_hit = [[p >= 0 and any(p in set(x[h].tolist()) for x in plans_of[max(0, t - plans):t])
+                       for p in plan[h].tolist()] for h in range(kvh)]
+        host = src + t
+        for h in range(kvh):
+            for p, hit in zip(plan[h].tolist(), expect_hit[h]):
+                if hit:
+                    host[h, p] = float("nan")
+        step.fill_(100 + t)  # any start: the region is the step's position modulo plans + 1
+        stage(host.to(dev), dst, plan[:, None].to(torch.int32).to(dev), sink, window, cache, step)
         got = dst.cpu()
         for h in range(kvh):
-            prev = set(plans[t - 1][h].tolist()) if t else set()
-            for p in plan[h].tolist():
-                if p >= 0:
-                    assert torch.equal(got[h, p], src[h, p] if p in prev else host[h, p]), (t, h, p, p in prev)
-                    hits += p in prev
-    assert hits == kvh * (h2 + q4)
-    assert cache.counts.tolist() == [hits, sum(int((x >= 0).sum()) for x in plans)]
-    assert torch.equal(cache.pos_of.cpu(), plans[2].to(torch.int32))
+            for p, hit in zip(plan[h].tolist(), expect_hit[h]):
+                if p < 0:
+                    continue
+                if not hit:
+                    read_at[h, p] = t
+                assert torch.equal(got[h, p], src[h, p] + read_at[h, p]), (t, h, p, hit)
+                hits += hit
+                rows += 1
+        base = (100 + t) % (plans + 1) * k
+        assert torch.equal(cache.pos_of.cpu()[:, base:base + k], plan.to(torch.int32))
+    assert 0 < hits < rows
+    assert cache.counts.tolist() == [hits, rows]
 
 
 def test_stage_row_cache_must_fit_the_plan():
     src = torch.zeros(2, 10, 8)
     with pytest.raises(ValueError, match="row cache"):
         stage_rows(src, torch.zeros_like(src), torch.zeros(2, 1, 3, dtype=torch.int32), 1, 2,
-                   RowCache.empty(2, 10, 4, 8, torch.float32, "cpu"))
+                   RowCache.empty(2, 10, 4, 8, torch.float32, "cpu"), torch.zeros(1, dtype=torch.long))
+    with pytest.raises(ValueError, match="row cache"):  # no step
+        stage_rows(src, torch.zeros_like(src), torch.zeros(2, 1, 3, dtype=torch.int32), 1, 2,
+                   RowCache.empty(2, 10, 3, 8, torch.float32, "cpu"))
+    with pytest.raises(ValueError, match="at least one"):
+        RowCache.empty(2, 10, 3, 8, torch.float32, "cpu", plans=0)
