@@ -528,7 +528,7 @@ def main() -> None:
     ap.add_argument("--offload-plan-ahead", nargs="+", choices=["off", "on", "staged", "cached"], default=["off"],
                     help="offload rows (copies mode): plan_ahead off, on with the attention reading host memory, "
                          "on with the value rows staged into a GPU mirror during the layer before (stage_values), "
-                         "or staged with the rows of each layer's previous plan from its row cache (cache_rows)")
+                         "or staged with the rows of each layer's last plans from its row cache (cache_rows)")
     ap.add_argument("--plan-overlap", type=float, nargs="+", default=[None],
                     help="offload rows (copies mode): pin this share of each one-token plan's slots to the layer's "
                          "first plan (OverlappingPlans: time only, the real model's consecutive plans overlap)")

@@ -159,7 +159,7 @@ class Runner:
     None = on CUDA. The tokens are the same; on a CPU it would only delay each token by a step.
     `stage_values`: with plan_ahead under a backend keeping values in host memory, stage them into a
     GPU mirror (decoder/plan_ahead.py); None = on CUDA, True = also on a CPU (tests). `cache_rows`:
-    with staging, stage from HBM the rows each layer's previous plan staged (None = True).
+    with staging, stage from HBM the rows each layer's last plans staged (None = True).
     """
 
     def __init__(self, lm, backend: AttentionBackend, device: str | torch.device | None = None, *,

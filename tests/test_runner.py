@@ -409,7 +409,7 @@ def test_staged_values_equal_reading_host_memory(lm, captured_2k, passkey_cap):
     same bytes: a batch of topk and ctkvr gets the unstaged runner's logits exactly (a row staged
     from the wrong layer, into the wrong mirror or not at all would change them: the mirrors start
     as zeros and are shared by the layers of one parity); rows were staged, far from all of them.
-    With `cache_rows` (the default) rows the layer's previous plan staged come from its row cache
+    With `cache_rows` (the default) rows the layer's last plans staged come from its row cache
     instead: the same logits again, and the caches did serve rows (a stale or misplaced cached row
     would change them)."""
     be = get_backend("offload_v")
@@ -745,7 +745,7 @@ def test_gpu_offload_reads_host_memory_in_place_and_equals_triton(backend):
 def test_gpu_staged_values_equal_host_reads():
     """`stage_values` on CUDA (the default with plan_ahead under offload_v): the value rows each
     layer's plan attends are staged from mapped host memory into a GPU mirror on the planning side
-    stream, in the captured step; with `cache_rows` (the default) the rows the layer's previous plan
+    stream, in the captured step; with `cache_rows` (the default) the rows the layer's last plans
     staged come from its row cache in HBM. Tokens and logits equal the same runner reading host
     memory in place (fp32: the same kernels over the same bytes), steps replay without a host sync,
     and the caches served rows in the replayed steps."""
