@@ -116,10 +116,6 @@ class RowCache:
     def fits(self, kvh: int, n_ctx: int, k: int) -> bool:
         return self.pos_of.shape == (kvh, (self.plans + 1) * k) and self.slot_of.shape == (kvh, n_ctx)
 
-    @property
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.vals, self.pos_of, self.slot_of, self.counts))
-
 
 def frame_extent(n_ctx: int, sink: int, window: int) -> tuple[int, int]:
     """(s_end, Wr): the sink is context rows [0, s_end), the window's context part [N - Wr, N)."""
