@@ -174,7 +174,7 @@ class Runner:
         self.eos = frozenset(getattr(lm, "eos_token_ids", ()) or ())
         self.graphs = graphs and self.device.type == "cuda"
         self.track_fraction = track_fraction
-        self.sync_check = False  #: debugging: eager forwards and replays under sync debug mode "error" (set late)
+        self.sync_check = False  #: debug: eager forwards, replays under sync debug mode "error"; set after first steps
         self.requests: dict[int, Request] = {}
         self.graph_status = ""  # how the last decode batch ran: "captured" | "replayed" | "eager: <why>"
         self.captures = 0
