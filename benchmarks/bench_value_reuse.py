@@ -44,7 +44,8 @@ def reuse(steps: list[list[torch.Tensor]], n: int, factors=(1, 2, 4)) -> dict:
     layers, kvh = len(steps[0]), steps[0][0].shape[0]
     k = max(int((p >= 0).sum(-1).max()) for s in steps for p in s)
     out = {"k": k, "n": n}
-    planned = prev_hits = 0
+    planned = 0
+    back = {1: 0, 2: 0, 4: 0}  # g -> rows one of the last g plans had
     caches = {f: torch.full((layers, kvh, f * k), -1, dtype=torch.long) for f in factors}
     hits = dict.fromkeys(factors, 0)
     for t, step in enumerate(steps):
@@ -53,8 +54,9 @@ def reuse(steps: list[list[torch.Tensor]], n: int, factors=(1, 2, 4)) -> dict:
                 p = torch.unique(pos[h][pos[h] >= 0].long())  # sorted
                 if t:
                     planned += p.numel()
-                    before = steps[t - 1][layer][h]
-                    prev_hits += int(torch.isin(p, before[before >= 0].long()).sum())
+                    for g in back:
+                        before = torch.cat([steps[u][layer][h] for u in range(max(0, t - g), t)])
+                        back[g] += int(torch.isin(p, before[before >= 0].long()).sum())
                 for f, cache in caches.items():
                     c = cache.shape[-1]
                     bucket = p * c // n
@@ -65,16 +67,8 @@ def reuse(steps: list[list[torch.Tensor]], n: int, factors=(1, 2, 4)) -> dict:
                     first[1:] = bucket[1:] != bucket[:-1]
                     ins = first & ~hit
                     cache[layer, h, bucket[ins]] = p[ins]
-    for g in (2, 4):  # a cache of the last g plans' rows
-        hit_g = 0
-        for t in range(1, len(steps)):
-            for layer, pos in enumerate(steps[t]):
-                for h in range(kvh):
-                    p = torch.unique(pos[h][pos[h] >= 0].long())
-                    before = torch.cat([steps[u][layer][h] for u in range(max(0, t - g), t)])
-                    hit_g += int(torch.isin(p, before[before >= 0].long()).sum())
-        out[f"last {g}"] = hit_g / max(planned, 1)
-    out["prev"] = prev_hits / max(planned, 1)
+    out["prev"] = back.pop(1) / max(planned, 1)
+    out.update({f"last {g}": v / max(planned, 1) for g, v in back.items()})
     out.update({f"cache {f}k": hits[f] / max(planned, 1) for f in factors})
     return out
 
