@@ -7,7 +7,7 @@
 #                    carry=[".whl", ".old"])
 #   stages: tests | kerneltests | decode | decodecold | decode512 | before_after | kernels | e2e32 | e2e128 |
 #           e2e128rest | e2eprof | e2elayer | attntests | decodeab | psaab | latency | ncu | psasweep | pdlab | e2enow |
-#           offload | psa32sweep | offloadfit | ivfsweep | ivfcpp | cslfsweep | ivfsel | ivfeager | ivfsample | ncusel | psaemit | psafuse | psastop | rtrip | rerankreg | rerank96 | e2ectkvr | ncuivf | verify | repro | e2eh200 | pushab | decode512h200 | s14ab | s14e2e | s14final | s14frame | s14tests | s14lfpse2e | s15ivf | s15ivf2 | s15dot | s15final | s15rerank | s16ahead | s16overlap | s16more | s16tests | s16early | s17ahead | s17pipe | s17offload | s17reads | s17fuse | s18pages | s18offprof | s18offab | s18numa | s18staged | s18prio | s18stprof | s18frame | s19tests | s19granule | s19cached | s19overlap | s19sweep | s19gen
+#           offload | psa32sweep | offloadfit | ivfsweep | ivfcpp | cslfsweep | ivfsel | ivfeager | ivfsample | ncusel | psaemit | psafuse | psastop | rtrip | rerankreg | rerank96 | e2ectkvr | ncuivf | verify | repro | e2eh200 | pushab | decode512h200 | s14ab | s14e2e | s14final | s14frame | s14tests | s14lfpse2e | s15ivf | s15ivf2 | s15dot | s15final | s15rerank | s16ahead | s16overlap | s16more | s16tests | s16early | s17ahead | s17pipe | s17offload | s17reads | s17fuse | s18pages | s18offprof | s18offab | s18numa | s18staged | s18prio | s18stprof | s18frame | s19tests | s19granule | s19cached | s19overlap | s19sweep | s19gen | s20quick | s20cache | s20more | s20tests
 #   (default: tests decode before_after)
 #   .old = the tree before the plan/run redesign (`git archive <commit> decoder indexer storage`), for
 #   the before/after decode comparison.
@@ -566,6 +566,35 @@ for stage in $stages; do
     s19granule)  # session 19: scattered host reads by their size (64 B to 8 KiB) against contiguous ones
       python3 benchmarks/gpu_host_reads.py --sections granule --out "$OUT/granule" 2>&1 \
         | tee "$OUT/gpu_host_reads_granule.log" | tail -12 ;;
+    s20quick)  # session 20: the attention reading the row cache, compiled: its kernel tests and the runner's GPU
+      # tests of the offload backends (staged, cached, plain)
+      python3 -m pytest -q -p no:cacheprovider -o addopts="" tests/test_attention_row_cache.py tests/test_stage_kernel.py \
+        "tests/test_runner.py::test_gpu_staged_values_equal_host_reads" "tests/test_runner.py::test_gpu_offload_reads_host_memory_in_place_and_equals_triton" \
+        2>&1 | tee "$OUT/gpu_cache_tests.log" | tail -4 ;;
+    s20cache)  # session 20: offload_v ctkvr B = 8, the attention reading the row cache (off-cached, the default; on-cached
+      # with plan_ahead) against reading host memory (off) and the staged paths, random plans and 69% pinned; all-GPU too
+      python3 benchmarks/gpu_e2e.py --lengths 131072 --batches 8 --methods ctkvr --backends triton offload_v \
+        --offload-batches 8 --offload-methods ctkvr --offload-contexts copies \
+        --offload-plan-ahead off off-cached on-cached cached --plan-overlap 0.69 0 --eager-tokens 0 --hf-tokens 0 \
+        --tokens 8 --budget-s 500 --check-prefill 0 --out "$OUT/cache" 2>&1 | tee "$OUT/gpu_e2e_cache.log" \
+        | grep "^| \|rror" ;;
+    s20more)  # session 20: the default (off-cached) with every plan slot pinned (the cache's floor: only the frame and
+      # unpinned duplicates cross PCIe), then csattn (5% of the rows) read in place and through the cache at 69%
+      python3 benchmarks/gpu_e2e.py --lengths 131072 --batches 8 --methods ctkvr --backends triton offload_v \
+        --offload-batches 8 --offload-methods ctkvr --offload-contexts copies --offload-plan-ahead off-cached \
+        --plan-overlap 1.0 --eager-tokens 0 --hf-tokens 0 --tokens 8 --budget-s 200 --check-prefill 0 \
+        --out "$OUT/pinned" 2>&1 | tee "$OUT/gpu_e2e_pinned.log" | grep "^| \|rror"
+      python3 benchmarks/gpu_e2e.py --lengths 131072 --batches 8 --methods csattn --backends triton offload_v \
+        --offload-batches 8 --offload-methods csattn --offload-contexts copies --offload-plan-ahead off off-cached \
+        --plan-overlap 0.69 --eager-tokens 0 --hf-tokens 0 --tokens 8 --budget-s 250 --check-prefill 0 \
+        --out "$OUT/csattn" 2>&1 | tee "$OUT/gpu_e2e_csattn.log" | grep "^| \|rror" ;;
+    s20tests)  # session 20, the final tree: every GPU-marked test, then the kernel files' CPU-shaped tests compiled
+      python3 -m pytest -q -p no:cacheprovider -m gpu -o addopts="" \
+        tests/test_gpu_decode.py tests/test_triton_attention.py tests/test_backends.py tests/test_pipeline.py \
+        tests/test_csattn.py tests/test_saap_device.py tests/test_runner.py tests/test_kernels_*.py \
+        tests/test_host_memory.py 2>&1 | tee "$OUT/gpu_marked_tests.log" | tail -4
+      python3 -m pytest -q -p no:cacheprovider -o addopts="" tests/test_stage_kernel.py tests/test_attention_row_cache.py \
+        2>&1 | tee -a "$OUT/gpu_marked_tests.log" | tail -2 ;;
     *) echo "unknown stage $stage" ;;
   esac
 done

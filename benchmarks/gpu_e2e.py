@@ -88,7 +88,6 @@ from decoder.backends.offload import mapped  # noqa: E402
 from decoder.generate import ContextKV, generate  # noqa: E402
 from indexer.rope import undo_rope  # noqa: E402
 from decoder.layers import apply_rope, mlp, rms_norm, rope_cos_sin  # noqa: E402
-from decoder.plan_ahead import cache_counts  # noqa: E402
 from decoder.runner import Runner  # noqa: E402
 from decoder.weights import ModelWeights, fuse_weights  # noqa: E402
 from indexer.base import DecodeContext, IndexReader, Planner, PrefillCapture, get_method  # noqa: E402
@@ -374,7 +373,7 @@ class Bench:
                     f"{ {k: v for k, v in prof['overlap'].items() if k != 'streams'} }")
             except Exception as e:  # noqa: BLE001 - extra information only
                 prof["overlap"] = {"error": f"{type(e).__name__}: {e}"[:200]}
-        hits, rows = (sum(x) for x in zip(*(cache_counts(r) for r in run.requests.values())))
+        hits, rows = (sum(x) for x in zip(*(r.cache_counts() for r in run.requests.values())))
         for s in list(run.requests):
             run.remove(s)
         ms = statistics.median(times)
@@ -525,10 +524,12 @@ def main() -> None:
     ap.add_argument("--offload-parallel", nargs="+", choices=["off", "on"], default=["on"],
                     help="offload rows (copies mode): each request's attention on its own stream (on, the runner's "
                          "default) or one after another on the step's stream (off)")
-    ap.add_argument("--offload-plan-ahead", nargs="+", choices=["off", "on", "staged", "cached"], default=["off"],
-                    help="offload rows (copies mode): plan_ahead off, on with the attention reading host memory, "
-                         "on with the value rows staged into a GPU mirror during the layer before (stage_values), "
-                         "or staged with the rows of each layer's last plans from its row cache (cache_rows)")
+    ap.add_argument("--offload-plan-ahead", nargs="+", default=["off-cached"],
+                    choices=["off", "off-cached", "on", "on-cached", "staged", "cached"],
+                    help="offload rows (copies mode): plan_ahead off or on, the attention reading host memory, "
+                         "or (-cached) reading the rows of each layer's last plans from its row cache (cache_rows; "
+                         "off-cached is the runner's default); staged: plan_ahead with the value rows staged into a "
+                         "GPU mirror during the layer before (stage_values); cached: staged through the row cache")
     ap.add_argument("--plan-overlap", type=float, nargs="+", default=[None],
                     help="offload rows (copies mode): pin this share of each one-token plan's slots to the layer's "
                          "first plan (OverlappingPlans: time only, the real model's consecutive plans overlap)")
@@ -688,9 +689,11 @@ def main() -> None:
                                     a.offload_programs_per_sm):
                                 if not bench.over_budget():
                                     bench.runner(n, ctx, label, method, params, reader, be, b, True, a.tokens, extra,
-                                                 parallel=par == "on", programs_per_sm=pps, plan_ahead=ahead != "off",
+                                                 parallel=par == "on", programs_per_sm=pps,
+                                                 plan_ahead=ahead not in ("off", "off-cached"),
                                                  stage_values=ahead in ("staged", "cached"),
-                                                 cache_rows=ahead == "cached", plan_overlap=ov)
+                                                 cache_rows=ahead in ("off-cached", "on-cached", "cached"),
+                                                 plan_overlap=ov)
                             continue
                         if be not in host_ctx:
                             host_ctx[be] = host_context({"kv/k": ctx_k, "kv/v": ctx_v}, get_backend(be).host_arrays,

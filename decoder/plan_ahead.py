@@ -23,12 +23,14 @@ positions) from host memory into a GPU mirror of the context's values (`decoder/
 two per request, by layer parity: 2·KVH·N·D elements, 537 MB for a 128K context of the 8B shape),
 and layer L's attention reads the mirror, so the PCIe reads leave layer L's critical path. Same
 bytes, same kernels: the tokens equal the unstaged ones (tests/test_runner.py). Layer 0 and the
-question chunk read host memory. Measured (benchmarks/RESULTS.md, "Offload_v's reads"): ctkvr at
-128K, B = 8 174.0 -> 186.3 tokens/s; the step then waits on the side streams' plan -> stage chain.
-With `cache_rows` (the default when staging) each request keeps, per layer, the rows its last two
-plans staged (`row_cache`, a `decoder.kernels.stage.RowCache` made in the first eager step) and
-stages only the others from host memory: a scattered host read costs the same whatever its size,
-so fewer reads is what shortens that chain (RESULTS.md, "Scattered host reads cost by count").
+question chunk read host memory (layer 0's attention through the row cache below). Measured
+(benchmarks/RESULTS.md, "Offload_v's reads"): ctkvr at 128K, B = 8 174.0 -> 186.3 tokens/s; the
+step then waits on the side streams' plan -> stage chain. With `cache_rows` (the runner's default
+on CUDA under these backends) each request keeps, per layer, the rows its last two plans read
+(`Request.row_cache`, a `decoder.kernels.stage.RowCache` made in the first eager step) and stages
+only the others from host memory: a scattered host read costs the same whatever its size, so
+fewer reads is what shortens that chain (RESULTS.md, "Scattered host reads cost by count"). The
+same cache serves the attention directly when nothing is staged (`decoder/kernels/attention.py`).
 """
 
 from __future__ import annotations
@@ -38,7 +40,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from decoder.kernels.stage import RowCache, stage_rows
+from decoder.kernels.stage import stage_rows
 from decoder.layers import apply_rope, rms_norm
 from decoder.streams import fork_join
 from indexer.base import KVView, Planner
@@ -99,7 +101,7 @@ def plan_next(runner, reqs: list, ahead: list[int], layer: int, x: torch.Tensor,
                 return plan, None
             mirror = r.staged_v[layer % 2]  # layer - 2's attention, its last reader, ran before this fork
             stage_rows(r.ctx_kv[layer][1], mirror, plan.positions, r.sink, r.window,
-                       row_cache(r, layer, plan.positions.shape[-1], mirror) if runner.cache_rows else None, r.pos)
+                       r.row_cache(layer, plan.positions.shape[-1], mirror) if runner.cache_rows else None, r.pos)
             return plan, mirror
 
         streams = None
@@ -119,25 +121,6 @@ def plan_next(runner, reqs: list, ahead: list[int], layer: int, x: torch.Tensor,
     with torch.cuda.stream(stream):
         plans, values = predict()
     return Ahead(stream, plans, x, values)
-
-
-def row_cache(r, layer: int, k: int, mirror: torch.Tensor) -> RowCache:
-    """Request r's cache of the rows layer `layer`'s last plans staged (`decoder.kernels.stage.RowCache`,
-    its default plans kept), made at its first staging: in an eager step, before any capture (the
-    runner's graph rules)."""
-    cache = r.row_caches.get(layer)
-    kvh, n, d = mirror.shape
-    if cache is None or not cache.fits(kvh, n, k):
-        cache = r.row_caches[layer] = RowCache.empty(kvh, n, k, d, mirror.dtype, mirror.device)
-    return cache
-
-
-def cache_counts(r) -> tuple[int, int]:
-    """(rows served from the row caches, plan rows staged) over request r's layers so far (a host sync)."""
-    if not r.row_caches:
-        return 0, 0
-    hits, rows = torch.stack([c.counts for c in r.row_caches.values()]).sum(0).tolist()
-    return int(hits), int(rows)
 
 
 class PredictedQueries(Planner):

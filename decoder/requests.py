@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from decoder.kernels.stage import RowCache
 from indexer.base import Planner
 
 
@@ -44,12 +45,30 @@ class Request:
     head_stride: torch.Tensor | None = None  # [1] int64: elements between two heads of loc_k[l] (max_local x D)
     touched: torch.Tensor | None = None  # [L] fp64 sums of frame fractions (track_fraction)
     staged_v: list | None = None  # two [KVH, N, D] GPU mirrors of the context's values, by layer parity (stage_values)
-    row_caches: dict = field(default_factory=dict)  # layer -> decoder.kernels.stage.RowCache (cache_rows)
+    row_caches: dict = field(default_factory=dict)  # layer -> RowCache (the runner's cache_rows)
     counted: int = 0  # (kv head, query token) pairs summed in `touched`, per layer
 
     @property
     def active(self) -> bool:
         return self.finish_reason is None
+
+    def row_cache(self, layer: int, k: int, like: torch.Tensor) -> RowCache:
+        """The cache of layer `layer`'s context value rows its last plans read (`RowCache`, its default
+        plans kept; plans of k positions; like: the [KVH, N, D] values, for shape, dtype and device).
+        Made at the layer's first one-token step, which runs eagerly, before any capture (the
+        runner's graph rules)."""
+        cache = self.row_caches.get(layer)
+        kvh, n, d = like.shape
+        if cache is None or not cache.fits(kvh, n, k):
+            cache = self.row_caches[layer] = RowCache.empty(kvh, n, k, d, like.dtype, like.device)
+        return cache
+
+    def cache_counts(self) -> tuple[int, int]:
+        """(plan rows served from the row caches, plan rows read) over the layers so far (a host sync)."""
+        if not self.row_caches:
+            return 0, 0
+        hits, rows = torch.stack([c.counts for c in self.row_caches.values()]).sum(0).tolist()
+        return int(hits), int(rows)
 
 
 @dataclass

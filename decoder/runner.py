@@ -50,8 +50,11 @@ CUDA graph when it can:
   may overlap the end of plan(L) and runs while layer L's attention reads plan(L); kernel
   workspaces are per stream. Planners are called plan(L + 1) before update(L); their per-step
   state is per layer (`indexer.base.Planner`). Fidelity (KL to dense, default model, CPU): lag 1
-  costs little, lag 2 breaks down at 8K (`benchmarks/bench_early_plans.py`, RESULTS.md). Under
-  offload backends it also stages the values a plan attends into HBM (`decoder/plan_ahead.py`).
+  costs little, lag 2 breaks down at 8K (`benchmarks/bench_early_plans.py`, RESULTS.md).
+* **Offload** (backends keeping the context's values in host memory): a request keeps, per layer,
+  the value rows its last plans read in HBM (`cache_rows`, `Request.row_cache`); the attention of a
+  one-token step reads those there and only the others over PCIe. With plan_ahead the rows are
+  staged into HBM ahead instead, through the same cache (`decoder/plan_ahead.py`).
 * **Pipelined steps** (`pipelined`, the default on CUDA): a step's inputs for the next one (each
   request's next token and position) are written on the device, so `step()` issues the next
   one-token step of the same batch *before* it reads its own tokens; the device then runs it while
@@ -83,12 +86,7 @@ CUDA graph when it can:
   state, which a replay does not recreate, so an eager update() would find nothing pending; the
   captured one replays its device work exactly. Host-side bookkeeping inside plan()/update() (step
   counters some planners keep for `stats()`) runs at capture time only, so such counters undercount
-  replayed steps.
-  Why not `torch.compile(mode="reduce-overhead")`: planners keep Python-side state (dicts of
-  per-layer tensors, pending updates) and launch their own Triton kernels; dynamo would graph-break
-  around every plan/update and re-trace per request, and cudagraph trees would copy inputs we
-  already keep static. A hand-captured graph over static per-request buffers is simpler and
-  replays the whole step as one launch.
+  replayed steps. Why not `torch.compile(mode="reduce-overhead")`: docs/architecture.md.
 
 Numerics: the runner's logits equal the transformers path (`generate`: the model's own modules +
 the ctxcache hook, same planner, same backend) up to the summation order of the fused GEMMs and of
@@ -159,7 +157,8 @@ class Runner:
     None = on CUDA. The tokens are the same; on a CPU it would only delay each token by a step.
     `stage_values`: with plan_ahead under a backend keeping values in host memory, stage them into a
     GPU mirror (decoder/plan_ahead.py); None = on CUDA, True = also on a CPU (tests). `cache_rows`:
-    with staging, stage from HBM the rows each layer's last plans staged (None = True).
+    under such a backend, keep in HBM the value rows each layer's last plans read, and read those
+    from there, staged or not (module docstring); None = on CUDA, True = also on a CPU (tests).
     """
 
     def __init__(self, lm, backend: AttentionBackend, device: str | torch.device | None = None, *,
@@ -190,9 +189,9 @@ class Runner:
         self.ahead_side: list[list[torch.cuda.Stream]] = [[], []]  # per batch position, by layer parity
         self._eager_key: tuple | None = None  # the batch of the last eager one-token step
         self.pipelined = cuda if pipelined is None else pipelined
-        self.stage_values = plan_ahead and "kv/v" in backend.host_arrays and (
-            stage_values or stage_values is None and cuda)
-        self.cache_rows = self.stage_values and cache_rows is not False  # RowCache per request and layer
+        host_v = "kv/v" in backend.host_arrays
+        self.stage_values = plan_ahead and host_v and (stage_values or stage_values is None and cuda)
+        self.cache_rows = host_v and (cache_rows or cache_rows is None and cuda)
         self._issued: Issued | None = None  # the next call's step, issued by the last call (pipelined)
         self.layer_kernels = _layer_kernels(self.w, self.device, fused_layer)  # None: the torch functions
 
@@ -322,9 +321,8 @@ class Runner:
 
     def _counted(self, reqs: list[Request], t: int) -> None:
         """`track_fraction`: the (kv head, query token) pairs an eager forward of T = t just summed."""
-        if self.track_fraction:
-            for r in reqs:
-                r.counted += self.w.n_kv_heads * t
+        for r in reqs if self.track_fraction else ():
+            r.counted += self.w.n_kv_heads * t
 
     def _drop_graph(self) -> None:
         """Release the captured step, once a replay of it issued ahead has run."""
@@ -492,6 +490,8 @@ class Runner:
         kv = KVView(ctx_k, ctx_v, loc_k, loc_v, q_pos)
         if plan is None:
             plan = r.planner.plan(layer, qh, kv)
+        if self.cache_rows and staged_v is None and t == 1 and not plan.is_dense:  # RowCache per request and layer
+            kv.v_cache = r.row_cache(layer, plan.positions.shape[-1], ctx_v)
         out = self.backend.run(qh, kv, plan, r.sink, r.window, scale)  # [KVH, G, T, D]
         r.planner.update(layer, new_k, new_v, q_pos)
         if self.track_fraction and not graph_capturing(qh):

@@ -204,6 +204,9 @@ class KVView:
     tokens [KVH, M, D] at positions N..N+M-1. M may be a capacity: slots after the last query are
     unused, and which ones a query sees follows from q_pos alone (local slot j is visible to query
     t iff N + j <= q_pos[t]). q_pos: [T] absolute positions of the query tokens, on the query's device.
+    v_cache: a `decoder.kernels.stage.RowCache` of ctx_v's rows in GPU memory (one-token steps whose
+    ctx_v is in host memory): the `triton` backend reads the plan's rows it holds from it, and
+    refreshes it; the same values as ctx_v, so every other reader ignores it.
     """
 
     ctx_k: torch.Tensor
@@ -211,6 +214,7 @@ class KVView:
     loc_k: torch.Tensor
     loc_v: torch.Tensor
     q_pos: torch.Tensor
+    v_cache: object = None
 
     @property
     def n_ctx(self) -> int:

@@ -67,6 +67,11 @@ class Settings(BaseSettings):
         False, description="batched runner: plan each layer's sparse search from the residual entering the layer "
                            "before, on a side stream during that layer (decoder.runner, plan_ahead): faster one-token "
                            "steps on a GPU, plans from a predicted query (fidelity cost in benchmarks/RESULTS.md)")
+    offload_row_cache: bool = Field(
+        True, description="batched runner on a GPU under offload_v / offload: keep in GPU memory, per request and "
+                          "layer, the context value rows its last two plans read, and read those from there instead "
+                          "of over PCIe (decoder.runner, cache_rows); the same tokens; GPU memory per request not "
+                          "counted in gpu_cache_bytes (docs/operations.md)")
     decode_pipelined: bool = Field(
         True, description="batched runner on a GPU: issue each one-token step before reading the tokens of the step "
                           "before (decoder.runner, pipelined), so the GPU does not wait for the host between tokens; "

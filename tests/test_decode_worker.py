@@ -128,22 +128,24 @@ def test_plan_ahead_setting_reaches_the_runner(tmp_path, redis_prefix, lm):
     assert got["stats"]["runner"] == "batched" and got["token_ids"] == ahead, got["text"]
 
 
-def test_decode_pipelined_setting_reaches_the_runner(tmp_path, redis_prefix, lm, monkeypatch):
-    """CTXCACHE_DECODE_PIPELINED: the batched worker builds its runner with `pipelined=None` (the
-    runner's default: on CUDA) when the setting is on and `pipelined=False` when it is off. On this
-    CPU both run unpipelined; the GPU test of the runner compares the two."""
+def test_pipelined_and_row_cache_settings_reach_the_runner(tmp_path, redis_prefix, lm, monkeypatch):
+    """CTXCACHE_DECODE_PIPELINED and CTXCACHE_OFFLOAD_ROW_CACHE: the batched worker builds its runner
+    with `pipelined=None` and `cache_rows=None` (the runner's defaults: on CUDA, the row cache under
+    the offload backends) when the settings are on and False when they are off. On this CPU both run
+    unpipelined and uncached; the GPU tests of the runner compare them with their alternatives."""
     import decoder.runner as runner_module
 
     seen = []
 
     class Recording(runner_module.Runner):
         def __init__(self, *args, **kwargs):
-            seen.append(kwargs.get("pipelined", "not passed"))
+            seen.append((kwargs.get("pipelined", "not passed"), kwargs.get("cache_rows", "not passed")))
             super().__init__(*args, **kwargs)
 
     monkeypatch.setattr(runner_module, "Runner", Recording)
     for on in (True, False):
-        settings = _settings(tmp_path, redis_prefix, decode_runner="batched", decode_pipelined=on)
+        settings = _settings(tmp_path, redis_prefix, decode_runner="batched", decode_pipelined=on,
+                             offload_row_cache=on)
         with TestClient(create_app(settings, lm=lm)) as c:
             cid = c.post("/v1/contexts", json={"text": passkey_document(4242, n_rep=4)}).json()["id"]
             assert wait_ready(c, cid)["status"] == "ready"
@@ -151,4 +153,4 @@ def test_decode_pipelined_setting_reaches_the_runner(tmp_path, redis_prefix, lm,
                        json={"question": PASSKEY_QUESTION, "method": "full", "max_tokens": 3})
         assert r.status_code == 200, r.text
         assert r.json()["stats"]["runner"] == "batched"
-    assert seen == [None, False]
+    assert seen == [(None, None), (False, False)]

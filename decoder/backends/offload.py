@@ -14,7 +14,10 @@ as with a GPU-resident context, and it is captured and replayed by the decode ru
 
 What crosses PCIe per layer and step: the K and V rows attended ((sink + window + K) x KVH per
 query token), plus whatever context keys the planner reads (none for csattn, saap and lfps's
-tables; the candidates' keys for ctkvr/kivf's rerank; psa's scored blocks; every key for topk).
+tables; the candidates' keys for ctkvr/kivf's rerank; psa's scored blocks; every key for topk). The
+batched runner keeps the value rows each layer's last two plans read in a row cache in HBM
+(`KVView.v_cache`, `decoder.kernels.stage.RowCache`): the triton kernel reads those from there, so
+only the other rows cross PCIe (benchmarks/RESULTS.md, "The attention reads the row cache").
 Measured on an H100 (benchmarks/gpu_host_reads.py, RESULTS.md "Offload"): kernels reading mapped
 host memory reach ~90% of a bulk pinned copy's bandwidth, scattered rows included. A dense plan
 reads every context row over PCIe (correct, and as slow as it sounds). On a CPU-only worker

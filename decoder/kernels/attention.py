@@ -1,5 +1,9 @@
 """Split-K ("flash-decoding") attention over frame ∪ plan, for one layer and decode step.
 
+Long because the two kernels and their launch are one piece: the segment bounds, block sizes and
+split count the host computes (`launch_plan`) are the ones the split kernel walks, and the row
+cache's lookup and refresh sit inside that kernel's chunk loop.
+
 What one kv head attends, as one list of key rows (`indexer.base.frame_bounds` for s_end / w_lo):
 
     [ sink: context rows 0..s_end-1                     valid for every query
@@ -40,6 +44,16 @@ plus the pseudo-token (rest_logit, rest_value), normalisation, store in q's dtyp
 launch has a single split (short row lists: streaming plans, small contexts, many query blocks)
 kernel 1 finishes the rows itself (`DIRECT`) and kernel 2 is not launched.
 
+Row cache (`v_cache`, one-token steps with a plan; `decoder.kernels.stage.RowCache` has the
+layout): when the context's values sit in host memory (`offload_v`, `offload`), kernel 1 looks up
+each plan row in the request's cache of the rows the layer's last plans read. A row held in a
+region other than this step's (region = q_pos % regions) is loaded from HBM instead of over PCIe;
+every plan row, hit or not, is then written to this step's region at slot base + j (j: its index in
+the plan), and the slots the step leaves (masked rows, those past the plan's length) are marked
+empty, so the region holds exactly this plan. Each plan row belongs to one program and no program
+reads the region being written: no races, and the arithmetic is unchanged (the same bytes).
+`counts` accumulates (hits, plan rows). Frame rows are read where they are (contiguous, cheap).
+
 Precision: softmax state and accumulation in fp32; fp32 inputs use `input_precision="ieee"` dots
 (no tf32), fp16/bf16 dots take fp16/bf16 operands. Error bounds, measured speed and the tuning
 knobs: NOTES.md.
@@ -54,6 +68,7 @@ import torch
 import triton
 import triton.language as tl
 
+from decoder.kernels.stage import RowCache
 from indexer.kernels import Workspaces, interpreted  # also makes Triton 3.6's interpreter work with NumPy 2.4
 from indexer.kernels.pdl import pdl_begin, pdl_launch
 
@@ -74,7 +89,7 @@ MERGE_BLOCK_S = 64  # splits merged per iteration (fixed: a changing split count
 # context length, the plan width or the request's length changes); strides are (16-alignment).
 @triton.jit(do_not_specialize=["T", "n_ctx", "s_end", "window", "sink_rows", "win_rows", "n_pos", "n_loc"])
 def _split_kernel(
-    Q, CK, CV, LK, LV, QPOS, POS, PLEN, BYP, PACC, PML, RL, RV, OUT,
+    Q, CK, CV, LK, LV, QPOS, POS, PLEN, BYP, PACC, PML, RL, RV, OUT, C_VALS, C_POS, C_SLOT, C_COUNTS,
     sq_h, sq_g, sq_t,  # q [KVH, G, T, D]
     sck_h, sck_n, scv_h, scv_n,  # ctx_k / ctx_v [KVH, N, D]
     slk_h, slk_n, slv_h, slv_n,  # loc_k / loc_v [KVH, M, D]
@@ -90,6 +105,7 @@ def _split_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HAS_PLAN: tl.constexpr, HAS_LEN: tl.constexpr, HAS_BYPASS: tl.constexpr, HAS_REST: tl.constexpr, DIRECT: tl.constexpr,
     DOT_PRECISION: tl.constexpr, DOT_FP32: tl.constexpr, NUM_STAGES: tl.constexpr, PDL: tl.constexpr = False,
+    CACHE: tl.constexpr = 0,
 ):
     pdl_begin(PDL)
     split = tl.program_id(0)
@@ -140,6 +156,11 @@ def _split_kernel(
     cps = (n_live + n_splits - 1) // n_splits
     c_lo = split * cps
     c_hi = tl.minimum(c_lo + cps, n_live)
+    if CACHE > 0:  # the row cache of the context's values (one token): this step writes region `c_base`
+        c_width = CACHE * n_pos
+        c_base = (tl.load(QPOS).to(tl.int64) % CACHE) * n_pos
+        c_hits = tl.zeros([BLOCK_N], tl.int32)
+        c_rows = tl.zeros([BLOCK_N], tl.int32)
     for c in tl.range(c_lo, c_hi, num_stages=NUM_STAGES):
         in_a = c < chunks_a
         r = tl.where(in_a, c * BLOCK_N, b3 + (c - chunks_a) * BLOCK_N) + tl.arange(0, BLOCK_N)
@@ -167,8 +188,21 @@ def _split_kernel(
 
         k_row = tl.where(in_loc, LK + h * slk_h + loc_row * slk_n, CK + h * sck_h + ctx_row * sck_n)
         v_row = tl.where(in_loc, LV + h * slv_h + loc_row * slv_n, CV + h * scv_h + ctx_row * scv_n)
+        if CACHE > 0:  # a plan row another region holds is read from HBM (decoder/kernels/stage.py)
+            c_slot = tl.load(C_SLOT + h * n_ctx + pos, mask=plan_ok, other=0).to(tl.int64)
+            c_slot = tl.minimum(tl.maximum(c_slot, 0), c_width - 1)
+            c_mine = (c_slot >= c_base) & (c_slot < c_base + n_pos)
+            c_hit = plan_ok & ~c_mine & (tl.load(C_POS + h * c_width + c_slot, mask=plan_ok, other=-1) == pos)
+            v_row = tl.where(c_hit, C_VALS + (h * c_width + c_slot) * D, v_row)
         k = tl.load(k_row[:, None] + offs_d[None, :], mask=row_ok[:, None], other=0.0)  # [BLOCK_N, D]
         v = tl.load(v_row[:, None] + offs_d[None, :], mask=row_ok[:, None], other=0.0)
+        if CACHE > 0:  # this plan's rows -> this step's region: slot c_base + j holds the j-th position
+            c_j = c_base + j
+            tl.store(C_VALS + (h * c_width + c_j)[:, None] * D + offs_d[None, :], v, mask=plan_ok[:, None])
+            tl.store(C_POS + h * c_width + c_j, tl.where(plan_ok, pos, -1).to(tl.int32), mask=in_plan)
+            tl.store(C_SLOT + h * n_ctx + pos, c_j.to(tl.int32), mask=plan_ok)
+            c_hits += c_hit.to(tl.int32)
+            c_rows += plan_ok.to(tl.int32)
 
         # which (query row, key row) pairs are attended
         valid = in_sink[None, :] | (in_win[None, :] & (ctx_row[None, :] >= wlo_q[:, None]))
@@ -194,6 +228,13 @@ def _split_kernel(
             pv = tl.dot(p, v, input_precision=DOT_PRECISION)
         acc = acc * alpha[:, None] + pv
         m_i = m_new
+    if CACHE > 0:
+        if HAS_LEN:  # the slots past the plan's length, never visited above: empty, shared by the splits
+            for j0 in range(end_a - b2 + split * BLOCK_N, n_pos, n_splits * BLOCK_N):
+                jj = j0 + tl.arange(0, BLOCK_N)
+                tl.store(C_POS + h * c_width + c_base + jj, tl.full([BLOCK_N], -1, tl.int32), mask=jj < n_pos)
+        tl.atomic_add(C_COUNTS, tl.sum(c_hits, axis=0).to(tl.int64))
+        tl.atomic_add(C_COUNTS + 1, tl.sum(c_rows, axis=0).to(tl.int64))
 
     if DIRECT:  # one split: finish here (pseudo-token, normalisation) instead of in _merge_kernel
         if HAS_REST:
@@ -400,6 +441,7 @@ def frame_attention(
     *,
     out: torch.Tensor | None = None,  # [KVH, G, T, D] in q's dtype (allocated when None)
     cfg: KernelConfig = KernelConfig(),
+    v_cache: RowCache | None = None,  # one token's plan: a cache of ctx_v's rows in HBM (module docstring)
 ) -> torch.Tensor:
     """Attention of q over sink ∪ window ∪ positions ∪ visible local slots (∪ the pseudo-token);
     see the module docstring. Two launches (one when a single split suffices), no host sync, no
@@ -408,6 +450,10 @@ def frame_attention(
     if out is not None and (out.shape != q.shape or out.dtype != q.dtype or out.stride(-1) != 1):
         raise ValueError("out must be [KVH, G, T, D] in q's dtype with unit stride along D")
     n_ctx, n_loc = ctx_k.shape[1], loc_k.shape[1]
+    if v_cache is not None and (t != 1 or positions is None or not v_cache.fits(kvh, n_ctx, positions.shape[-1])
+                                or v_cache.vals.dtype != ctx_v.dtype or v_cache.vals.device != q.device):
+        raise ValueError("a row cache serves one token's plan of K positions: [KVH, (plans + 1) K, D] in ctx_v's "
+                         "dtype, on q's device")
     dev = q.device
     dtype = q.dtype
     q = _rows_contiguous(q)
@@ -443,8 +489,10 @@ def frame_attention(
         part = kvh * lp.n_qb * lp.splits * lp.block_m
         ws = _workspace(dev, part * (d + 2))
         pacc, pml = ws[: part * d], ws[part * d:]
+    c = v_cache if has_plan else None
+    cache_args = (c.vals, c.pos_of, c.slot_of, c.counts) if c is not None else (q_pos,) * 4  # placeholders
     _split_kernel[(lp.splits, lp.n_qb, kvh)](
-        q, ctx_k, ctx_v, loc_k, loc_v, q_pos, pos, plen, byp, pacc, pml, rl, rv, out,
+        q, ctx_k, ctx_v, loc_k, loc_v, q_pos, pos, plen, byp, pacc, pml, rl, rv, out, *cache_args,
         q.stride(0), q.stride(1), q.stride(2),
         ctx_k.stride(0), ctx_k.stride(1), ctx_v.stride(0), ctx_v.stride(1),
         loc_k.stride(0), loc_k.stride(1), loc_v.stride(0), loc_v.stride(1),
@@ -460,7 +508,7 @@ def frame_attention(
         HAS_PLAN=has_plan, HAS_LEN=has_len, HAS_BYPASS=has_bypass, HAS_REST=has_rest, DIRECT=direct,
         DOT_PRECISION="ieee" if dtype == torch.float32 else "tf32",
         DOT_FP32=interpreted() and dtype == torch.bfloat16, NUM_STAGES=lp.num_stages, PDL=bool(pdl), **pdl,
-        num_warps=lp.num_warps,
+        CACHE=0 if c is None else c.plans + 1, num_warps=lp.num_warps,
     )
     if not direct:
         _merge_kernel[(t, g, kvh)](

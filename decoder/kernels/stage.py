@@ -19,7 +19,8 @@ staged with the frame). One launch per request and layer, grid from shapes only 
 Keeping the frame's rows on the GPU instead (they need no plan: 20% of ctkvr's rows at 128K) was
 measured and gained nothing (benchmarks/RESULTS.md, "Offload_v's reads"): contiguous rows are cheap.
 
-**Row cache** (`RowCache`, one per request and layer): what makes scattered host rows slow is not
+**Row cache** (`RowCache`, one per request and layer; also read and refreshed by the attention kernel
+itself when nothing is staged: `decoder/kernels/attention.py`): what makes scattered host rows slow is not
 their bytes but their number. The GPU reads 64-byte to 1-KiB granules scattered over host memory
 at the same ~31-37 per µs, 128-byte ones as slowly as 256-byte ones, while contiguous reads run at
 51 GB/s (`benchmarks/gpu_host_reads.py --sections granule`; RESULTS.md, "Scattered host reads cost
