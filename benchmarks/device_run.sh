@@ -7,7 +7,7 @@
 #                    carry=[".whl", ".old"])
 #   stages: tests | kerneltests | decode | decodecold | decode512 | before_after | kernels | e2e32 | e2e128 |
 #           e2e128rest | e2eprof | e2elayer | attntests | decodeab | psaab | latency | ncu | psasweep | pdlab | e2enow |
-#           offload | psa32sweep | offloadfit | ivfsweep | ivfcpp | cslfsweep | ivfsel | ivfeager | ivfsample | ncusel | psaemit | psafuse | psastop | rtrip | rerankreg | rerank96 | e2ectkvr | ncuivf | verify | repro | e2eh200 | pushab | decode512h200 | s14ab | s14e2e | s14final | s14frame | s14tests | s14lfpse2e | s15ivf | s15ivf2 | s15dot | s15final | s15rerank | s16ahead | s16overlap | s16more | s16tests | s16early | s17ahead | s17pipe | s17offload | s17reads | s17fuse | s18pages | s18offprof | s18offab | s18numa | s18staged | s18prio | s18stprof | s18frame | s19tests | s19granule | s19cached | s19overlap | s19sweep | s19gen | s20quick | s20cache | s20more | s20tests
+#           offload | psa32sweep | offloadfit | ivfsweep | ivfcpp | cslfsweep | ivfsel | ivfeager | ivfsample | ncusel | psaemit | psafuse | psastop | rtrip | rerankreg | rerank96 | e2ectkvr | ncuivf | verify | repro | e2eh200 | pushab | decode512h200 | s14ab | s14e2e | s14final | s14frame | s14tests | s14lfpse2e | s15ivf | s15ivf2 | s15dot | s15final | s15rerank | s16ahead | s16overlap | s16more | s16tests | s16early | s17ahead | s17pipe | s17offload | s17reads | s17fuse | s18pages | s18offprof | s18offab | s18numa | s18staged | s18prio | s18stprof | s18frame | s19tests | s19granule | s19cached | s19overlap | s19sweep | s19gen | s20quick | s20cache | s20more | s20staged | s20tests
 #   (default: tests decode before_after)
 #   .old = the tree before the plan/run redesign (`git archive <commit> decoder indexer storage`), for
 #   the before/after decode comparison.
@@ -530,7 +530,7 @@ for stage in $stages; do
         --offload-plan-ahead staged-hostframe staged --eager-tokens 0 --hf-tokens 0 --tokens 8 --budget-s 200 \
         --check-prefill 0 --out "$OUT/frame" 2>&1 | tee "$OUT/gpu_e2e_frame.log" | grep "^| \|rror"
       python3 -m pytest -q -p no:cacheprovider -o addopts="" tests/test_stage_kernel.py \
-        "tests/test_runner.py::test_gpu_staged_values_equal_host_reads" 2>&1 | tee "$OUT/gpu_stage_tests.log" | tail -2 ;;
+        "tests/test_runner.py::test_gpu_row_cache_equals_host_reads" 2>&1 | tee "$OUT/gpu_stage_tests.log" | tail -2 ;;
     s19tests)  # session 19, the tree as it landed: every GPU-marked test, the staging kernel's and host memory's included
       python3 -m pytest -q -p no:cacheprovider -m gpu -o addopts="" \
         tests/test_gpu_decode.py tests/test_triton_attention.py tests/test_backends.py tests/test_pipeline.py \
@@ -545,7 +545,7 @@ for stage in $stages; do
         --eager-tokens 0 --hf-tokens 0 --tokens 8 --budget-s 400 --check-prefill 0 --out "$OUT/cached" 2>&1 \
         | tee "$OUT/gpu_e2e_cached.log" | grep "^| \|rror"
       python3 -m pytest -q -p no:cacheprovider -o addopts="" tests/test_stage_kernel.py \
-        "tests/test_runner.py::test_gpu_staged_values_equal_host_reads" 2>&1 | tee "$OUT/gpu_stage_tests.log" | tail -2 ;;
+        "tests/test_runner.py::test_gpu_row_cache_equals_host_reads" 2>&1 | tee "$OUT/gpu_stage_tests.log" | tail -2 ;;
     s19overlap)  # session 19: the same, with 69% of each one-token plan's slots pinned to the layer's first plan
       # (gpu_e2e.OverlappingPlans: consecutive plans overlap as the real model's do, random weights' do not), profiled
       python3 benchmarks/gpu_e2e.py --lengths 131072 --batches 8 --methods ctkvr --backends triton offload_v \
@@ -569,7 +569,7 @@ for stage in $stages; do
     s20quick)  # session 20: the attention reading the row cache, compiled: its kernel tests and the runner's GPU
       # tests of the offload backends (staged, cached, plain)
       python3 -m pytest -q -p no:cacheprovider -o addopts="" tests/test_attention_row_cache.py tests/test_stage_kernel.py \
-        "tests/test_runner.py::test_gpu_staged_values_equal_host_reads" "tests/test_runner.py::test_gpu_offload_reads_host_memory_in_place_and_equals_triton" \
+        "tests/test_runner.py::test_gpu_row_cache_equals_host_reads" "tests/test_runner.py::test_gpu_offload_reads_host_memory_in_place_and_equals_triton" \
         2>&1 | tee "$OUT/gpu_cache_tests.log" | tail -4 ;;
     s20cache)  # session 20: offload_v ctkvr B = 8, the attention reading the row cache (off-cached, the default; on-cached
       # with plan_ahead) against reading host memory (off) and the staged paths, random plans and 69% pinned; all-GPU too
@@ -588,6 +588,12 @@ for stage in $stages; do
         --offload-batches 8 --offload-methods csattn --offload-contexts copies --offload-plan-ahead off off-cached \
         --plan-overlap 0.69 --eager-tokens 0 --hf-tokens 0 --tokens 8 --budget-s 250 --check-prefill 0 \
         --out "$OUT/csattn" 2>&1 | tee "$OUT/gpu_e2e_csattn.log" | grep "^| \|rror" ;;
+    s20staged)  # session 20: plan_ahead's staging without mirrors (the plan's rows staged into the row cache) against
+      # the default (the attention fills the cache), ctkvr at 69% and 0% pinned, csattn at 69%; all-GPU in the same run
+      python3 benchmarks/gpu_e2e.py --lengths 131072 --batches 8 --methods ctkvr csattn --backends triton offload_v \
+        --offload-batches 8 --offload-methods ctkvr csattn --offload-contexts copies \
+        --offload-plan-ahead off-cached staged --plan-overlap 0.69 0 --eager-tokens 0 --hf-tokens 0 --tokens 8 \
+        --budget-s 420 --check-prefill 0 --out "$OUT/staged" 2>&1 | tee "$OUT/gpu_e2e_staged.log" | grep "^| \|rror" ;;
     s20tests)  # session 20, the final tree: every GPU-marked test, then the kernel files' CPU-shaped tests compiled
       python3 -m pytest -q -p no:cacheprovider -m gpu -o addopts="" \
         tests/test_gpu_decode.py tests/test_triton_attention.py tests/test_backends.py tests/test_pipeline.py \

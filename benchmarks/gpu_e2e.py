@@ -525,11 +525,11 @@ def main() -> None:
                     help="offload rows (copies mode): each request's attention on its own stream (on, the runner's "
                          "default) or one after another on the step's stream (off)")
     ap.add_argument("--offload-plan-ahead", nargs="+", default=["off-cached"],
-                    choices=["off", "off-cached", "on", "on-cached", "staged", "cached"],
+                    choices=["off", "off-cached", "on", "on-cached", "staged"],
                     help="offload rows (copies mode): plan_ahead off or on, the attention reading host memory, "
                          "or (-cached) reading the rows of each layer's last plans from its row cache (cache_rows; "
-                         "off-cached is the runner's default); staged: plan_ahead with the value rows staged into a "
-                         "GPU mirror during the layer before (stage_values); cached: staged through the row cache")
+                         "off-cached is the runner's default); staged: plan_ahead with each plan's value rows "
+                         "staged into the row cache during the layer before (stage_values)")
     ap.add_argument("--plan-overlap", type=float, nargs="+", default=[None],
                     help="offload rows (copies mode): pin this share of each one-token plan's slots to the layer's "
                          "first plan (OverlappingPlans: time only, the real model's consecutive plans overlap)")
@@ -691,8 +691,8 @@ def main() -> None:
                                     bench.runner(n, ctx, label, method, params, reader, be, b, True, a.tokens, extra,
                                                  parallel=par == "on", programs_per_sm=pps,
                                                  plan_ahead=ahead not in ("off", "off-cached"),
-                                                 stage_values=ahead in ("staged", "cached"),
-                                                 cache_rows=ahead in ("off-cached", "on-cached", "cached"),
+                                                 stage_values=ahead == "staged",
+                                                 cache_rows=ahead in ("off-cached", "on-cached", "staged"),
                                                  plan_overlap=ov)
                             continue
                         if be not in host_ctx:

@@ -44,7 +44,6 @@ class Request:
     slot_base: torch.Tensor | None = None  # [2, L] int64: addresses of loc_k[l], loc_v[l] (fused slot writes)
     head_stride: torch.Tensor | None = None  # [1] int64: elements between two heads of loc_k[l] (max_local x D)
     touched: torch.Tensor | None = None  # [L] fp64 sums of frame fractions (track_fraction)
-    staged_v: list | None = None  # two [KVH, N, D] GPU mirrors of the context's values, by layer parity (stage_values)
     row_caches: dict = field(default_factory=dict)  # layer -> RowCache (the runner's cache_rows)
     counted: int = 0  # (kv head, query token) pairs summed in `touched`, per layer
 

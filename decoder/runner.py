@@ -53,8 +53,8 @@ CUDA graph when it can:
   costs little, lag 2 breaks down at 8K (`benchmarks/bench_early_plans.py`, RESULTS.md).
 * **Offload** (backends keeping the context's values in host memory): a request keeps, per layer,
   the value rows its last plans read in HBM (`cache_rows`, `Request.row_cache`); the attention of a
-  one-token step reads those there and only the others over PCIe. With plan_ahead the rows are
-  staged into HBM ahead instead, through the same cache (`decoder/plan_ahead.py`).
+  one-token step reads those there and only the others over PCIe. With plan_ahead the planning side
+  stream fills the cache with the plan's rows ahead (`decoder/plan_ahead.py`).
 * **Pipelined steps** (`pipelined`, the default on CUDA): a step's inputs for the next one (each
   request's next token and position) are written on the device, so `step()` issues the next
   one-token step of the same batch *before* it reads its own tokens; the device then runs it while
@@ -155,10 +155,10 @@ class Runner:
     arithmetic), within the fidelity measured in RESULTS.md.
     `pipelined`: issue the next one-token step before reading this one's tokens (module docstring);
     None = on CUDA. The tokens are the same; on a CPU it would only delay each token by a step.
-    `stage_values`: with plan_ahead under a backend keeping values in host memory, stage them into a
-    GPU mirror (decoder/plan_ahead.py); None = on CUDA, True = also on a CPU (tests). `cache_rows`:
-    under such a backend, keep in HBM the value rows each layer's last plans read, and read those
-    from there, staged or not (module docstring); None = on CUDA, True = also on a CPU (tests).
+    `cache_rows`: under a backend keeping the context's values in host memory, keep in HBM the value
+    rows each layer's last plans read, and read those from there (module docstring); None = on
+    CUDA, True = also on a CPU (tests). `stage_values`: with plan_ahead and cache_rows, fill the row
+    cache with each plan's rows during the layer before (decoder/plan_ahead.py); None = on CUDA.
     """
 
     def __init__(self, lm, backend: AttentionBackend, device: str | torch.device | None = None, *,
@@ -189,9 +189,8 @@ class Runner:
         self.ahead_side: list[list[torch.cuda.Stream]] = [[], []]  # per batch position, by layer parity
         self._eager_key: tuple | None = None  # the batch of the last eager one-token step
         self.pipelined = cuda if pipelined is None else pipelined
-        host_v = "kv/v" in backend.host_arrays
-        self.stage_values = plan_ahead and host_v and (stage_values or stage_values is None and cuda)
-        self.cache_rows = host_v and (cache_rows or cache_rows is None and cuda)
+        self.cache_rows = "kv/v" in backend.host_arrays and (cache_rows or cache_rows is None and cuda)
+        self.stage_values = plan_ahead and self.cache_rows and (stage_values or stage_values is None and cuda)
         self._issued: Issued | None = None  # the next call's step, issued by the last call (pipelined)
         self.layer_kernels = _layer_kernels(self.w, self.device, fused_layer)  # None: the torch functions
 
@@ -229,8 +228,6 @@ class Runner:
             r.slot_base = torch.tensor([[t.data_ptr() + i * t.stride(0) * t.element_size() for i in range(shape[0])]
                                         for t in (r.loc_k, r.loc_v)], dtype=torch.int64, device=dev)
             r.head_stride = torch.full((1,), max_local * w.head_dim, dtype=torch.long, device=dev)
-        if self.stage_values:  # zeros: rows never staged are never attended, but stay finite
-            r.staged_v = [torch.zeros(r.ctx_kv[0][1].shape, dtype=r.ctx_kv[0][1].dtype, device=dev) for _ in range(2)]
         self.requests[slot] = r
         return slot
 
@@ -427,7 +424,7 @@ class Runner:
             # this layer's plans, made ahead: joined before this layer's K/V are written into the
             # step's slots, where the planner saw the predicted key
             plans = planned.join() if planned is not None else {}
-            staged = planned.values if planned is not None else {}
+            staged = planned.staged if planned is not None else set()
             if fk is None:
                 q, k, _ = qkv.split([h * d, kvh * d, kvh * d], dim=-1)  # v: the view below, both paths
                 q = apply_rope(q.view(-1, h, d), cos, sin)  # [S, H, D]
@@ -438,7 +435,7 @@ class Runner:
             outs = fork_join(self._streams(b), [
                 lambda i=i, r=r: self._attend(r, layer, lw.scale, q[i * t:(i + 1) * t], k[i * t:(i + 1) * t],
                                               v[i * t:(i + 1) * t], q_pos[i], slots[i], plans.get(i), rows is None,
-                                              staged.get(i))
+                                              i in staged)
                 for i, r in enumerate(reqs)])
             planned = nxt
             a = outs[0] if b == 1 else torch.cat(outs)  # [S, H D]
@@ -472,10 +469,11 @@ class Runner:
         return self._side[:b]
 
     def _attend(self, r: Request, layer: int, scale: float, q, k, v, q_pos, slots, plan=None,
-                write: bool = True, staged_v: torch.Tensor | None = None) -> torch.Tensor:
+                write: bool = True, staged: bool = False) -> torch.Tensor:
         """One request's attention of one layer. q [T, H, D], k/v [T, KVH, D] post-RoPE, q_pos [T]
         absolute positions, slots [T] local slots -> [T, H D]. `plan`: made ahead (else planned here).
-        `write`: store k/v into the slots here (False: the fused RoPE launch did). `staged_v`: values' mirror."""
+        `write`: store k/v into the slots here (False: the fused RoPE launch did). `staged`: the plan's
+        value rows were staged into the layer's row cache (decoder/plan_ahead.py)."""
         w = self.w
         t = q.shape[0]
         kvh, g, d = w.n_kv_heads, w.group, w.head_dim
@@ -485,13 +483,12 @@ class Runner:
             loc_k.index_copy_(1, slots, new_k)
             loc_v.index_copy_(1, slots, new_v)
         ctx_k, ctx_v = r.ctx_kv[layer]
-        ctx_v = ctx_v if staged_v is None else staged_v
         qh = q.transpose(0, 1).reshape(kvh, g, t, d)  # q head i*G + j belongs to kv head i
         kv = KVView(ctx_k, ctx_v, loc_k, loc_v, q_pos)
         if plan is None:
             plan = r.planner.plan(layer, qh, kv)
-        if self.cache_rows and staged_v is None and t == 1 and not plan.is_dense:  # RowCache per request and layer
-            kv.v_cache = r.row_cache(layer, plan.positions.shape[-1], ctx_v)
+        if self.cache_rows and t == 1 and not plan.is_dense:  # RowCache per request and layer
+            kv.v_cache, kv.v_staged = r.row_cache(layer, plan.positions.shape[-1], ctx_v), staged
         out = self.backend.run(qh, kv, plan, r.sink, r.window, scale)  # [KVH, G, T, D]
         r.planner.update(layer, new_k, new_v, q_pos)
         if self.track_fraction and not graph_capturing(qh):

@@ -206,7 +206,8 @@ class KVView:
     t iff N + j <= q_pos[t]). q_pos: [T] absolute positions of the query tokens, on the query's device.
     v_cache: a `decoder.kernels.stage.RowCache` of ctx_v's rows in GPU memory (one-token steps whose
     ctx_v is in host memory): the `triton` backend reads the plan's rows it holds from it, and
-    refreshes it; the same values as ctx_v, so every other reader ignores it.
+    refreshes it (v_staged: already filled for this step, only read); the same values as ctx_v, so
+    every other reader ignores it.
     """
 
     ctx_k: torch.Tensor
@@ -215,6 +216,7 @@ class KVView:
     loc_v: torch.Tensor
     q_pos: torch.Tensor
     v_cache: object = None
+    v_staged: bool = False
 
     @property
     def n_ctx(self) -> int:

@@ -13,7 +13,7 @@ from decoder.backends import frame_mask
 from indexer.base import KVView, Plan
 
 kernels = pytest.importorskip("decoder.kernels.attention", reason="triton is not installed")
-from decoder.kernels.stage import RowCache  # noqa: E402
+from decoder.kernels.stage import RowCache, stage_rows  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -104,6 +104,53 @@ def test_attention_reads_cached_rows_from_the_cache_and_the_rest_from_the_contex
                     assert torch.equal(cache.vals.cpu()[h, base + j], want_v[h, p])
     assert 0 < hits < rows
     assert cache.counts.tolist() == [hits, rows]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("lengths", [False, True])
+def test_attention_reads_a_staged_region_and_the_context_for_rows_it_lacks(dtype, lengths):
+    """`v_staged`: `stage_rows` filled the step's region with a plan that differs from the attended
+    one in five rows per head, over a first staging of the attended plan itself (so the five rows'
+    `slot_of` entries point at slots that now hold other rows). The staged rows are NaN in the
+    context after staging, so the output equals the reference only if those came from the cache and
+    the five others from the context; the attention writes nothing (the counters stay the stage's)."""
+    gen = torch.Generator().manual_seed(5 + lengths)
+    kvh, g, d, n, sink, window, k, m_cap = 2, 3, 16, 120, 4, 8, 20, 16
+    r = lambda *s: torch.randn(*s, generator=gen).to(dtype)  # noqa: E731
+    ctx_k, ctx_v, loc_k, loc_v, q = r(kvh, n, d), r(kvh, n, d), r(kvh, m_cap, d), r(kvh, m_cap, d), r(kvh, g, 1, d)
+    step = n + 2  # two request tokens before this one
+    plan, staged = [], []
+    for _ in range(kvh):
+        rows = (torch.randperm(n - window - sink, generator=gen) + sink)[: k + 2]  # outside the frame
+        body = torch.cat([rows[: k - 3], torch.tensor([0, n - 1])])  # + a sink and a window duplicate
+        body = body[torch.randperm(body.numel(), generator=gen)]
+        plan.append(torch.cat([body, torch.tensor([-1])]))
+        other = body.clone()
+        other[torch.isin(other, rows[k - 8: k - 3])] = rows[k - 3: k + 2]  # five rows the stage has instead
+        staged.append(torch.cat([other, torch.tensor([-1])]))
+    plan, staged = torch.stack(plan)[:, None].to(torch.int32), torch.stack(staged)[:, None].to(torch.int32)
+    cache = RowCache.empty(kvh, n, k, d, dtype, DEVICE)
+    for p in (plan, staged):
+        stage_rows(ctx_v.to(DEVICE), p.to(DEVICE), sink, window, cache, torch.tensor([step], device=DEVICE))
+    counts = cache.counts.tolist()
+    poisoned = ctx_v.clone()
+    for h in range(kvh):
+        s = staged[h, 0].long()
+        s = s[(s >= sink) & (s < n - window + 1)]
+        poisoned[h, s] = float("nan")
+    q_pos = torch.tensor([step])
+    lens = (plan >= 0).sum(-1).to(torch.int32) if lengths else None
+    out = kernels.frame_attention(
+        q.to(DEVICE), ctx_k.to(DEVICE), poisoned.to(DEVICE), loc_k.to(DEVICE), loc_v.to(DEVICE), q_pos.to(DEVICE),
+        plan.to(DEVICE), sink, window, 0.25, lengths=None if lens is None else lens.to(DEVICE),
+        cfg=kernels.KernelConfig(block_n=16, splits=3), v_cache=cache, v_staged=True)
+    mask = frame_mask(Plan(plan), KVView(ctx_k, ctx_v, loc_k, loc_v, q_pos), sink, window, g)
+    s = torch.einsum("hgtd,hnd->hgtn", q.double(), torch.cat([ctx_k, loc_k], 1).double()) * 0.25
+    ref = torch.einsum("hgtn,hnd->hgtd", torch.softmax(s.masked_fill(~mask, float("-inf")), -1),
+                       torch.cat([ctx_v, loc_v], 1).double())
+    err = ((out.cpu().double() - ref).norm() / ref.norm()).item()
+    assert err < TOL[dtype], err
+    assert cache.counts.tolist() == counts
 
 
 def test_attention_row_cache_is_for_one_token_plans_that_fit():

@@ -45,5 +45,5 @@ class TritonAttention(AttentionBackend):
         return kernels.frame_attention(
             q, kv.ctx_k, kv.ctx_v, kv.loc_k, kv.loc_v, kv.q_pos, plan.positions, sink, window, scale,
             bypass=plan.bypass, rest_logit=plan.rest_logit, rest_value=plan.rest_value, lengths=plan.lengths,
-            cfg=self.cfg, v_cache=kv.v_cache,
+            cfg=self.cfg, v_cache=kv.v_cache, v_staged=kv.v_staged,
         )

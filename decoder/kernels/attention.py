@@ -53,6 +53,8 @@ the plan), and the slots the step leaves (masked rows, those past the plan's len
 empty, so the region holds exactly this plan. Each plan row belongs to one program and no program
 reads the region being written: no races, and the arithmetic is unchanged (the same bytes).
 `counts` accumulates (hits, plan rows). Frame rows are read where they are (contiguous, cheap).
+`v_staged`: `stage_rows` already filled this step's region (planning ahead): every region is only
+read, and a row found in none of them is read from ctx_v.
 
 Precision: softmax state and accumulation in fp32; fp32 inputs use `input_precision="ieee"` dots
 (no tf32), fp16/bf16 dots take fp16/bf16 operands. Error bounds, measured speed and the tuning
@@ -105,7 +107,7 @@ def _split_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HAS_PLAN: tl.constexpr, HAS_LEN: tl.constexpr, HAS_BYPASS: tl.constexpr, HAS_REST: tl.constexpr, DIRECT: tl.constexpr,
     DOT_PRECISION: tl.constexpr, DOT_FP32: tl.constexpr, NUM_STAGES: tl.constexpr, PDL: tl.constexpr = False,
-    CACHE: tl.constexpr = 0,
+    CACHE: tl.constexpr = 0, CACHE_STAGED: tl.constexpr = False,
 ):
     pdl_begin(PDL)
     split = tl.program_id(0)
@@ -191,12 +193,13 @@ def _split_kernel(
         if CACHE > 0:  # a plan row another region holds is read from HBM (decoder/kernels/stage.py)
             c_slot = tl.load(C_SLOT + h * n_ctx + pos, mask=plan_ok, other=0).to(tl.int64)
             c_slot = tl.minimum(tl.maximum(c_slot, 0), c_width - 1)
-            c_mine = (c_slot >= c_base) & (c_slot < c_base + n_pos)
-            c_hit = plan_ok & ~c_mine & (tl.load(C_POS + h * c_width + c_slot, mask=plan_ok, other=-1) == pos)
+            c_hit = plan_ok & (tl.load(C_POS + h * c_width + c_slot, mask=plan_ok, other=-1) == pos)
+            if not CACHE_STAGED:  # this step's region is being written: hits come from the others
+                c_hit = c_hit & ((c_slot < c_base) | (c_slot >= c_base + n_pos))
             v_row = tl.where(c_hit, C_VALS + (h * c_width + c_slot) * D, v_row)
         k = tl.load(k_row[:, None] + offs_d[None, :], mask=row_ok[:, None], other=0.0)  # [BLOCK_N, D]
         v = tl.load(v_row[:, None] + offs_d[None, :], mask=row_ok[:, None], other=0.0)
-        if CACHE > 0:  # this plan's rows -> this step's region: slot c_base + j holds the j-th position
+        if CACHE > 0 and not CACHE_STAGED:  # this plan's rows -> this step's region: slot c_base + j, j-th position
             c_j = c_base + j
             tl.store(C_VALS + (h * c_width + c_j)[:, None] * D + offs_d[None, :], v, mask=plan_ok[:, None])
             tl.store(C_POS + h * c_width + c_j, tl.where(plan_ok, pos, -1).to(tl.int32), mask=in_plan)
@@ -228,7 +231,7 @@ def _split_kernel(
             pv = tl.dot(p, v, input_precision=DOT_PRECISION)
         acc = acc * alpha[:, None] + pv
         m_i = m_new
-    if CACHE > 0:
+    if CACHE > 0 and not CACHE_STAGED:
         if HAS_LEN:  # the slots past the plan's length, never visited above: empty, shared by the splits
             for j0 in range(end_a - b2 + split * BLOCK_N, n_pos, n_splits * BLOCK_N):
                 jj = j0 + tl.arange(0, BLOCK_N)
@@ -442,6 +445,7 @@ def frame_attention(
     out: torch.Tensor | None = None,  # [KVH, G, T, D] in q's dtype (allocated when None)
     cfg: KernelConfig = KernelConfig(),
     v_cache: RowCache | None = None,  # one token's plan: a cache of ctx_v's rows in HBM (module docstring)
+    v_staged: bool = False,  # v_cache already holds this step's plan (`stage_rows`): read it, write nothing
 ) -> torch.Tensor:
     """Attention of q over sink ∪ window ∪ positions ∪ visible local slots (∪ the pseudo-token);
     see the module docstring. Two launches (one when a single split suffices), no host sync, no
@@ -508,7 +512,7 @@ def frame_attention(
         HAS_PLAN=has_plan, HAS_LEN=has_len, HAS_BYPASS=has_bypass, HAS_REST=has_rest, DIRECT=direct,
         DOT_PRECISION="ieee" if dtype == torch.float32 else "tf32",
         DOT_FP32=interpreted() and dtype == torch.bfloat16, NUM_STAGES=lp.num_stages, PDL=bool(pdl), **pdl,
-        CACHE=0 if c is None else c.plans + 1, num_warps=lp.num_warps,
+        CACHE=0 if c is None else c.plans + 1, CACHE_STAGED=v_staged, num_warps=lp.num_warps,
     )
     if not direct:
         _merge_kernel[(t, g, kvh)](
