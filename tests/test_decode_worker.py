@@ -154,3 +154,31 @@ def test_pipelined_and_row_cache_settings_reach_the_runner(tmp_path, redis_prefi
         assert r.status_code == 200, r.text
         assert r.json()["stats"]["runner"] == "batched"
     assert seen == [(None, None), (False, False)]
+
+
+def test_offload_row_cache_hit_rate_is_in_the_completion_stats(tmp_path, redis_prefix, lm, monkeypatch):
+    """Under `offload_v` the batched runner's row cache (on by default on a GPU; forced on here, with
+    the triton kernel through Triton's interpreter in place of the GPU's) serves plan rows the
+    request's earlier plans read, and the completion says what share: `row_cache_hit_rate` in
+    (0, 1). (~25 s: the interpreter runs every attention of the completion.)"""
+    import decoder.runner as runner_module
+    from decoder.backends.offload import OffloadValues
+    from decoder.backends.triton import TritonAttention
+
+    class Cached(runner_module.Runner):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **{**kwargs, "cache_rows": True})
+
+    monkeypatch.setattr(runner_module, "Runner", Cached)
+    monkeypatch.setattr(OffloadValues, "run", lambda self, *args: TritonAttention().run(*args))
+    settings = _settings(tmp_path, redis_prefix, decode_runner="batched")
+    with TestClient(create_app(settings, lm=lm)) as c:
+        cid = c.post("/v1/contexts", json={"text": passkey_document(4242, n_rep=4)}).json()["id"]
+        assert wait_ready(c, cid)["status"] == "ready"
+        r = c.post(f"/v1/contexts/{cid}/completions",
+                   json={"question": PASSKEY_QUESTION, "method": "topk", "params": {"k": 16}, "backend": "offload_v",
+                         "max_tokens": 3})
+    assert r.status_code == 200, r.text
+    stats = r.json()["stats"]
+    assert stats["backend"] == "offload_v" and stats["runner"] == "batched"
+    assert 0 < stats["row_cache_hit_rate"] < 1, stats

@@ -230,10 +230,12 @@ class DecodeWorker(Loop):
                     self._release(live.job.req)
                     continue
                 ids = [t for t in req.tokens if t not in self.rt.lm.eos_token_ids]
+                hits, rows = req.cache_counts()  # the offload backends' row cache (decoder.runner, cache_rows)
                 self._done(live.job, ids, reason, ttft_s=live.t_first - live.job.t_start,
                            decode_s=now - live.t_first, stats={
                                "kv_fraction": round(runner.kv_fraction(slot), 5), "steps": req.produced,
-                               "runner": "batched", "graph": runner.graph_status, "batch_max": live.batch_max})
+                               "runner": "batched", "graph": runner.graph_status, "batch_max": live.batch_max,
+                               **({"row_cache_hit_rate": round(hits / rows, 4)} if rows else {})})
                 runner.remove(slot)
                 del self._live[name, slot]
                 self._release(live.job.req)
