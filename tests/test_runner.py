@@ -710,9 +710,9 @@ def test_gpu_steps_make_no_host_sync():
 @pytest.mark.parametrize("backend", ["offload", "offload_v"])
 def test_gpu_offload_reads_host_memory_in_place_and_equals_triton(backend):
     """The offload backends: the context's K/V (offload_v: V) pinned in host memory and read in place
-    by the kernels through mapped views (decoder/backends/offload.py), index arrays on the GPU. The
-    batch (full, topk, ctkvr) is captured and replayed like one over a GPU-resident context, no step
-    syncs, and its tokens and logits equal the triton backend's over the same context on the GPU
+    by the kernels through mapped views (decoder/backends/offload.py), index arrays on the GPU, the
+    runner's row cache on (its default there). The batch (full, topk, ctkvr) is captured and
+    replayed like one over a GPU-resident context, no step syncs, and its tokens and logits equal the triton backend's over the same context on the GPU
     (the same kernels read the same bytes; fp32, where the fused plans are reproducible run to run)."""
     from decoder.backends.offload import mapped
 
