@@ -136,9 +136,9 @@ def stage_rows_torch(src: torch.Tensor, positions: torch.Tensor, sink: int, wind
                      step: torch.Tensor) -> None:
     """The reference (and the CPU path) of `stage_rows`."""
     kvh, n_ctx, d = src.shape
-    s_end, k = min(sink, n_ctx), positions.shape[-1]
-    w_lo = min(max(int(step) - window + 1, s_end), n_ctx)
-    width, base = (cache.plans + 1) * k, int(step) % (cache.plans + 1) * k
+    s_end, k, at = min(sink, n_ctx), positions.shape[-1], int(step)
+    w_lo = min(max(at - window + 1, s_end), n_ctx)
+    width, base = (cache.plans + 1) * k, at % (cache.plans + 1) * k
     j = base + torch.arange(k, device=cache.vals.device)
     for h in range(kvh):
         pos = positions[h, 0].to(cache.vals.device).long()
