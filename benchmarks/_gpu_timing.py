@@ -130,7 +130,8 @@ def stream_overlap(fn, sync=None) -> dict:
     stream its kernel count and summed kernel time. Caveat: a replayed CUDA graph runs on the
     graph's own streams, to which its parallel branches are mapped, not on the streams it was
     captured from; and kernels that share SMs take longer each. Read `span` against the same step
-    without side streams; the per-stream split is indicative only."""
+    without side streams; the per-stream split is indicative only. `timeline` lists every kernel in
+    start order (where a layer's time goes: the gaps between one kernel's end and the next's start)."""
     import json
     import tempfile
 
@@ -188,7 +189,11 @@ def stream_overlap(fn, sync=None) -> dict:
     return {"span": end - start, "main_busy": length(m), "main_gaps": end - start - length(m),
             "side_busy": length(side), "side_hidden": hidden, "side_exposed": length(side) - hidden,
             "streams": {str(k): [len(v), round(sum(b - a for a, b in v), 1)] for k, v in by_stream.items()},
-            "main_stream": str(main)}
+            "main_stream": str(main),
+            # every kernel in start order: [name, start µs from the first kernel's, duration µs, stream]
+            "timeline": [[e["name"][:48], round(float(e["ts"]) - start, 2), round(float(e["dur"]), 2),
+                          str(e.get("args", {}).get("stream", e.get("tid")))]
+                         for e in sorted(evs, key=lambda e: float(e["ts"]))]}
 
 
 def triton_kernel_regs() -> dict:

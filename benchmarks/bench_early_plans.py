@@ -16,6 +16,8 @@ on the critical path: layer L's search needs layer L's query. Two ways to take i
   up to the token before (the attention, run later, sees them all); with `predicted` the step's own
   row holds a key predicted the same way (layer L's k projection and RoPE of that residual), which is
   what `decoder/runner.py`'s `plan_ahead` writes there. lag 0: the true query with that same view.
+  `--points attention`: the residual is taken after layer L - lag's attention instead of at its
+  input (the runner's `ahead_point="attention"`: the plan overlaps that layer's MLP only).
 
 Methods: those that stay close to dense attention at rho = 5% (`topk`, the exact oracle; `ctkvr`;
 `kivf`) and `psa`; `saap` with `--saap-model DIR` (a trained model: its classifier decides the
@@ -41,7 +43,7 @@ sys.path.insert(0, str(ROOT))
 
 from benchmarks.bench_psa_lfps import context_kv, machine, open_planner  # noqa: E402
 from decoder.model import load_model  # noqa: E402
-from decoder.plan_ahead import OWN_KEYS, PredictedQueries  # noqa: E402
+from decoder.plan_ahead import OWN_KEYS, POINTS, PredictedQueries  # noqa: E402
 from decoder.prefill import prefill  # noqa: E402
 from evaluation.fidelity import fidelity, teacher_forced_logits  # noqa: E402
 from indexer.base import Plan, Planner, get_method  # noqa: E402
@@ -91,6 +93,8 @@ def main() -> None:
     ap.add_argument("--lags", type=int, nargs="+", default=[0, 1, 2])
     ap.add_argument("--own-key", nargs="+", default=["hidden"], choices=OWN_KEYS,
                     help="predict: what the planner sees in the step's own request-local row")
+    ap.add_argument("--points", nargs="+", default=["input"], choices=POINTS,
+                    help="predict: where in layer L - lag the residual is taken (its input, or after its attention)")
     ap.add_argument("--saap-model", type=Path, default=None,
                     help="a trained SAAP model directory (e.g. the tests' `small` preset): adds saap to the methods")
     ap.add_argument("--saap-nprobe", type=int, default=2,
@@ -111,7 +115,8 @@ def main() -> None:
     ref = teacher_forced_logits(lm, ctx, open_planner(full, full.Params(), cap, n_ctx, a.positions), full.Params(),
                                 ids[n_ctx:])
     variants = {"reuse": ("period", [(p, None) for p in a.periods], lambda p, v: ReusedPlans(p, v[0])),
-                "predict": ("lag", [(lag, own) for lag in a.lags for own in a.own_key],
+                "predict": ("lag", [(lag, own, pt) for lag in a.lags for own in a.own_key
+                                    for pt in (a.points if lag else ["input"])],
                             lambda p, v: PredictedQueries(p, lm.model, lm.spec, *v))}
     saap = ("saap", "saap", {"model_dir": str(a.saap_model), "nprobe": a.saap_nprobe})
     methods = METHODS + ([saap] if a.saap_model else [])
@@ -124,7 +129,7 @@ def main() -> None:
             params = m.Params(**kw)
             for v in values:
                 planner = wrap(open_planner(m, params, cap, n_ctx, a.positions), v)
-                extra = {"own_key": v[1]} if v[1] is not None else {}
+                extra = {"own_key": v[1], "point": v[2]} if v[1] is not None else {}
                 row = {"label": label, key: v[0], **extra,
                        **fidelity(ref, teacher_forced_logits(lm, ctx, planner, params, ids[n_ctx:]))}
                 res[section].append(row)

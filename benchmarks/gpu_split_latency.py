@@ -40,6 +40,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--n", type=int, default=131072)
     ap.add_argument("--reps", type=int, default=50)
+    ap.add_argument("--more", action="store_true", help="also sweep stages and programs per SM on the plan")
     ap.add_argument("--out", default=os.environ.get("OUT", "benchmarks/out"))
     a = ap.parse_args()
     dev = torch.device("cuda")
@@ -66,6 +67,11 @@ def main() -> None:
                                  (32, 8, None), (64, 4, 1), (64, 4, 3), (128, 4, 1)]]
     variants += [("plan", positions, lengths, KernelConfig(block_n=bn, num_warps=w))
                  for bn, w in [(128, 4), (128, 8), (64, 4), (64, 8)]]
+    if a.more:  # pipeline depth and the programs per SM on the plan too (session 21's sweep)
+        variants += [("plan", positions, lengths, KernelConfig(block_n=bn, num_warps=w, num_stages=s, programs_per_sm=pps))
+                     for bn, w, s, pps in [(128, 4, 1, 2), (128, 8, 1, 2), (64, 4, 1, 2), (64, 8, 1, 2), (32, 4, 1, 2),
+                                           (32, 4, 2, 2), (64, 4, 2, 4), (64, 4, 1, 4), (32, 4, 1, 4), (128, 4, 2, 1),
+                                           (128, 4, 2, 4)]]
     rows = []
     out_empty = torch.empty(KVH, device=dev)
     empty = lambda: _empty_kernel[(KVH,)](out_empty)  # noqa: E731
@@ -87,10 +93,11 @@ def main() -> None:
         prof = kernel_profile(fn)
         g_ms, why = T.graph_ms(fn, reps=a.reps)
         row = {"case": case, "block_n": lp.block_n, "num_warps": lp.num_warps, "num_stages": lp.num_stages,
-               "splits": lp.splits, "chunks_per_split": lp.chunks_per_split, "device_us": prof["device_us_per_call"],
+               "programs_per_sm": cfg.programs_per_sm, "splits": lp.splits, "chunks_per_split": lp.chunks_per_split, "device_us": prof["device_us_per_call"],
                "kernels": prof["top"], "graph_ms": g_ms, "graph": why, "rel_err_vs_first_plan_variant": err}
         rows.append(row)
-        print(f"{case:5s} block_n {lp.block_n:3d} warps {lp.num_warps} stages {lp.num_stages} splits {lp.splits:3d}: "
+        print(f"{case:5s} block_n {lp.block_n:3d} warps {lp.num_warps} stages {lp.num_stages} "
+              f"pps {cfg.programs_per_sm} splits {lp.splits:3d}: "
               f"{prof['device_us_per_call']:6.2f} us device, graph {g_ms if g_ms is None else round(g_ms * 1e3, 1)} us"
               f"{'' if err is None else f' err {err:.1e}'}", flush=True)
     info = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "torch": torch.__version__,

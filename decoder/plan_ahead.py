@@ -3,18 +3,27 @@ side stream (the runner's module docstring says when and why), and `PredictedQue
 the transformers path as a planner wrapper around the model's own modules (the reference the
 runner's tests compare with, and `benchmarks/bench_early_plans.py`'s `predict` section).
 
-`PredictedQueries(inner, model, spec, lag, own_key)` plans layer L's one-token steps with a query
-predicted from the residual stream entering layer L - lag: layer L's input_layernorm, q_proj and
-RoPE applied to it (InfiniGen's idea; the attention still uses the true query). Layers < lag and
-multi-token chunks plan as usual. Planned that early, the step's own key does not exist yet:
+`PredictedQueries(inner, model, spec, lag, own_key, point)` plans layer L's one-token steps with a
+query predicted from the residual stream at `point` of layer L - lag: layer L's input_layernorm,
+q_proj and RoPE applied to it (InfiniGen's idea; the attention still uses the true query). Layers <
+lag and multi-token chunks plan as usual. The points (`POINTS`):
+
+* `"input"`: the residual entering layer L - lag (the prediction misses that layer's attention and
+  MLP outputs);
+* `"attention"`: the residual after layer L - lag's attention has been added, entering its MLP (the
+  prediction misses only the MLP's output; the plan then overlaps that MLP alone).
+
+Planned that early, the step's own key does not exist yet:
 
 * `own_key="hidden"`: the planner sees the request-local rows up to the token before;
 * `own_key="predicted"`: the step's own row holds a key predicted the same way (layer L's k_proj
   and RoPE of that residual): what the runner writes into the slot before planning ahead (the
   true key replaces it before the attention reads it).
 
-Forward pre-hooks on the model's decoder layers keep each layer's input; close() removes them.
-Llama-family modules (q_proj, k_proj, input_layernorm, position_embeddings in the layer's kwargs).
+Forward pre-hooks on the model's decoder layers keep each layer's input, and on their
+post_attention_layernorm the residual after the attention; close() removes them. Llama-family
+modules (q_proj, k_proj, input_layernorm, post_attention_layernorm, position_embeddings in the
+layer's kwargs).
 
 **Staged values** (`Runner(stage_values=...)`, on by default on CUDA when it plans ahead under a
 backend that keeps the context's values in host memory, `offload_v` or `offload`, with its row
@@ -44,6 +53,7 @@ from decoder.streams import fork_join
 from indexer.base import KVView, Planner
 
 OWN_KEYS = ("hidden", "predicted")
+POINTS = ("input", "attention")  # where in layer L - lag the residual that predicts layer L's query is taken
 
 
 @dataclass
@@ -68,9 +78,9 @@ class Ahead:
 def plan_next(runner, reqs: list, ahead: list[int], layer: int, x: torch.Tensor, cos, sin, q_pos: list,
               slots: list) -> Ahead:
     """`decoder.runner.Runner`'s planning ahead: plan `layer` of the one-token step for the runner's
-    requests at batch positions `ahead`, from x [B, C], the residual stream entering layer - 1 (the
-    runner's module docstring, "Planning ahead"): on CUDA queued on the layer's side stream
-    (`runner.ahead_streams`, by layer parity; joined by `Ahead.join`), else run here."""
+    requests at batch positions `ahead`, from x [B, C], the residual stream of layer - 1 at the
+    runner's `ahead_point` (its module docstring, "Planning ahead"): on CUDA queued on the layer's
+    side stream (`runner.ahead_streams`, by layer parity; joined by `Ahead.join`), else run here."""
     w = runner.w
     lw = w.layers[layer]
     h, kvh, d, g = w.n_heads, w.n_kv_heads, w.head_dim, w.group
@@ -124,19 +134,29 @@ def plan_next(runner, reqs: list, ahead: list[int], layer: int, x: torch.Tensor,
 class PredictedQueries(Planner):
     """The transformers-path reference of planning ahead (module docstring)."""
 
-    def __init__(self, inner: Planner, model, spec, lag: int = 1, own_key: str = "predicted"):
+    def __init__(self, inner: Planner, model, spec, lag: int = 1, own_key: str = "predicted", point: str = "input"):
         from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
         if own_key not in OWN_KEYS:
             raise ValueError(f"own_key must be one of {OWN_KEYS}")
-        self.inner, self.spec, self.lag, self.own_key = inner, spec, lag, own_key
+        if point not in POINTS:
+            raise ValueError(f"point must be one of {POINTS}")
+        self.inner, self.spec, self.lag, self.own_key, self.point = inner, spec, lag, own_key, point
         self.graph_safe = False  # the predictions live in Python state set by the hooks
         self._rope = apply_rotary_pos_emb
         self.inputs: dict[int, torch.Tensor] = {}  # layer -> its input residual [1, T, hidden] (this step)
+        self.mids: dict[int, torch.Tensor] = {}  # layer -> its residual after the attention (this step)
         self.predicted: dict[int, tuple] = {}  # layer -> predicted (q [KVH, G, T, D], k [KVH, T, D])
         layers = model.model.layers
         self.hooks = [layer.register_forward_pre_hook(self._hook(i, layers), with_kwargs=True)
                       for i, layer in enumerate(layers)]
+        self.hooks += [layer.post_attention_layernorm.register_forward_pre_hook(self._mid_hook(i))
+                       for i, layer in enumerate(layers)]
+
+    def _mid_hook(self, i: int):
+        def hook(module, args):
+            self.mids[i] = args[0]  # the residual after layer i's attention [1, T, hidden]
+        return hook
 
     def _hook(self, i: int, layers):
         def hook(module, args, kwargs):
@@ -145,7 +165,8 @@ class PredictedQueries(Planner):
             self.predicted.pop(i, None)
             if i >= self.lag and h.shape[1] == 1:
                 layer = layers[i]
-                hn = layer.input_layernorm(self.inputs[i - self.lag])
+                src = (self.inputs if self.point == "input" else self.mids)[i - self.lag]
+                hn = layer.input_layernorm(src)
                 d = self.spec.head_dim
                 q = layer.self_attn.q_proj(hn).view(1, 1, -1, d).transpose(1, 2)  # [1, H, 1, D]
                 k = layer.self_attn.k_proj(hn).view(1, 1, -1, d).transpose(1, 2)  # [1, KVH, 1, D]

@@ -262,14 +262,18 @@ def test_graph_safety_and_finishing(lm, passkey_cap):
         runner.add(ctx, Flagged(), get_method("full").Params(), [], 2)
 
 
-def test_plan_ahead_equals_its_transformers_reference(lm, captured_2k, passkey_cap, saap_small_model):
-    """plan_ahead: layers >= 1 of one-token steps are planned from the residual entering the layer
-    before, with the predicted own key in the step's slot (decoder/plan_ahead.py's PredictedQueries
-    is the same on the transformers path). A batch of five (full is not planned ahead; topk, ctkvr,
-    psa and saap, whose classifier de-RoPEs the predicted query at the step's position, are): each
-    request's logits equal its reference's, teacher-forced with the runner's tokens, and the sparse
-    ones differ from planning with the true query (the test tells the two apart: measured
-    2026-11-28, fp32 CPU, max abs logit difference topk 1.6, ctkvr 0.9, psa 1.1, saap 2.3)."""
+@pytest.mark.parametrize("point", ["input", "attention"])
+def test_plan_ahead_equals_its_transformers_reference(lm, captured_2k, passkey_cap, saap_small_model, point):
+    """plan_ahead: layers >= 1 of one-token steps are planned from the residual of the layer before
+    (entering it, or after its attention: `ahead_point`), with the predicted own key in the step's
+    slot (decoder/plan_ahead.py's PredictedQueries is the same on the transformers path). A batch
+    of five (full is not planned ahead; topk, ctkvr, psa and saap, whose classifier de-RoPEs the
+    predicted query at the step's position, are): each request's logits equal its reference's at
+    the same point, teacher-forced with the runner's tokens, and the sparse ones differ from
+    planning with the true query (the test tells the two apart: measured 2026-11-28, fp32 CPU, max
+    abs logit difference at the input point topk 1.6, ctkvr 0.9, psa 1.1, saap 2.3; after the
+    attention topk 1.4, ctkvr 0.4, psa 0.8, saap 2.3), and a reference at the other point would not
+    match (the points' plans differ: 0.6-1.2, 2026-11-29)."""
     from decoder.plan_ahead import PredictedQueries
 
     n_new = 6
@@ -285,21 +289,25 @@ def test_plan_ahead_equals_its_transformers_reference(lm, captured_2k, passkey_c
         ctx, sub = capture_ctx(cap, n)
         planner, params = open_planner(name, sub, lm.spec, len(q) + n_new, **kw)
         cases.append((name, ctx, planner, params, q))
-    runner = Runner(lm, be, plan_ahead=True)
+    runner = Runner(lm, be, plan_ahead=True, ahead_point=point)
     slots = [runner.add(ctx, planner(), params, q, n_new) for _, ctx, planner, params, q in cases]
     logits = run_all(runner, slots)
+    other = {"input": "attention", "attention": "input"}[point]
     for slot, (name, ctx, planner, params, q) in zip(slots, cases):
         toks = runner.requests[slot].tokens
         plain = hf_logits(lm, ctx, planner(), params, q, toks, be)
         if name == "full":
             torch.testing.assert_close(logits[slot], plain, atol=ATOL_FP32, rtol=0)
             continue
-        ahead = hf_logits(lm, ctx, PredictedQueries(planner(), lm.model, lm.spec, lag=1, own_key="predicted"),
-                          params, q, toks, be)
-        torch.testing.assert_close(logits[slot], ahead, atol=ATOL_FP32, rtol=0)
+        ref = {pt: hf_logits(lm, ctx, PredictedQueries(planner(), lm.model, lm.spec, lag=1, own_key="predicted",
+                                                       point=pt), params, q, toks, be) for pt in (point, other)}
+        torch.testing.assert_close(logits[slot], ref[point], atol=ATOL_FP32, rtol=0)
         diff = float((logits[slot][1:] - plain[1:]).abs().max())
-        print(f"{name}: plan ahead vs true-query plans, max abs logit difference {diff:.3f}")
+        diff_other = float((logits[slot][1:] - ref[other][1:]).abs().max())
+        print(f"{name} at {point}: max abs logit difference to true-query plans {diff:.3f}, "
+              f"to the {other} point's {diff_other:.3f}")
         assert diff > 0.05, name
+        assert diff_other > 0.05, name
     assert all(not h for h in [lay._forward_pre_hooks for lay in lm.model.model.layers])  # closed
 
 
@@ -602,8 +610,10 @@ def test_gpu_graph_replay_equals_eager_equals_transformers(dtype):
 
 
 @pytest.mark.gpu
-def test_gpu_plan_ahead_on_side_streams_equals_its_reference():
-    """plan_ahead on CUDA (fp32): the prediction and plan(L) run on a side stream during layer L - 1.
+@pytest.mark.parametrize("point", ["input", "attention"])
+def test_gpu_plan_ahead_on_side_streams_equals_its_reference(point):
+    """plan_ahead on CUDA (fp32), from either `ahead_point`: the prediction and plan(L) run on a
+    side stream during layer L - 1 (from its start, or after its attention).
     Four requests (full, topk, ctkvr, psa): the CUDA-graph runner with parallel attention, the eager
     runner and the graph runner on one attention stream agree, replays make no host sync, and each
     sparse request's logits equal the transformers path with `PredictedQueries` (the same plans
@@ -617,7 +627,7 @@ def test_gpu_plan_ahead_on_side_streams_equals_its_reference():
     reqs = _gpu_requests(lm, gpu_ctx, n_new, names=("full", "topk", "ctkvr", "psa"))
     runs = {}
     for graphs, parallel in ((True, True), (False, True), (True, False)):
-        runner = Runner(lm, be, graphs=graphs, parallel=parallel, plan_ahead=True)
+        runner = Runner(lm, be, graphs=graphs, parallel=parallel, plan_ahead=True, ahead_point=point)
         slots = [runner.add(ctx, planner(), params, q, n_new) for _, ctx, planner, params, q in reqs]
         runner.step()
         runner.step()
@@ -633,7 +643,8 @@ def test_gpu_plan_ahead_on_side_streams_equals_its_reference():
         for (name, *_), got, ref in zip(reqs, g_logits, runs[other][0]):
             assert _same_decode(got, ref, REL_GRAPH, 1e-2) >= 1, (name, other)
     for (name, ctx, planner, params, q), got, toks in zip(reqs, g_logits, g_toks):
-        p = planner() if name == "full" else PredictedQueries(planner(), lm.model, lm.spec, lag=1, own_key="predicted")
+        p = planner() if name == "full" else PredictedQueries(planner(), lm.model, lm.spec, lag=1, own_key="predicted",
+                                                              point=point)
         ref = hf_logits(lm, ctx, p, params, q, toks, be)[2:]  # the steps _drain saw
         rel = _rel(got, ref)
         print(f"plan ahead {name}: runner vs transformers max rel {float(rel.max()):.2e}")
