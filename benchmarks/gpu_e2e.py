@@ -297,7 +297,7 @@ class Bench:
                graphs: bool, tokens: int, extra: dict, fused_layer: bool | None = None,
                contexts: str | None = None, plan_ahead: bool = False, pipelined: bool = True,
                parallel: bool = True, programs_per_sm: int | None = None, stage_values: bool | None = None,
-               cache_rows: bool | None = None, plan_overlap: float | None = None, ahead_point: str = "input") -> None:
+               cache_rows: bool | None = None, plan_overlap: float | None = None) -> None:
         be = get_backend(backend_name)
         if programs_per_sm is not None:  # the attention kernel's launch: programs per SM it aims at
             from decoder.kernels.attention import KernelConfig
@@ -308,7 +308,7 @@ class Bench:
         local = self.a.question + max_new
         run = Runner(self.lm, be, self.dev, graphs=graphs, track_fraction=True, fused_layer=fused_layer,
                      plan_ahead=plan_ahead, pipelined=pipelined, parallel=parallel, stage_values=stage_values,
-                     cache_rows=cache_rows, ahead_point=ahead_point)
+                     cache_rows=cache_rows)
         if plan_ahead and self.a.ahead_priority and self.dev == "cuda":  # planning (and staging) streams first
             run.ahead_streams = [torch.cuda.Stream(self.dev, priority=self.a.ahead_priority) for _ in range(2)]
             run.ahead_side = [[torch.cuda.Stream(self.dev, priority=self.a.ahead_priority) for _ in range(b)]
@@ -384,7 +384,6 @@ class Bench:
                "kv_fraction": frac, "graph": status, "first_step": first_status, "prompt_ms": t_prompt * 1e3,
                "warmup_ms": t_warm * 1e3, "capture_or_first_ms": t_first * 1e3,
                "fused_layer": run.layer_kernels is not None, "contexts": contexts, "plan_ahead": plan_ahead,
-               "ahead_point": ahead_point if plan_ahead else None,
                "pipelined": run.pipelined, "ms_wall_mean": wall_mean, "parallel": run.parallel,
                "programs_per_sm": programs_per_sm,  # None: KernelConfig's default
                "stage_values": run.stage_values, "ahead_priority": self.a.ahead_priority if plan_ahead else None,
@@ -544,9 +543,8 @@ def main() -> None:
     ap.add_argument("--pipelined", nargs="+", choices=["off", "on"], default=["on"],
                     help="graph rows with the runner issuing each step before reading the last one's tokens "
                          "(on: the runner's default on CUDA), without (off), or both (rows say pipelined)")
-    ap.add_argument("--plan-ahead", nargs="+", choices=["off", "on", "attention"], default=["off"],
-                    help="graph rows of the sparse methods with the runner's plan_ahead too (rows say plan_ahead): "
-                         "on = from the residual entering the layer before, attention = after its attention")
+    ap.add_argument("--plan-ahead", nargs="+", choices=["off", "on"], default=["off"],
+                    help="graph rows of the sparse methods with the runner's plan_ahead too (rows say plan_ahead)")
     ap.add_argument("--contexts", choices=["distinct", "shared", "copies"], default="distinct",
                     help="B > 1: each request on its own context (layers rotated, see rotated()), all on one, or "
                          "each on its own copy of its rotated context (own_copy(): the memory of B distinct contexts)")
@@ -676,11 +674,9 @@ def main() -> None:
                                 for fl in ((None, False) if a.layer_ab else (None,)):
                                     bench.runner(n, ctx, label, method, params, reader, be, b, True, a.tokens, extra,
                                                  fl, pipelined=on)
-                                for point in [{"on": "input", "attention": "attention"}[v] for v in a.plan_ahead
-                                              if v != "off" and name not in ("full", "streaming")]:
-                                    if not bench.over_budget():
-                                        bench.runner(n, ctx, label, method, params, reader, be, b, True, a.tokens,
-                                                     extra, plan_ahead=True, pipelined=on, ahead_point=point)
+                                if "on" in a.plan_ahead and name not in ("full", "streaming") and not bench.over_budget():
+                                    bench.runner(n, ctx, label, method, params, reader, be, b, True, a.tokens, extra,
+                                                 plan_ahead=True, pipelined=on)
                             if a.fit_check and b > 1 and not bench.over_budget():  # B copies: do they fit?
                                 bench.runner(n, ctx, label, method, params, reader, be, b, True, a.tokens, extra,
                                              contexts="copies")
@@ -726,7 +722,7 @@ def main() -> None:
         ratio = None if not r.get("floor_ms") else r["ms_per_token"] / r["floor_ms"]
         fl = "" if r.get("fused_layer", True) else " (torch layer ops)"
         if r.get("plan_ahead"):
-            fl += " (plan ahead)" if r.get("ahead_point", "input") == "input" else " (plan ahead at attention)"
+            fl += " (plan ahead)"
         if r.get("pipelined") is False and r["runner"] == "runner_graph":
             fl += " (not pipelined)"
         if r.get("parallel") is False and r.get("batch", 1) > 1:

@@ -9,9 +9,12 @@ q_proj and RoPE applied to it (InfiniGen's idea; the attention still uses the tr
 lag and multi-token chunks plan as usual. The points (`POINTS`):
 
 * `"input"`: the residual entering layer L - lag (the prediction misses that layer's attention and
-  MLP outputs);
+  MLP outputs): what the runner does;
 * `"attention"`: the residual after layer L - lag's attention has been added, entering its MLP (the
-  prediction misses only the MLP's output; the plan then overlaps that MLP alone).
+  prediction misses only the MLP's output). At lag 1 its plans are as close to dense as the true
+  query's, but a runner planning from there gains almost nothing: the search would overlap only
+  the MLP's GEMMs, which leave it no SMs (benchmarks/RESULTS.md, "Planning ahead from after the
+  attention"), so the runner does not offer it.
 
 Planned that early, the step's own key does not exist yet:
 
@@ -78,9 +81,10 @@ class Ahead:
 def plan_next(runner, reqs: list, ahead: list[int], layer: int, x: torch.Tensor, cos, sin, q_pos: list,
               slots: list) -> Ahead:
     """`decoder.runner.Runner`'s planning ahead: plan `layer` of the one-token step for the runner's
-    requests at batch positions `ahead`, from x [B, C], the residual stream of layer - 1 at the
-    runner's `ahead_point` (its module docstring, "Planning ahead"): on CUDA queued on the layer's
-    side stream (`runner.ahead_streams`, by layer parity; joined by `Ahead.join`), else run here."""
+    requests at batch positions `ahead`, from x [B, C], the residual stream entering layer - 1 (the
+    runner's module docstring, "Planning ahead"; `PredictedQueries` at point "input"): on CUDA queued
+    on the layer's side stream (`runner.ahead_streams`, by layer parity; joined by `Ahead.join`), else
+    run here."""
     w = runner.w
     lw = w.layers[layer]
     h, kvh, d, g = w.n_heads, w.n_kv_heads, w.head_dim, w.group

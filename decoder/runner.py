@@ -36,20 +36,21 @@ CUDA graph when it can:
   layers and steps. Results do not depend on it (same kernels, same inputs; test).
 * **Planning ahead** (`plan_ahead=True`, one-token steps): a layer's search sits on the critical
   path, since layer L's plan needs layer L's query. With plan_ahead, layer L (>= 1) is planned from
-  a query *predicted* from the residual stream of layer L - 1, InfiniGen-style: layer L's own input
-  RMSNorm, q/k projection (the first (H + KVH)·D rows of its fused QKV weight) and RoPE. Where that
-  residual is taken (`ahead_point`): "input", entering layer L - 1 (the fork comes before its QKV
-  GEMM, so the search overlaps its projections, attention and MLP), or "attention", after layer L -
-  1's attention output is added (the search overlaps its MLP only; the prediction misses only the
-  MLP's output). On CUDA that prediction and each request's `plan(L)` run on a side stream joined
-  just before layer L's attention, which still uses the true query and key and the whole frame.
-  The step's own key does not exist yet: its slot holds the *predicted* key while the planner looks
-  (the true key overwrites it before layer L's attention). Layer 0 plans inline; planners that
-  ignore the query (`reads_query` False: full, streaming) are not planned ahead.
+  a query *predicted* from the residual stream entering layer L - 1, InfiniGen-style: layer L's own
+  input RMSNorm, q/k projection (the first (H + KVH)·D rows of its fused QKV weight) and RoPE. On
+  CUDA that prediction and each request's `plan(L)` run on a side stream forked at the start of
+  layer L - 1 and joined just before layer L's attention, so the search overlaps layer L - 1's
+  projections, attention and MLP; the attention itself still uses the true query, the true key and
+  the whole frame. Planned that early, the step's own key does not exist yet: the request-local slot
+  of the current token holds the *predicted* key while the planner looks (written by the side
+  stream; the true key overwrites it before layer L's attention reads it). Layer 0 plans inline.
+  Planners that ignore the query (`reads_query` False: full, streaming) are not planned ahead.
   Two side streams alternate by layer parity (plus per-request ones when attention runs in
-  parallel): plan(L + 1), forked at the "input" point, may overlap the end of plan(L) and runs
-  while layer L's attention reads plan(L); kernel workspaces are per stream. Planners are called plan(L + 1) before update(L); their per-step
-  state is per layer (`indexer.base.Planner`). Fidelity: `benchmarks/bench_early_plans.py`, RESULTS.md.
+  parallel): plan(L + 1), forked as soon as layer L's input residual exists (before its QKV GEMM),
+  may overlap the end of plan(L) and runs while layer L's attention reads plan(L); kernel
+  workspaces are per stream. Planners are called plan(L + 1) before update(L); their per-step
+  state is per layer (`indexer.base.Planner`). Fidelity (KL to dense, default model, CPU): lag 1
+  costs little, lag 2 breaks down at 8K (`benchmarks/bench_early_plans.py`, RESULTS.md).
 * **Offload** (backends keeping the context's values in host memory): a request keeps, per layer,
   the value rows its last plans read in HBM (`cache_rows`, `Request.row_cache`); the attention of a
   one-token step reads those there and only the others over PCIe. With plan_ahead the planning side
@@ -80,7 +81,12 @@ CUDA graph when it can:
     capture (an eager call may grow and so free a kernel workspace the graph points to);
   - otherwise run eagerly (same code) and drop the graph; a failed capture falls back to eager
     for that batch and says why in `graph_status`.
-  update() is captured with the rest (why, and why not `torch.compile`: docs/architecture.md).
+  update() is captured with the rest rather than run eagerly after each replay: plan() hands its
+  pending update (CTkvr's FIFO push, LFPS's table update) to update() through the planner's Python
+  state, which a replay does not recreate, so an eager update() would find nothing pending; the
+  captured one replays its device work exactly. Host-side bookkeeping inside plan()/update() (step
+  counters some planners keep for `stats()`) runs at capture time only, so such counters undercount
+  replayed steps. Why not `torch.compile(mode="reduce-overhead")`: docs/architecture.md.
 
 Numerics: the runner's logits equal the transformers path (`generate`: the model's own modules +
 the ctxcache hook, same planner, same backend) up to the summation order of the fused GEMMs and of
@@ -101,7 +107,7 @@ import torch.nn.functional as F
 
 from decoder.backends import AttentionBackend, frame_fraction
 from decoder.layers import apply_rope, mlp, rms_norm, rope_cos_sin
-from decoder.plan_ahead import POINTS, Ahead, plan_next
+from decoder.plan_ahead import Ahead, plan_next
 from decoder.requests import CapturedStep, Issued, Request
 from decoder.sampling import sample_tokens
 from decoder.streams import fork_join
@@ -144,11 +150,11 @@ class Runner:
     `fused_layer`: RMSNorm (+ residual add), RoPE of q and k and SiLU·up as one Triton launch each
     (`decoder/kernels/layer.py`, same roundings as the torch functions here); None = on CUDA where
     Triton runs them, True = also through Triton's interpreter (tests), False = torch.
-    `plan_ahead`: plan layer L >= 1 of one-token steps from the residual of layer L - 1 at
-    `ahead_point` ("input" or "attention"), on a side stream on CUDA (module docstring); it changes
-    the plans (not the attention's arithmetic), within the fidelity measured in RESULTS.md.
+    `plan_ahead`: plan layer L >= 1 of one-token steps from the residual entering layer L - 1, on a
+    side stream on CUDA (module docstring); off by default: it changes the plans (not the attention's
+    arithmetic), within the fidelity measured in RESULTS.md.
     `pipelined`: issue the next one-token step before reading this one's tokens (module docstring);
-    None = on CUDA (the tokens are the same; on a CPU it would only delay each token by a step).
+    None = on CUDA. The tokens are the same; on a CPU it would only delay each token by a step.
     `cache_rows`: under a backend keeping the context's values in host memory, keep in HBM the value
     rows each layer's last plans read, and read those from there (module docstring); None = on
     CUDA, True = also on a CPU (tests). `stage_values`: with plan_ahead and cache_rows, fill the row
@@ -157,8 +163,8 @@ class Runner:
 
     def __init__(self, lm, backend: AttentionBackend, device: str | torch.device | None = None, *,
                  graphs: bool = True, track_fraction: bool = False, parallel: bool = True,
-                 fused_layer: bool | None = None, plan_ahead: bool = False, ahead_point: str = "input",
-                 pipelined: bool | None = None, stage_values: bool | None = None, cache_rows: bool | None = None):
+                 fused_layer: bool | None = None, plan_ahead: bool = False, pipelined: bool | None = None,
+                 stage_values: bool | None = None, cache_rows: bool | None = None):
         model = lm.model
         self.w = fuse_weights(model)
         self.device = torch.device(device) if device is not None else self.w.embed.device
@@ -177,9 +183,7 @@ class Runner:
         self._stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         self.parallel = parallel and self.device.type == "cuda"
         self._side: list[torch.cuda.Stream] = []  # one per batch position (parallel attention)
-        if ahead_point not in POINTS:
-            raise ValueError(f"ahead_point must be one of {POINTS}")
-        self.plan_ahead, self.ahead_point = plan_ahead, ahead_point
+        self.plan_ahead = plan_ahead
         cuda = self.device.type == "cuda"
         self.ahead_streams = [torch.cuda.Stream(self.device) for _ in range(2)] if cuda else None  # by layer parity
         self.ahead_side: list[list[torch.cuda.Stream]] = [[], []]  # per batch position, by layer parity
@@ -412,12 +416,10 @@ class Runner:
                 hn = rms_norm(x, lw.ln1, w.eps)
             else:
                 hn, x = (fk.rms_norm(x, lw.ln1, w.eps), x) if branch is None else fk.rms_norm(branch, lw.ln1, w.eps, x)
-            # the next layer's plan, ahead from the residual at ahead_point: entering this layer (here;
-            # it may overlap the end of this layer's plan: per-layer planner state, per-stream
-            # workspaces), or after this layer's attention (below)
-            early = ahead and layer + 1 < len(w.layers)
+            # x is the residual entering this layer: the next layer's plan starts from it now, and
+            # may overlap the end of this layer's plan (per-layer planner state, per-stream workspaces)
             nxt = plan_next(self, reqs, ahead, layer + 1, x, cos, sin, q_pos, slots) \
-                if early and self.ahead_point == "input" else None
+                if ahead and layer + 1 < len(w.layers) else None
             qkv = F.linear(hn, lw.wqkv, lw.bqkv)  # [S, (H + 2 KVH) D]
             # this layer's plans, made ahead: joined before this layer's K/V are written into the
             # step's slots, where the planner saw the predicted key
@@ -435,18 +437,13 @@ class Runner:
                                               v[i * t:(i + 1) * t], q_pos[i], slots[i], plans.get(i), rows is None,
                                               i in staged)
                 for i, r in enumerate(reqs)])
+            planned = nxt
             a = outs[0] if b == 1 else torch.cat(outs)  # [S, H D]
             if fk is None:
                 x = x + F.linear(a, lw.wo, lw.bo)
-                hn = rms_norm(x, lw.ln2, w.eps)
-            else:  # x + o_proj and its RMSNorm: one launch
+                x = x + mlp(rms_norm(x, lw.ln2, w.eps), lw)
+            else:  # x + o_proj, its RMSNorm, SiLU·up: two launches around the projections
                 hn, x = fk.rms_norm(F.linear(a, lw.wo, lw.bo), lw.ln2, w.eps, x)
-            if early and self.ahead_point == "attention":  # x: the residual after this layer's attention
-                nxt = plan_next(self, reqs, ahead, layer + 1, x, cos, sin, q_pos, slots)
-            planned = nxt
-            if fk is None:
-                x = x + mlp(hn, lw)
-            else:  # SiLU·up between the projections; the residual add goes into the next RMSNorm
                 branch = F.linear(fk.silu_mul(F.linear(hn, lw.wgu, lw.bgu)), lw.wdown, lw.bdown)
         last = x.view(b, t, -1)[:, -1]  # [B, C]
         if fk is None:

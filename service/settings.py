@@ -64,14 +64,9 @@ class Settings(BaseSettings):
                     "modules, the reference); auto = batched on a GPU, transformers on a CPU")
     decode_batch_size: int = Field(8, ge=1, le=256, description="most requests a batched decode worker steps together")
     plan_ahead: bool = Field(
-        False, description="batched runner: plan each layer's sparse search from the residual of the layer before, "
-                           "on a side stream during that layer (decoder.runner, plan_ahead): faster one-token steps "
-                           "on a GPU, plans from a predicted query (fidelity cost in benchmarks/RESULTS.md)")
-    plan_ahead_point: str = Field(
-        "attention", pattern="^(input|attention)$",
-        description="with plan_ahead: where the layer before's residual is taken, entering it (input: the search "
-                    "overlaps all of it) or after its attention (attention: the search overlaps its MLP; closer "
-                    "to the true query's plans)")
+        False, description="batched runner: plan each layer's sparse search from the residual entering the layer "
+                           "before, on a side stream during that layer (decoder.runner, plan_ahead): faster one-token "
+                           "steps on a GPU, plans from a predicted query (fidelity cost in benchmarks/RESULTS.md)")
     offload_row_cache: bool = Field(
         True, description="batched runner on a GPU under offload_v / offload: keep in GPU memory, per request and "
                           "layer, the context value rows its last two plans read, and read those from there instead "

@@ -132,22 +132,20 @@ def test_pipelined_and_row_cache_settings_reach_the_runner(tmp_path, redis_prefi
     """CTXCACHE_DECODE_PIPELINED and CTXCACHE_OFFLOAD_ROW_CACHE: the batched worker builds its runner
     with `pipelined=None` and `cache_rows=None` (the runner's defaults: on CUDA, the row cache under
     the offload backends) when the settings are on and False when they are off. On this CPU both run
-    unpipelined and uncached; the GPU tests of the runner compare them with their alternatives.
-    CTXCACHE_PLAN_AHEAD_POINT reaches it as `ahead_point` (test_runner.py checks what it does)."""
+    unpipelined and uncached; the GPU tests of the runner compare them with their alternatives."""
     import decoder.runner as runner_module
 
     seen = []
 
     class Recording(runner_module.Runner):
         def __init__(self, *args, **kwargs):
-            seen.append((kwargs.get("pipelined", "not passed"), kwargs.get("cache_rows", "not passed"),
-                         kwargs.get("ahead_point", "not passed")))
+            seen.append((kwargs.get("pipelined", "not passed"), kwargs.get("cache_rows", "not passed")))
             super().__init__(*args, **kwargs)
 
     monkeypatch.setattr(runner_module, "Runner", Recording)
-    for on, point in ((True, "attention"), (False, "input")):
+    for on in (True, False):
         settings = _settings(tmp_path, redis_prefix, decode_runner="batched", decode_pipelined=on,
-                             offload_row_cache=on, plan_ahead_point=point)
+                             offload_row_cache=on)
         with TestClient(create_app(settings, lm=lm)) as c:
             cid = c.post("/v1/contexts", json={"text": passkey_document(4242, n_rep=4)}).json()["id"]
             assert wait_ready(c, cid)["status"] == "ready"
@@ -155,7 +153,7 @@ def test_pipelined_and_row_cache_settings_reach_the_runner(tmp_path, redis_prefi
                        json={"question": PASSKEY_QUESTION, "method": "full", "max_tokens": 3})
         assert r.status_code == 200, r.text
         assert r.json()["stats"]["runner"] == "batched"
-    assert seen == [(None, None, "attention"), (False, False, "input")]
+    assert seen == [(None, None), (False, False)]
 
 
 def test_offload_row_cache_hit_rate_is_in_the_completion_stats(tmp_path, redis_prefix, lm, monkeypatch):

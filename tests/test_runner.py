@@ -262,18 +262,14 @@ def test_graph_safety_and_finishing(lm, passkey_cap):
         runner.add(ctx, Flagged(), get_method("full").Params(), [], 2)
 
 
-@pytest.mark.parametrize("point", ["input", "attention"])
-def test_plan_ahead_equals_its_transformers_reference(lm, captured_2k, passkey_cap, saap_small_model, point):
-    """plan_ahead: layers >= 1 of one-token steps are planned from the residual of the layer before
-    (entering it, or after its attention: `ahead_point`), with the predicted own key in the step's
-    slot (decoder/plan_ahead.py's PredictedQueries is the same on the transformers path). A batch
-    of five (full is not planned ahead; topk, ctkvr, psa and saap, whose classifier de-RoPEs the
-    predicted query at the step's position, are): each request's logits equal its reference's at
-    the same point, teacher-forced with the runner's tokens, and the sparse ones differ from
-    planning with the true query (the test tells the two apart: measured 2026-11-28, fp32 CPU, max
-    abs logit difference at the input point topk 1.6, ctkvr 0.9, psa 1.1, saap 2.3; after the
-    attention topk 1.4, ctkvr 0.4, psa 0.8, saap 2.3), and a reference at the other point would not
-    match (the points' plans differ: 0.6-1.2, 2026-11-29)."""
+def test_plan_ahead_equals_its_transformers_reference(lm, captured_2k, passkey_cap, saap_small_model):
+    """plan_ahead: layers >= 1 of one-token steps are planned from the residual entering the layer
+    before, with the predicted own key in the step's slot (decoder/plan_ahead.py's PredictedQueries
+    is the same on the transformers path). A batch of five (full is not planned ahead; topk, ctkvr,
+    psa and saap, whose classifier de-RoPEs the predicted query at the step's position, are): each
+    request's logits equal its reference's, teacher-forced with the runner's tokens, and the sparse
+    ones differ from planning with the true query (the test tells the two apart: measured
+    2026-11-28, fp32 CPU, max abs logit difference topk 1.6, ctkvr 0.9, psa 1.1, saap 2.3)."""
     from decoder.plan_ahead import PredictedQueries
 
     n_new = 6
@@ -289,25 +285,21 @@ def test_plan_ahead_equals_its_transformers_reference(lm, captured_2k, passkey_c
         ctx, sub = capture_ctx(cap, n)
         planner, params = open_planner(name, sub, lm.spec, len(q) + n_new, **kw)
         cases.append((name, ctx, planner, params, q))
-    runner = Runner(lm, be, plan_ahead=True, ahead_point=point)
+    runner = Runner(lm, be, plan_ahead=True)
     slots = [runner.add(ctx, planner(), params, q, n_new) for _, ctx, planner, params, q in cases]
     logits = run_all(runner, slots)
-    other = {"input": "attention", "attention": "input"}[point]
     for slot, (name, ctx, planner, params, q) in zip(slots, cases):
         toks = runner.requests[slot].tokens
         plain = hf_logits(lm, ctx, planner(), params, q, toks, be)
         if name == "full":
             torch.testing.assert_close(logits[slot], plain, atol=ATOL_FP32, rtol=0)
             continue
-        ref = {pt: hf_logits(lm, ctx, PredictedQueries(planner(), lm.model, lm.spec, lag=1, own_key="predicted",
-                                                       point=pt), params, q, toks, be) for pt in (point, other)}
-        torch.testing.assert_close(logits[slot], ref[point], atol=ATOL_FP32, rtol=0)
+        ahead = hf_logits(lm, ctx, PredictedQueries(planner(), lm.model, lm.spec, lag=1, own_key="predicted"),
+                          params, q, toks, be)
+        torch.testing.assert_close(logits[slot], ahead, atol=ATOL_FP32, rtol=0)
         diff = float((logits[slot][1:] - plain[1:]).abs().max())
-        diff_other = float((logits[slot][1:] - ref[other][1:]).abs().max())
-        print(f"{name} at {point}: max abs logit difference to true-query plans {diff:.3f}, "
-              f"to the {other} point's {diff_other:.3f}")
+        print(f"{name}: plan ahead vs true-query plans, max abs logit difference {diff:.3f}")
         assert diff > 0.05, name
-        assert diff_other > 0.05, name
     assert all(not h for h in [lay._forward_pre_hooks for lay in lm.model.model.layers])  # closed
 
 
@@ -340,6 +332,73 @@ def test_plan_ahead_attention_uses_the_true_query_and_key(lm, passkey_cap):
     torch.testing.assert_close(torch.stack(seen[True][0]), torch.stack(seen[False][0]), atol=1e-6, rtol=0)
     for layer in range(1, n_layers):
         assert not torch.allclose(torch.stack(seen[True][layer]), torch.stack(seen[False][layer]), atol=1e-3), layer
+
+
+def test_predicted_queries_from_after_the_attention(lm, passkey_cap):
+    """`PredictedQueries(point="attention")` (benchmarks/bench_early_plans.py's `--points`): layer L's
+    one-token plan sees layer L's input RMSNorm, q projection and RoPE applied to the residual after
+    layer L - 1's attention (its input plus its self_attn output, recorded here by hooks of the test's
+    own), not to the residual entering layer L - 1 (what point "input", the runner's, uses)."""
+    from decoder.plan_ahead import PredictedQueries
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+    seen: dict[int, list] = {}
+
+    class Recording(Planner):
+        def plan(self, layer, q, kv):
+            if q.shape[2] == 1:
+                seen.setdefault(layer, []).append(q.clone())
+            return get_method("full").open(None, None, None).plan(layer, q, kv)
+
+    layers = lm.model.model.layers
+    spec = lm.spec
+    inputs: dict[int, list] = {}
+    attn: dict[int, list] = {}
+    rope: dict[int, list] = {}
+
+    def pre(i):
+        def hook(module, args, kwargs):
+            h = args[0] if args else kwargs["hidden_states"]
+            if h.shape[1] == 1:
+                inputs.setdefault(i, []).append(h)
+                rope.setdefault(i, []).append(kwargs["position_embeddings"])
+        return hook
+
+    def post(i):
+        def hook(module, args, output):
+            if output[0].shape[1] == 1:
+                attn.setdefault(i, []).append(output[0])
+        return hook
+
+    hooks = [lay.register_forward_pre_hook(pre(i), with_kwargs=True) for i, lay in enumerate(layers)]
+    hooks += [lay.self_attn.register_forward_hook(post(i)) for i, lay in enumerate(layers)]
+    ctx, _ = capture_ctx(passkey_cap)
+    params = get_method("full").Params()
+    try:
+        hf_logits(lm, ctx, PredictedQueries(Recording(), lm.model, spec, lag=1, point="attention"), params,
+                  lm.question_ids(PASSKEY_QUESTION), [1, 2, 3], get_backend("torch_ref"))
+    finally:
+        for h in hooks:
+            h.remove()
+
+    def predicted(layer: int, x: torch.Tensor, cos_sin) -> torch.Tensor:
+        lay = layers[layer]
+        hn = lay.input_layernorm(x)
+        d = spec.head_dim
+        q = lay.self_attn.q_proj(hn).view(1, 1, -1, d).transpose(1, 2)
+        k = lay.self_attn.k_proj(hn).view(1, 1, -1, d).transpose(1, 2)
+        q, _ = apply_rotary_pos_emb(q, k, *cos_sin)
+        return q[0].reshape(spec.num_kv_heads, spec.group_size, 1, d)
+
+    with torch.no_grad():
+        for layer in (1, len(layers) // 2, len(layers) - 1):
+            assert len(seen[layer]) == 2, layer  # the two one-token steps after the question
+            for step, got in enumerate(seen[layer]):
+                mid = inputs[layer - 1][step] + attn[layer - 1][step]
+                want = predicted(layer, mid, rope[layer][step])
+                torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
+                entering = predicted(layer, inputs[layer - 1][step], rope[layer][step])
+                assert (got - entering).abs().max() > 1e-2, layer
 
 
 def _scripted(runner: Runner, cases: list, script: dict) -> list[list[tuple[int, int, torch.Tensor]]]:
@@ -610,10 +669,8 @@ def test_gpu_graph_replay_equals_eager_equals_transformers(dtype):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("point", ["input", "attention"])
-def test_gpu_plan_ahead_on_side_streams_equals_its_reference(point):
-    """plan_ahead on CUDA (fp32), from either `ahead_point`: the prediction and plan(L) run on a
-    side stream during layer L - 1 (from its start, or after its attention).
+def test_gpu_plan_ahead_on_side_streams_equals_its_reference():
+    """plan_ahead on CUDA (fp32): the prediction and plan(L) run on a side stream during layer L - 1.
     Four requests (full, topk, ctkvr, psa): the CUDA-graph runner with parallel attention, the eager
     runner and the graph runner on one attention stream agree, replays make no host sync, and each
     sparse request's logits equal the transformers path with `PredictedQueries` (the same plans
@@ -627,7 +684,7 @@ def test_gpu_plan_ahead_on_side_streams_equals_its_reference(point):
     reqs = _gpu_requests(lm, gpu_ctx, n_new, names=("full", "topk", "ctkvr", "psa"))
     runs = {}
     for graphs, parallel in ((True, True), (False, True), (True, False)):
-        runner = Runner(lm, be, graphs=graphs, parallel=parallel, plan_ahead=True, ahead_point=point)
+        runner = Runner(lm, be, graphs=graphs, parallel=parallel, plan_ahead=True)
         slots = [runner.add(ctx, planner(), params, q, n_new) for _, ctx, planner, params, q in reqs]
         runner.step()
         runner.step()
@@ -643,8 +700,7 @@ def test_gpu_plan_ahead_on_side_streams_equals_its_reference(point):
         for (name, *_), got, ref in zip(reqs, g_logits, runs[other][0]):
             assert _same_decode(got, ref, REL_GRAPH, 1e-2) >= 1, (name, other)
     for (name, ctx, planner, params, q), got, toks in zip(reqs, g_logits, g_toks):
-        p = planner() if name == "full" else PredictedQueries(planner(), lm.model, lm.spec, lag=1, own_key="predicted",
-                                                              point=point)
+        p = planner() if name == "full" else PredictedQueries(planner(), lm.model, lm.spec, lag=1, own_key="predicted")
         ref = hf_logits(lm, ctx, p, params, q, toks, be)[2:]  # the steps _drain saw
         rel = _rel(got, ref)
         print(f"plan ahead {name}: runner vs transformers max rel {float(rel.max()):.2e}")

@@ -190,7 +190,6 @@ class DecodeWorker(Loop):
         if r is None:
             r = self._runners[backend.name] = Runner(self.rt.ensure_weights(), backend, self.device, track_fraction=True,
                                                      plan_ahead=self.rt.settings.plan_ahead,
-                                                     ahead_point=self.rt.settings.plan_ahead_point,
                                                      cache_rows=None if self.rt.settings.offload_row_cache else False,
                                                      pipelined=None if self.rt.settings.decode_pipelined else False)
         return r
