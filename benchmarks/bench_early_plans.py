@@ -18,7 +18,7 @@ on the critical path: layer L's search needs layer L's query. Two ways to take i
   what `decoder/runner.py`'s `plan_ahead` writes there. lag 0: the true query with that same view.
   `--points attention`: the residual is taken after layer L - lag's attention instead of at its
   input (a runner planning from there overlaps that layer's MLP only: measured, not kept, RESULTS.md
-  "Planning ahead from after the attention").
+  "Where a B = 1 token's time goes").
 
 Methods: those that stay close to dense attention at rho = 5% (`topk`, the exact oracle; `ctkvr`;
 `kivf`) and `psa`; `saap` with `--saap-model DIR` (a trained model: its classifier decides the

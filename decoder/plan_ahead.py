@@ -13,8 +13,8 @@ lag and multi-token chunks plan as usual. The points (`POINTS`):
 * `"attention"`: the residual after layer L - lag's attention has been added, entering its MLP (the
   prediction misses only the MLP's output). At lag 1 its plans are as close to dense as the true
   query's, but a runner planning from there gains almost nothing: the search would overlap only
-  the MLP's GEMMs, which leave it no SMs (benchmarks/RESULTS.md, "Planning ahead from after the
-  attention"), so the runner does not offer it.
+  the MLP's GEMMs, which leave it no SMs (benchmarks/RESULTS.md, "Where a B = 1 token's time
+  goes"), so the runner does not offer it.
 
 Planned that early, the step's own key does not exist yet:
 
