@@ -18,7 +18,8 @@ on the critical path: layer L's search needs layer L's query. Two ways to take i
   what `decoder/runner.py`'s `plan_ahead` writes there. lag 0: the true query with that same view.
   `--points attention`: the residual is taken after layer L - lag's attention instead of at its
   input (a runner planning from there overlaps that layer's MLP only: measured, not kept, RESULTS.md
-  "Where a B = 1 token's time goes").
+  "Where a B = 1 token's time goes"); `delta`: at its input, plus the change those layers made to
+  the step before's last token.
 
 Methods: those that stay close to dense attention at rho = 5% (`topk`, the exact oracle; `ctkvr`;
 `kivf`) and `psa`; `saap` with `--saap-model DIR` (a trained model: its classifier decides the
@@ -95,7 +96,8 @@ def main() -> None:
     ap.add_argument("--own-key", nargs="+", default=["hidden"], choices=OWN_KEYS,
                     help="predict: what the planner sees in the step's own request-local row")
     ap.add_argument("--points", nargs="+", default=["input"], choices=POINTS,
-                    help="predict: where in layer L - lag the residual is taken (its input, or after its attention)")
+                    help="predict: where in layer L - lag the residual is taken (its input, after its attention, "
+                         "or its input plus the step before's change: decoder/plan_ahead.py)")
     ap.add_argument("--saap-model", type=Path, default=None,
                     help="a trained SAAP model directory (e.g. the tests' `small` preset): adds saap to the methods")
     ap.add_argument("--saap-nprobe", type=int, default=2,

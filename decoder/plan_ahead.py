@@ -14,7 +14,11 @@ lag and multi-token chunks plan as usual. The points (`POINTS`):
   prediction misses only the MLP's output). At lag 1 its plans are as close to dense as the true
   query's, but a runner planning from there gains almost nothing: the search would overlap only
   the MLP's GEMMs, which leave it no SMs (benchmarks/RESULTS.md, "Where a B = 1 token's time
-  goes"), so the runner does not offer it.
+  goes"), so the runner does not offer it;
+* `"delta"`: the residual entering layer L - lag plus the change those lag layers made to the step
+  before's last token (a guess at what they will add now, available as early as "input"). At lag
+  1 on the default model it recovers about half of "input"'s fidelity cost for topk and ctkvr at
+  8K and none for kivf (same section), so the runner does not offer it either.
 
 Planned that early, the step's own key does not exist yet:
 
@@ -23,8 +27,9 @@ Planned that early, the step's own key does not exist yet:
   and RoPE of that residual): what the runner writes into the slot before planning ahead (the
   true key replaces it before the attention reads it).
 
-Forward pre-hooks on the model's decoder layers keep each layer's input, and on their
-post_attention_layernorm the residual after the attention; close() removes them. Llama-family
+Forward pre-hooks on the model's decoder layers keep each layer's input (and its change over the
+lag layers before, for "delta"), and on their post_attention_layernorm the residual after the
+attention; close() removes them. Llama-family
 modules (q_proj, k_proj, input_layernorm, post_attention_layernorm, position_embeddings in the
 layer's kwargs).
 
@@ -56,7 +61,7 @@ from decoder.streams import fork_join
 from indexer.base import KVView, Planner
 
 OWN_KEYS = ("hidden", "predicted")
-POINTS = ("input", "attention")  # where in layer L - lag the residual that predicts layer L's query is taken
+POINTS = ("input", "attention", "delta")  # where in layer L - lag the residual that predicts layer L's query is taken
 
 
 @dataclass
@@ -150,6 +155,7 @@ class PredictedQueries(Planner):
         self._rope = apply_rotary_pos_emb
         self.inputs: dict[int, torch.Tensor] = {}  # layer -> its input residual [1, T, hidden] (this step)
         self.mids: dict[int, torch.Tensor] = {}  # layer -> its residual after the attention (this step)
+        self.deltas: dict[int, torch.Tensor] = {}  # layer L -> input(L) - input(L - lag) of the step before
         self.predicted: dict[int, tuple] = {}  # layer -> predicted (q [KVH, G, T, D], k [KVH, T, D])
         layers = model.model.layers
         self.hooks = [layer.register_forward_pre_hook(self._hook(i, layers), with_kwargs=True)
@@ -169,7 +175,9 @@ class PredictedQueries(Planner):
             self.predicted.pop(i, None)
             if i >= self.lag and h.shape[1] == 1:
                 layer = layers[i]
-                src = (self.inputs if self.point == "input" else self.mids)[i - self.lag]
+                src = (self.mids if self.point == "attention" else self.inputs)[i - self.lag]
+                if self.point == "delta" and i in self.deltas:
+                    src = src + self.deltas[i]
                 hn = layer.input_layernorm(src)
                 d = self.spec.head_dim
                 q = layer.self_attn.q_proj(hn).view(1, 1, -1, d).transpose(1, 2)  # [1, H, 1, D]
@@ -177,6 +185,8 @@ class PredictedQueries(Planner):
                 cos, sin = kwargs["position_embeddings"]
                 q, k = self._rope(q, k, cos, sin)
                 self.predicted[i] = (q[0].reshape(self.spec.num_kv_heads, self.spec.group_size, 1, d), k[0])
+            if i >= self.lag:  # this step's change over the lag layers (its last token), for the next step
+                self.deltas[i] = h[:, -1:] - self.inputs[i - self.lag][:, -1:]
         return hook
 
     def plan(self, layer, q, kv):

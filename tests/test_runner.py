@@ -334,11 +334,14 @@ def test_plan_ahead_attention_uses_the_true_query_and_key(lm, passkey_cap):
         assert not torch.allclose(torch.stack(seen[True][layer]), torch.stack(seen[False][layer]), atol=1e-3), layer
 
 
-def test_predicted_queries_from_after_the_attention(lm, passkey_cap):
-    """`PredictedQueries(point="attention")` (benchmarks/bench_early_plans.py's `--points`): layer L's
-    one-token plan sees layer L's input RMSNorm, q projection and RoPE applied to the residual after
-    layer L - 1's attention (its input plus its self_attn output, recorded here by hooks of the test's
-    own), not to the residual entering layer L - 1 (what point "input", the runner's, uses)."""
+@pytest.mark.parametrize("point", ["attention", "delta"])
+def test_predicted_queries_points(lm, passkey_cap, point):
+    """`PredictedQueries`' other points (benchmarks/bench_early_plans.py's `--points`): layer L's
+    one-token plan sees layer L's input RMSNorm, q projection and RoPE applied to, at "attention",
+    the residual after layer L - 1's attention (its input plus its self_attn output), at "delta", the
+    residual entering layer L - 1 plus the change layer L - 1 made to the step before's last token;
+    both recorded here by hooks of the test's own. Neither is the "input" point's prediction (the
+    runner's: the residual entering layer L - 1 alone)."""
     from decoder.plan_ahead import PredictedQueries
     from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
@@ -352,15 +355,15 @@ def test_predicted_queries_from_after_the_attention(lm, passkey_cap):
 
     layers = lm.model.model.layers
     spec = lm.spec
-    inputs: dict[int, list] = {}
-    attn: dict[int, list] = {}
+    inputs: dict[int, list] = {}  # layer -> its input's last row, every forward (the question chunk first)
+    attn: dict[int, list] = {}  # layer -> its self_attn output, one-token forwards
     rope: dict[int, list] = {}
 
     def pre(i):
         def hook(module, args, kwargs):
             h = args[0] if args else kwargs["hidden_states"]
+            inputs.setdefault(i, []).append(h[:, -1:])
             if h.shape[1] == 1:
-                inputs.setdefault(i, []).append(h)
                 rope.setdefault(i, []).append(kwargs["position_embeddings"])
         return hook
 
@@ -375,7 +378,7 @@ def test_predicted_queries_from_after_the_attention(lm, passkey_cap):
     ctx, _ = capture_ctx(passkey_cap)
     params = get_method("full").Params()
     try:
-        hf_logits(lm, ctx, PredictedQueries(Recording(), lm.model, spec, lag=1, point="attention"), params,
+        hf_logits(lm, ctx, PredictedQueries(Recording(), lm.model, spec, lag=1, point=point), params,
                   lm.question_ids(PASSKEY_QUESTION), [1, 2, 3], get_backend("torch_ref"))
     finally:
         for h in hooks:
@@ -394,11 +397,14 @@ def test_predicted_queries_from_after_the_attention(lm, passkey_cap):
         for layer in (1, len(layers) // 2, len(layers) - 1):
             assert len(seen[layer]) == 2, layer  # the two one-token steps after the question
             for step, got in enumerate(seen[layer]):
-                mid = inputs[layer - 1][step] + attn[layer - 1][step]
-                want = predicted(layer, mid, rope[layer][step])
+                entering = inputs[layer - 1][step + 1]  # [0]: the question chunk's last token
+                if point == "attention":
+                    src = entering + attn[layer - 1][step]
+                else:
+                    src = entering + inputs[layer][step] - inputs[layer - 1][step]
+                want = predicted(layer, src, rope[layer][step])
                 torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
-                entering = predicted(layer, inputs[layer - 1][step], rope[layer][step])
-                assert (got - entering).abs().max() > 1e-2, layer
+                assert (got - predicted(layer, entering, rope[layer][step])).abs().max() > 1e-2, layer
 
 
 def _scripted(runner: Runner, cases: list, script: dict) -> list[list[tuple[int, int, torch.Tensor]]]:
