@@ -52,7 +52,11 @@ from indexer.base import Plan, Planner, get_method  # noqa: E402
 from tests.conftest import MODEL_CACHE, natural_document  # noqa: E402
 
 METHODS = [("topk 5%", "topk", {"ratio": 0.05}), ("ctkvr", "ctkvr", {}), ("kivf", "kivf", {}),
-           ("psa eps=0.95", "psa", {"eps": 0.95})]
+           ("psa eps=0.95", "psa", {"eps": 0.95}),
+           # a wider budget planned ahead against the default one planned from the true query (--methods)
+           ("topk 7.5%", "topk", {"ratio": 0.075}), ("kivf 7.5%", "kivf", {"ratio": 0.075}),
+           ("ctkvr k=768", "ctkvr", {"k": 768}), ("psa eps=0.97", "psa", {"eps": 0.97})]
+DEFAULT_METHODS = ["topk 5%", "ctkvr", "kivf", "psa eps=0.95"]
 SECTIONS = ["reuse", "predict"]
 
 
@@ -102,7 +106,8 @@ def main() -> None:
                     help="a trained SAAP model directory (e.g. the tests' `small` preset): adds saap to the methods")
     ap.add_argument("--saap-nprobe", type=int, default=2,
                     help="saap's buckets probed per step (the small preset has 32 buckets: the default 32 is dense)")
-    ap.add_argument("--methods", nargs="+", default=None, help="labels of METHODS to run (default: all)")
+    ap.add_argument("--methods", nargs="+", default=None,
+                    help="labels of METHODS to run (default: the four at their default budgets, and saap with --saap-model)")
     ap.add_argument("--doc-tokens", type=int, default=2048)
     ap.add_argument("--positions", type=int, default=64)
     ap.add_argument("--json", type=Path, default=None)
@@ -123,8 +128,8 @@ def main() -> None:
                             lambda p, v: PredictedQueries(p, lm.model, lm.spec, *v))}
     saap = ("saap", "saap", {"model_dir": str(a.saap_model), "nprobe": a.saap_nprobe})
     methods = METHODS + ([saap] if a.saap_model else [])
-    if a.methods:
-        methods = [m for m in methods if m[0] in a.methods]
+    chosen = a.methods or DEFAULT_METHODS + (["saap"] if a.saap_model else [])
+    methods = [m for m in methods if m[0] in chosen]
     for section in a.sections:
         key, values, wrap = variants[section]
         for label, name, kw in methods:
