@@ -27,11 +27,10 @@ Planned that early, the step's own key does not exist yet:
   and RoPE of that residual): what the runner writes into the slot before planning ahead (the
   true key replaces it before the attention reads it).
 
-Forward pre-hooks on the model's decoder layers keep each layer's input (and its change over the
-lag layers before, for "delta"), and on their post_attention_layernorm the residual after the
-attention; close() removes them. Llama-family
-modules (q_proj, k_proj, input_layernorm, post_attention_layernorm, position_embeddings in the
-layer's kwargs).
+Forward pre-hooks on the model's decoder layers keep each layer's input (and, for "delta", its
+change over the lag layers before), and for "attention" pre-hooks on their post_attention_layernorm
+the residual after the attention; close() removes them. Llama-family modules (q_proj, k_proj,
+input_layernorm, post_attention_layernorm, position_embeddings in the layer's kwargs).
 
 **Staged values** (`Runner(stage_values=...)`, on by default on CUDA when it plans ahead under a
 backend that keeps the context's values in host memory, `offload_v` or `offload`, with its row
@@ -160,8 +159,9 @@ class PredictedQueries(Planner):
         layers = model.model.layers
         self.hooks = [layer.register_forward_pre_hook(self._hook(i, layers), with_kwargs=True)
                       for i, layer in enumerate(layers)]
-        self.hooks += [layer.post_attention_layernorm.register_forward_pre_hook(self._mid_hook(i))
-                       for i, layer in enumerate(layers)]
+        if point == "attention":
+            self.hooks += [layer.post_attention_layernorm.register_forward_pre_hook(self._mid_hook(i))
+                           for i, layer in enumerate(layers)]
 
     def _mid_hook(self, i: int):
         def hook(module, args):
@@ -185,7 +185,8 @@ class PredictedQueries(Planner):
                 cos, sin = kwargs["position_embeddings"]
                 q, k = self._rope(q, k, cos, sin)
                 self.predicted[i] = (q[0].reshape(self.spec.num_kv_heads, self.spec.group_size, 1, d), k[0])
-            if i >= self.lag:  # this step's change over the lag layers (its last token), for the next step
+            if self.point == "delta" and i >= self.lag:  # this step's change over the lag layers (its last
+                # token), for the next step
                 self.deltas[i] = h[:, -1:] - self.inputs[i - self.lag][:, -1:]
         return hook
 
