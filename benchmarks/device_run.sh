@@ -7,7 +7,7 @@
 #                    carry=[".whl", ".old"])
 #   stages: tests | kerneltests | decode | decodecold | decode512 | before_after | kernels | e2e32 | e2e128 |
 #           e2e128rest | e2eprof | e2elayer | attntests | decodeab | psaab | latency | ncu | psasweep | pdlab | e2enow |
-#           offload | psa32sweep | offloadfit | ivfsweep | ivfcpp | cslfsweep | ivfsel | ivfeager | ivfsample | ncusel | psaemit | psafuse | psastop | rtrip | rerankreg | rerank96 | e2ectkvr | ncuivf | verify | repro | e2eh200 | pushab | decode512h200 | s14ab | s14e2e | s14final | s14frame | s14tests | s14lfpse2e | s15ivf | s15ivf2 | s15dot | s15final | s15rerank | s16ahead | s16overlap | s16more | s16tests | s16early | s17ahead | s17pipe | s17offload | s17reads | s17fuse | s18pages | s18offprof | s18offab | s18numa | s18staged | s18prio | s18stprof | s18frame | s19tests | s19granule | s19cached | s19overlap | s19sweep | s19gen | s20quick | s20cache | s20more | s20staged | s20tests | s21prof | s21l2 | s21split | s21ahead | s21gemv | s21decode | s21wide
+#           offload | psa32sweep | offloadfit | ivfsweep | ivfcpp | cslfsweep | ivfsel | ivfeager | ivfsample | ncusel | psaemit | psafuse | psastop | rtrip | rerankreg | rerank96 | e2ectkvr | ncuivf | verify | repro | e2eh200 | pushab | decode512h200 | s14ab | s14e2e | s14final | s14frame | s14tests | s14lfpse2e | s15ivf | s15ivf2 | s15dot | s15final | s15rerank | s16ahead | s16overlap | s16more | s16tests | s16early | s17ahead | s17pipe | s17offload | s17reads | s17fuse | s18pages | s18offprof | s18offab | s18numa | s18staged | s18prio | s18stprof | s18frame | s19tests | s19granule | s19cached | s19overlap | s19sweep | s19gen | s20quick | s20cache | s20more | s20staged | s20tests | s21prof | s21l2 | s21split | s21ahead | s21gemv | s21decode | s21wide | saapwide
 #   (default: tests decode before_after)
 #   .old = the tree before the plan/run redesign (`git archive <commit> decoder indexer storage`), for
 #   the before/after decode comparison.
@@ -592,6 +592,11 @@ for stage in $stages; do
       python3 benchmarks/gpu_e2e.py --lengths 131072 --batches 1 --methods full ctkvr ctkvr@k=1536 --plan-ahead off on \
         --eager-tokens 0 --hf-tokens 0 --tokens 8 --check-prefill 0 --budget-s 170 --out "$OUT/wide" 2>&1 \
         | tee "$OUT/gpu_e2e_wide.log" | grep "^| \|ERROR\|Error" ;;
+    saapwide)  # prepared in session 21, not run yet: what 1.5x saap's probe (the wider budget that buys back
+      # plan_ahead's fidelity on the default model) costs at B = 1, planned ahead or not, dense in the same run
+      python3 benchmarks/gpu_e2e.py --lengths 131072 --batches 1 --methods full saap saap@nprobe=48 --plan-ahead off on \
+        --eager-tokens 0 --hf-tokens 0 --tokens 8 --check-prefill 0 --budget-s 300 --out "$OUT/saapwide" 2>&1 \
+        | tee "$OUT/gpu_e2e_saapwide.log" | grep "^| \|ERROR\|Error" ;;
     s20quick)  # session 20: the attention reading the row cache, compiled: its kernel tests and the runner's GPU
       # tests of the offload backends (staged, cached, plain)
       python3 -m pytest -q -p no:cacheprovider -o addopts="" tests/test_attention_row_cache.py tests/test_stage_kernel.py \
