@@ -19,10 +19,12 @@ on the critical path: layer L's search needs layer L's query. Two ways to take i
   `--points attention`: the residual is taken after layer L - lag's attention instead of at its
   input (a runner planning from there overlaps that layer's MLP only: measured, not kept, RESULTS.md
   "Where a B = 1 token's time goes"); `delta`: at its input, plus the change those layers made to
-  the step before's last token.
+  the step before's last token. `--widen F ...`: plans made ahead (lag >= 1) with the budget F times
+  as wide (`MethodParams.widened`, what the service's `plan_ahead_widen` does), against lag 0 at the
+  method's own budget.
 
 Methods: those that stay close to dense attention at rho = 5% (`topk`, the exact oracle; `ctkvr`;
-`kivf`) and `psa`; `saap` with `--saap-model DIR` (a trained model: its classifier decides the
+`kivf`) and `psa` by default, `csattn` and `lfps` with `--methods`; `saap` with `--saap-model DIR` (a trained model: its classifier decides the
 plan, so random weights would say nothing; `--saap-nprobe`, default 2: the tests' small preset has
 32 buckets, so saap's default of 32 is dense). Fidelity as in bench_psa_lfps.py: the last
 `--positions` tokens of a document fed one at a time, top-1 agreement and KL(full || method) of the next-token distributions.
@@ -55,7 +57,8 @@ METHODS = [("topk 5%", "topk", {"ratio": 0.05}), ("ctkvr", "ctkvr", {}), ("kivf"
            ("psa eps=0.95", "psa", {"eps": 0.95}),
            # a wider budget planned ahead against the default one planned from the true query (--methods)
            ("topk 7.5%", "topk", {"ratio": 0.075}), ("kivf 7.5%", "kivf", {"ratio": 0.075}),
-           ("ctkvr k=768", "ctkvr", {"k": 768}), ("psa eps=0.97", "psa", {"eps": 0.97})]
+           ("ctkvr k=768", "ctkvr", {"k": 768}), ("psa eps=0.97", "psa", {"eps": 0.97}),
+           ("csattn", "csattn", {}), ("lfps", "lfps", {})]
 DEFAULT_METHODS = ["topk 5%", "ctkvr", "kivf", "psa eps=0.95"]
 SECTIONS = ["reuse", "predict"]
 
@@ -102,6 +105,9 @@ def main() -> None:
     ap.add_argument("--points", nargs="+", default=["input"], choices=POINTS,
                     help="predict: where in layer L - lag the residual is taken (its input, after its attention, "
                          "or its input plus the step before's change: decoder/plan_ahead.py)")
+    ap.add_argument("--widen", type=float, nargs="+", default=[1.0],
+                    help="predict: plan ahead (lag >= 1) with the method's budget this many times as wide "
+                         "(MethodParams.widened; the service's plan_ahead_widen)")
     ap.add_argument("--saap-model", type=Path, default=None,
                     help="a trained SAAP model directory (e.g. the tests' `small` preset): adds saap to the methods")
     ap.add_argument("--saap-nprobe", type=int, default=2,
@@ -123,9 +129,9 @@ def main() -> None:
     ref = teacher_forced_logits(lm, ctx, open_planner(full, full.Params(), cap, n_ctx, a.positions), full.Params(),
                                 ids[n_ctx:])
     variants = {"reuse": ("period", [(p, None) for p in a.periods], lambda p, v: ReusedPlans(p, v[0])),
-                "predict": ("lag", [(lag, own, pt) for lag in a.lags for own in a.own_key
-                                    for pt in (a.points if lag else ["input"])],
-                            lambda p, v: PredictedQueries(p, lm.model, lm.spec, *v))}
+                "predict": ("lag", [(lag, own, pt, w) for lag in a.lags for own in a.own_key
+                                    for pt in (a.points if lag else ["input"]) for w in (a.widen if lag else [1.0])],
+                            lambda p, v: PredictedQueries(p, lm.model, lm.spec, *v[:3]))}
     saap = ("saap", "saap", {"model_dir": str(a.saap_model), "nprobe": a.saap_nprobe})
     methods = METHODS + ([saap] if a.saap_model else [])
     chosen = a.methods or DEFAULT_METHODS + (["saap"] if a.saap_model else [])
@@ -134,10 +140,10 @@ def main() -> None:
         key, values, wrap = variants[section]
         for label, name, kw in methods:
             m = get_method(name)
-            params = m.Params(**kw)
             for v in values:
+                params = m.Params(**kw).widened(v[3] if v[1] is not None else 1.0)
                 planner = wrap(open_planner(m, params, cap, n_ctx, a.positions), v)
-                extra = {"own_key": v[1], "point": v[2]} if v[1] is not None else {}
+                extra = {"own_key": v[1], "point": v[2], "widen": v[3]} if v[1] is not None else {}
                 row = {"label": label, key: v[0], **extra,
                        **fidelity(ref, teacher_forced_logits(lm, ctx, planner, params, ids[n_ctx:]))}
                 res[section].append(row)

@@ -146,6 +146,20 @@ class MethodParams(BaseModel):
         part depends on the context length (SAAP's `recent`) widens the window here."""
         return self.sink, self.window
 
+    def widened(self, factor: float) -> "MethodParams":
+        """These params with the search's budget `factor` (>= 1) times as wide, for plans made from a
+        predicted query (the runner's `plan_ahead`, service setting `plan_ahead_widen`): the extra rows
+        buy back what the prediction costs (benchmarks/RESULTS.md). Never a build field, so the
+        index stays the same. A method without a search budget (full, streaming) returns itself."""
+        return self
+
+    def _capped(self, name: str, value: float) -> float:
+        """value, at most the field's upper bound (`le`)."""
+        for m in type(self).model_fields[name].metadata:
+            if getattr(m, "le", None) is not None:
+                value = min(value, m.le)
+        return value
+
 
 class BudgetParams(MethodParams):
     """Params of a method whose plans hold a top-K of the context (topk, csattn, ctkvr, kivf,
@@ -155,6 +169,7 @@ class BudgetParams(MethodParams):
     neither is set) or `budget_ratio` (CSAttn's ratio comes from `rho` or a schedule)."""
 
     default_k: ClassVar[int | None] = None
+    ratio_field: ClassVar[str] = "ratio"  # the field `budget_ratio` reads when set (CSAttn's `rho`)
 
     @property
     def budget_ratio(self) -> float | None:
@@ -163,6 +178,15 @@ class BudgetParams(MethodParams):
     def budget(self, n_ctx: int) -> int:
         """K, the context positions a plan holds per (KV head, token), from the context length."""
         return budget(n_ctx, k=self.k, ratio=self.budget_ratio, default=self.default_k)
+
+    def widened(self, factor: float) -> "BudgetParams":
+        """K `factor` times as large: `k` if set, else the ratio (capped at 1), else `default_k`."""
+        if factor == 1:
+            return self
+        if self.k is None and self.budget_ratio is not None:
+            return self.with_overrides({self.ratio_field: min(1.0, round(self.budget_ratio * factor, 12))})
+        k = self.k if self.k is not None else self.default_k
+        return self.with_overrides({"k": self._capped("k", math.ceil(k * factor))})
 
 
 @dataclass
@@ -345,6 +369,10 @@ class SparseMethod(ABC):
     Params: ClassVar[type[MethodParams]] = MethodParams
     version: ClassVar[int] = 1  # bump when the persisted layout of `build` changes
     has_index: ClassVar[bool] = False  # True when `build` persists arrays
+    # planned ahead on a GPU by default (the service's plan_ahead "auto"): set where the plans made
+    # from a predicted query with the budget widened (`MethodParams.widened`, plan_ahead_widen) stay at
+    # least as close to dense as the method's own plans from the true query (RESULTS.md, session 22)
+    plans_ahead: ClassVar[bool] = False
 
     def validate_configuration(self, spec, params: MethodParams, env: MethodEnv | None = None) -> list[str]:
         """Reasons this method cannot run for this model/params (empty = fine)."""

@@ -146,6 +146,7 @@ class CSAttnParams(BudgetParams):
             return self.rho
         return SCHEDULES[self.schedule][0] if self.schedule else 0.05
 
+    ratio_field = "rho"
     budget_ratio = keep_ratio  # K = `k`, else ceil(keep_ratio · n_ctx) (`BudgetParams.budget`)
 
     @property
@@ -358,6 +359,7 @@ class _CSAttnPlanner(Planner):
 @register
 class CSAttention(SparseMethod):
     name = "csattn"
+    plans_ahead = True  # KL to dense at 8K, default model: 0.317 true query rho 5%, 0.240 ahead 7.5%
     Params = CSAttnParams
     has_index = True
 

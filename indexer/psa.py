@@ -107,6 +107,13 @@ class PSAParams(MethodParams):
 
     build_fields = frozenset({"block_size"})
 
+    def widened(self, factor: float) -> "PSAParams":
+        """The mass left out, 1 - eps, divided by `factor`, and the block cap `max_ratio` times it."""
+        if factor == 1:
+            return self
+        return self.with_overrides({"eps": round(1.0 - (1.0 - self.eps) / factor, 12),
+                                    "max_ratio": min(1.0, round(self.max_ratio * factor, 12))})
+
     def max_blocks(self, n_ctx: int) -> int:
         """B_max: ranked blocks a plan holds at most, for a context of n_ctx tokens."""
         nb = -(-n_ctx // self.block_size)

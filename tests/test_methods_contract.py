@@ -189,3 +189,42 @@ def test_torch_ref_over_the_plan_is_masked_dense_attention(name, built, cap, lm)
             ref = ref + p[..., -1:] * plan.rest_value.double()[:, None, None, :]
         err = (out.double() - ref).norm() / ref.norm()
         assert err < 1e-5, f"layer {layer} step {i}: {err:.2e}"
+
+
+def _attended(plans) -> int:
+    """Context positions the plans attend, summed over steps, layers, heads and tokens."""
+    return sum(int((p.positions >= 0).sum()) for *_, p in plans if p.positions is not None)
+
+
+@pytest.mark.parametrize("name", method_names())
+def test_widened_params_plan_more_from_the_same_index(name, built, cap, lm):
+    """`MethodParams.widened` (the runner's plan_ahead budget, `plan_ahead_widen`): the same index
+    serves it (no build field changes), and its plans attend more of the context; a method without a
+    search budget (full, streaming) is unchanged. Factor 1 is the params themselves."""
+    method, params, arrays = built(name)
+    if name == "ctkvr":  # its default k (512) covers this 480-token context already
+        params = params.with_overrides({"k": 24})
+    assert params.widened(1.0) is params
+    wide = params.widened(1.5)
+    assert wide.build_params() == params.build_params() and wide.frame(N_CTX) == params.frame(N_CTX)
+    narrow, widened = (_attended(_replay(method, p, arrays, cap, lm.spec)) for p in (params, wide))
+    if wide == params:
+        assert name in ("full", "streaming"), f"{name}: widening changed nothing"
+        return
+    assert widened > narrow, f"{name}: {widened} positions attended widened against {narrow}"
+
+
+def test_widened_budgets():
+    """What widening scales, per kind of budget: k, else the ratio (capped at 1, CSAttn's `rho`), else
+    CTkvr's default k; SAAP's probed buckets; PSA's left-out mass 1 - eps and its block cap."""
+    p = get_method("topk").Params
+    assert p().widened(1.5).ratio == pytest.approx(0.075) and p(k=100).widened(1.5).k == 150
+    assert p(ratio=0.8).widened(1.5).ratio == 1.0 and p(k=(1 << 22) - 1).widened(2).k == 1 << 22  # bounded
+    assert get_method("ctkvr").Params().widened(1.5).k == 768  # neither set: 1.5 x its default 512
+    cs = get_method("csattn").Params
+    assert cs().widened(2).rho == pytest.approx(0.1) and cs(schedule="0.15-step-4").widened(2).keep_ratio == pytest.approx(0.3)
+    assert cs(schedule="0.15-step-4").widened(2).search_period == 4  # the search period is not a budget
+    assert get_method("saap").Params(nprobe=3).widened(1.5).nprobe == 5
+    psa = get_method("psa").Params(eps=0.94, max_ratio=0.05).widened(2)
+    assert psa.eps == pytest.approx(0.97) and psa.max_ratio == pytest.approx(0.1)
+    assert get_method("kivf").Params(ratio=0.05).widened(1.5).budget(1000) == 75
