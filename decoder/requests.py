@@ -35,6 +35,7 @@ class Request:
     max_new: int
     hot: bool  # temperature > 0
     safe: bool  # graph_safe(planner)
+    ahead: bool  # its one-token steps are planned ahead (the runner's plan_ahead; its planner reads the query)
     produced: int = 0
     started: bool = False  # the question chunk has run
     warm: bool = False  # one eager one-token step has run

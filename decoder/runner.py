@@ -34,7 +34,7 @@ CUDA graph when it can:
   (`indexer.kernels.Workspaces`), so requests never share scratch memory; a request's tensors are
   only touched between a fork and the join that follows it, so stream order is preserved across
   layers and steps. Results do not depend on it (same kernels, same inputs; test).
-* **Planning ahead** (`plan_ahead=True`, one-token steps): a layer's search sits on the critical
+* **Planning ahead** (`plan_ahead`, or `add(plan_ahead=)` per request; one-token steps): a search sits on the critical
   path, since layer L's plan needs layer L's query. With plan_ahead, layer L (>= 1) is planned from
   a query *predicted* from the residual stream entering layer L - 1, InfiniGen-style: layer L's own
   input RMSNorm, q/k projection (the first (H + KVH)·D rows of its fused QKV weight) and RoPE. On
@@ -152,7 +152,7 @@ class Runner:
     Triton runs them, True = also through Triton's interpreter (tests), False = torch.
     `plan_ahead`: plan layer L >= 1 of one-token steps from the residual entering layer L - 1, on a
     side stream on CUDA (module docstring); off by default: it changes the plans (not the attention's
-    arithmetic), within the fidelity measured in RESULTS.md.
+    arithmetic), within the fidelity measured in RESULTS.md. `add(plan_ahead=)` sets it per request.
     `pipelined`: issue the next one-token step before reading this one's tokens (module docstring);
     None = on CUDA. The tokens are the same; on a CPU it would only delay each token by a step.
     `cache_rows`: under a backend keeping the context's values in host memory, keep in HBM the value
@@ -190,17 +190,17 @@ class Runner:
         self._eager_key: tuple | None = None  # the batch of the last eager one-token step
         self.pipelined = cuda if pipelined is None else pipelined
         self.cache_rows = "kv/v" in backend.host_arrays and (cache_rows or cache_rows is None and cuda)
-        self.stage_values = plan_ahead and self.cache_rows and (stage_values or stage_values is None and cuda)
+        self.stage_values = self.cache_rows and (stage_values or stage_values is None and cuda)  # if planned ahead
         self._issued: Issued | None = None  # the next call's step, issued by the last call (pipelined)
         self.layer_kernels = _layer_kernels(self.w, self.device, fused_layer)  # None: the torch functions
 
     # -- requests ------------------------------------------------------------------------------
 
     def add(self, ctx, planner: Planner, params: MethodParams, question_ids: list[int], max_new_tokens: int,
-            temperature: float = 0.0, seed: int | None = None) -> int:
+            temperature: float = 0.0, seed: int | None = None, plan_ahead: bool | None = None) -> int:
         """A new request over `ctx` (a `decoder.generate.ContextKV`); its first `step()` runs the
         question and returns its first token. The planner belongs to the request from now on
-        (closed by `remove`)."""
+        (closed by `remove`). `plan_ahead`: plan its one-token steps ahead (None: the runner's)."""
         if not question_ids:
             raise ValueError("a request needs at least one question token")
         if max_new_tokens < 1:
@@ -222,7 +222,8 @@ class Runner:
             tok=torch.zeros(1, dtype=torch.long, device=dev), pos=torch.full((1,), n, dtype=torch.long, device=dev),
             temperature=torch.full((1,), max(float(temperature), 0.0), dtype=torch.float32, device=dev),
             seed=torch.full((1,), int(seed) & 0x7FFFFFFF, dtype=torch.long, device=dev),
-            max_new=max_new_tokens, hot=temperature > 0, safe=graph_safe(planner),
+            max_new=max_new_tokens, hot=temperature > 0, safe=graph_safe(planner), ahead=planner.reads_query and (
+                self.plan_ahead if plan_ahead is None else plan_ahead),
             touched=torch.zeros(len(w.layers), dtype=torch.float64, device=dev))
         if self.layer_kernels is not None:  # the fused RoPE launch writes each step's K/V slots (`_forward`)
             r.slot_base = torch.tensor([[t.data_ptr() + i * t.stride(0) * t.element_size() for i in range(shape[0])]
@@ -409,7 +410,7 @@ class Runner:
             torch.stack([r.slot_base for r in reqs]) if t == 1 else reqs[0].slot_base.expand(t, -1, -1).contiguous(),
             torch.cat(slots) * d, torch.cat([r.head_stride.expand(t) for r in reqs]))
         branch = None  # fused path: the MLP output not yet added to x (added by the next RMSNorm)
-        ahead = [i for i, r in enumerate(reqs) if r.planner.reads_query] if self.plan_ahead and t == 1 else []
+        ahead = [i for i, r in enumerate(reqs) if r.ahead] if t == 1 else []
         planned: Ahead | None = None  # this layer's plans, made ahead during the layer before
         for layer, lw in enumerate(w.layers):
             if fk is None:

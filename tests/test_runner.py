@@ -334,6 +334,29 @@ def test_plan_ahead_attention_uses_the_true_query_and_key(lm, passkey_cap):
         assert not torch.allclose(torch.stack(seen[True][layer]), torch.stack(seen[False][layer]), atol=1e-3), layer
 
 
+def test_plan_ahead_per_request(lm, passkey_cap):
+    """`add(plan_ahead=)` overrides the runner's setting for one request (the service plans ahead per
+    method): in one batch, a request planned ahead and one not each get the logits of a runner that
+    does the same for all its requests, and the two differ (so neither setting leaked into the other)."""
+    ctx, sub = capture_ctx(passkey_cap)
+    q = lm.question_ids(PASSKEY_QUESTION)
+    be = get_backend("torch_ref")
+    planner, params = open_planner("topk", sub, lm.spec, len(q) + 4, ratio=0.02)
+    alone = {}
+    for ahead in (False, True):
+        runner = Runner(lm, be, plan_ahead=ahead)
+        slot = runner.add(ctx, planner(), params, q, 4)
+        alone[ahead] = run_all(runner, [slot])[slot]
+    for default in (False, True):
+        runner = Runner(lm, be, plan_ahead=default)
+        slots = {ahead: runner.add(ctx, planner(), params, q, 4, plan_ahead=ahead) for ahead in (not default, default)}
+        got = run_all(runner, list(slots.values()))
+        assert runner.requests[slots[True]].ahead and not runner.requests[slots[False]].ahead
+        for ahead, slot in slots.items():
+            torch.testing.assert_close(got[slot], alone[ahead], atol=ATOL_FP32, rtol=0)
+    assert float((alone[True][1:] - alone[False][1:]).abs().max()) > 0.05
+
+
 @pytest.mark.parametrize("point", ["attention", "delta"])
 def test_predicted_queries_points(lm, passkey_cap, point):
     """`PredictedQueries`' other points (benchmarks/bench_early_plans.py's `--points`): layer L's
@@ -828,7 +851,7 @@ def test_gpu_row_cache_equals_host_reads():
                 (False, None, False), (False, None, None)]  # (plan_ahead, stage_values, cache_rows)
     for ahead, stage, cache in variants:
         runner = Runner(lm, be, plan_ahead=ahead, stage_values=stage, cache_rows=cache)
-        assert runner.cache_rows is (cache is None) and runner.stage_values is (ahead and cache is None and stage is None)
+        assert runner.cache_rows is (cache is None) and runner.stage_values is (cache is None and stage is None)  # if ahead
         reqs = _gpu_requests(lm, (host_ctx, sub), n_new, names=("topk", "ctkvr", "psa"))
         got_logits, got_tokens, slots = _replayed(runner, reqs, n_new, (ahead, stage, cache))
         runs[ahead, stage, cache] = (got_logits, got_tokens)
