@@ -285,6 +285,7 @@ class _CTkvrPlanner(Planner):
 @register
 class CTkvr(SparseMethod):
     name = "ctkvr"
+    plans_ahead = True  # KL to dense at 8K, default model: 0.006 true query k 512, 0.005 ahead k 768
     Params = CTkvrParams
     has_index = True
 

@@ -80,6 +80,16 @@ def resolve_runner(settings: Settings, device: str) -> bool:
     return settings.decode_runner == "batched"
 
 
+def resolve_plan_ahead(settings: Settings, device: str, method, backend) -> bool:
+    """Whether the batched runner plans a request of `method` under `backend` ahead. auto: on a GPU,
+    where the method says its widened plans keep their fidelity (`SparseMethod.plans_ahead`), and not
+    under a backend reading the context from host memory (offload, offload_v), where the widened
+    plans' extra rows would cross PCIe, the bound there."""
+    if settings.plan_ahead == "auto":
+        return device.startswith("cuda") and method.plans_ahead and not backend.host_arrays
+    return settings.plan_ahead
+
+
 def resolve_gpu_cache_bytes(settings: Settings, device: str) -> int:
     """GPU tier capacity: the setting, or half of the device's memory (0 on a CPU worker)."""
     if not device.startswith("cuda"):

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from functools import lru_cache
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Literal
 
 from limits import parse as parse_limit
 from pydantic import Field, SecretStr, field_validator
@@ -63,10 +63,17 @@ class Settings(BaseSettings):
                     "together, CUDA-graph replay on a GPU), transformers (one at a time through the model's own "
                     "modules, the reference); auto = batched on a GPU, transformers on a CPU")
     decode_batch_size: int = Field(8, ge=1, le=256, description="most requests a batched decode worker steps together")
-    plan_ahead: bool = Field(
-        False, description="batched runner: plan each layer's sparse search from the residual entering the layer "
-                           "before, on a side stream during that layer (decoder.runner, plan_ahead): faster one-token "
-                           "steps on a GPU, plans from a predicted query (fidelity cost in benchmarks/RESULTS.md)")
+    plan_ahead: bool | Literal["auto"] = Field(
+        "auto", description="batched runner: plan each layer's sparse search from the residual entering the layer "
+                            "before, on a side stream during that layer (decoder.runner, plan_ahead), with the budget "
+                            "widened by plan_ahead_widen: faster one-token steps on a GPU, plans from a predicted "
+                            "query; auto = on a GPU for the methods whose widened plans stay at least as close to "
+                            "dense (a method's `plans_ahead`: csattn, ctkvr, kivf, saap; benchmarks/RESULTS.md)")
+    plan_ahead_widen: float = Field(
+        1.5, ge=1.0, le=4.0,
+        description="with plan_ahead on the batched runner: each request's search budget this many times as wide "
+                    "(MethodParams.widened: k or the ratio, saap's nprobe, psa's 1 - eps and block cap), which buys "
+                    "back the fidelity a predicted query costs (benchmarks/RESULTS.md); 1 = the request's own budget")
     offload_row_cache: bool = Field(
         True, description="batched runner on a GPU under offload_v / offload: keep in GPU memory, per request and "
                           "layer, the context value rows its last two plans read, and read those from there instead "

@@ -85,6 +85,33 @@ def test_auto_backend_reads_a_context_larger_than_the_gpu_tier_from_host_memory(
     assert resolve_backend(fixed, "cuda", (12 * gib, 12 * gib), 10 * gib) == "torch_ref"
 
 
+def test_plan_ahead_auto_plans_ahead_on_a_gpu_for_the_methods_that_keep_their_fidelity(monkeypatch):
+    """plan_ahead "auto" (the default): a GPU worker plans ahead the methods whose widened plans stay
+    at least as close to dense (`plans_ahead`: csattn, ctkvr, kivf, saap), not the others, and not
+    under the offload backends (PCIe-bound: the wider plans would read more over it); a CPU worker
+    none. true / false (CTXCACHE_PLAN_AHEAD as before) apply to every method and backend."""
+    from decoder.backends import get_backend
+    from indexer.base import get_method, method_names
+    from service.runtime import resolve_plan_ahead
+    from service.settings import Settings
+
+    auto = Settings()
+    triton, offload_v = get_backend("triton"), get_backend("offload_v")
+    assert auto.plan_ahead == "auto"
+    ahead = {name for name in method_names() if resolve_plan_ahead(auto, "cuda", get_method(name), triton)}
+    assert ahead == {"csattn", "ctkvr", "kivf", "saap"}
+    for device, be in (("cpu", get_backend("torch_ref")), ("cuda", offload_v), ("cuda", get_backend("offload"))):
+        assert not any(resolve_plan_ahead(auto, device, get_method(name), be) for name in method_names())
+    for env, want in (("true", True), ("false", False), ("auto", "auto")):
+        monkeypatch.setenv("CTXCACHE_PLAN_AHEAD", env)
+        assert Settings().plan_ahead == want
+    monkeypatch.setenv("CTXCACHE_PLAN_AHEAD", "sometimes")
+    with pytest.raises(ValueError):
+        Settings()
+    assert resolve_plan_ahead(Settings(plan_ahead=True), "cuda", get_method("psa"), offload_v) is True
+    assert resolve_plan_ahead(Settings(plan_ahead=False), "cuda", get_method("saap"), triton) is False
+
+
 def _runner_answer(lm, text: str, method: str, params: dict, question: str, max_tokens: int, plan_ahead: bool):
     """The same completion through the library's runner alone (decoder.runner), torch_ref."""
     from decoder.backends import get_backend
@@ -108,12 +135,14 @@ def _runner_answer(lm, text: str, method: str, params: dict, question: str, max_
 
 
 def test_plan_ahead_setting_reaches_the_runner(tmp_path, redis_prefix, lm):
-    """CTXCACHE_PLAN_AHEAD: the batched worker plans ahead. The completion equals the library
-    runner's with plan_ahead, and this question was chosen where planning ahead changes the greedy
-    answer (measured 2026-11-28: "The engineer verifies the key table ..." against "The index runs
-    ..."), so a worker that ignored the setting would fail."""
+    """CTXCACHE_PLAN_AHEAD: the batched worker plans ahead, with each request's budget widened by
+    CTXCACHE_PLAN_AHEAD_WIDEN (default 1.5: topk k 8 -> 12), and says so in `stats.params`. The
+    completion equals the library runner's with plan_ahead over the widened params; this question
+    was chosen where the answer tells all three apart (checked below): a worker that ignored the
+    setting (no plan ahead, k 8) or the widening (plan ahead, k 8) would fail."""
     text, question, params = natural_document(400), "What runs under heavy load?", {"k": 8}
     settings = _settings(tmp_path, redis_prefix, decode_runner="batched", plan_ahead=True)
+    assert settings.plan_ahead_widen == 1.5
     with TestClient(create_app(settings, lm=lm)) as c:
         cid = c.post("/v1/contexts", json={"text": text}).json()["id"]
         assert wait_ready(c, cid)["status"] == "ready"
@@ -122,10 +151,12 @@ def test_plan_ahead_setting_reaches_the_runner(tmp_path, redis_prefix, lm):
     assert r.status_code == 200, r.text
     got = r.json()
     with torch.inference_mode():
-        ahead = _runner_answer(lm, text, "topk", params, question, 10, plan_ahead=True)
+        ahead = _runner_answer(lm, text, "topk", {"k": 12}, question, 10, plan_ahead=True)
+        narrow = _runner_answer(lm, text, "topk", params, question, 10, plan_ahead=True)
         plain = _runner_answer(lm, text, "topk", params, question, 10, plan_ahead=False)
-    assert ahead != plain  # the precondition that makes this test able to fail
-    assert got["stats"]["runner"] == "batched" and got["token_ids"] == ahead, got["text"]
+    assert ahead != plain and ahead != narrow  # the precondition that makes this test able to fail
+    assert got["stats"]["runner"] == "batched" and got["stats"]["params"]["k"] == 12
+    assert got["token_ids"] == ahead, got["text"]
 
 
 def test_pipelined_and_row_cache_settings_reach_the_runner(tmp_path, redis_prefix, lm, monkeypatch):

@@ -19,7 +19,8 @@ from indexer.base import MethodUnavailable, get_method
 from service import metrics
 from service.errors import INTERNAL_ERROR_MESSAGE
 from service.jobs.base import Loop
-from service.runtime import Runtime, resolve_backend, resolve_device, resolve_gpu_cache_bytes, resolve_runner
+from service.runtime import (Runtime, resolve_backend, resolve_device, resolve_gpu_cache_bytes, resolve_plan_ahead,
+                             resolve_runner)
 from storage.artifacts import ArtifactError, ArtifactMissing
 from storage.keys import PromptHash
 
@@ -164,7 +165,7 @@ class DecodeWorker(Loop):
                         continue
                     runner = self._runner(job.opened.backend)
                     slot = runner.add(job.opened.kv, job.opened.planner, job.params, job.q_ids, job.req["max_tokens"],
-                                      temperature=job.req["temperature"], seed=job.req.get("seed"))
+                                      temperature=job.req["temperature"], seed=job.req.get("seed"), plan_ahead=job.ahead)
                     self._live[job.opened.backend.name, slot] = _Live(
                         job, _TokenStream(self.rt.streams, job.rid, self.rt.lm.tokenizer), time.perf_counter())
                     admitted = True
@@ -183,13 +184,19 @@ class DecodeWorker(Loop):
                             "; ".join(self._runner_reasons))
         return not self._runner_reasons
 
+    def _plans_ahead(self, method, backend) -> bool:
+        """A request of `method` goes to the runner planned ahead (`plan_ahead`, `resolve_plan_ahead`):
+        its params are widened (`plan_ahead_widen`) before its planner opens; `stats.params` reports
+        what it ran with."""
+        return (resolve_plan_ahead(self.rt.settings, self.device, method, backend) and self.batched
+                and self._runner_supported())
+
     def _runner(self, backend):
         from decoder.runner import Runner
 
         r = self._runners.get(backend.name)
         if r is None:
             r = self._runners[backend.name] = Runner(self.rt.ensure_weights(), backend, self.device, track_fraction=True,
-                                                     plan_ahead=self.rt.settings.plan_ahead,
                                                      cache_rows=None if self.rt.settings.offload_row_cache else False,
                                                      pipelined=None if self.rt.settings.decode_pipelined else False)
         return r
@@ -235,6 +242,7 @@ class DecodeWorker(Loop):
                            decode_s=now - live.t_first, stats={
                                "kv_fraction": round(runner.kv_fraction(slot), 5), "steps": req.produced,
                                "runner": "batched", "graph": runner.graph_status, "batch_max": live.batch_max,
+                               "plan_ahead": live.job.ahead,
                                **({"row_cache_hit_rate": round(hits / rows, 4)} if rows else {})})
                 runner.remove(slot)
                 del self._live[name, slot]
@@ -346,9 +354,12 @@ class DecodeWorker(Loop):
                                         f"or trained model changed while the request waited); register it again"})
                 return None
         q_ids = req["question_ids"]
+        ahead = self._plans_ahead(method, backend)
+        if ahead:  # plans from a predicted query: the budget widened to buy their fidelity back
+            params = params.widened(rt.settings.plan_ahead_widen)
         opened = open_context(art, cid, method, params, index_id, tiers=self.tiers, spec=lm.spec, backend=backend,
                               max_local=len(q_ids) + req["max_tokens"], env=rt.method_env)
-        return _Job(req, rid, method, params, opened, q_ids, art.n_tokens, t_start)
+        return _Job(req, rid, method, params, opened, q_ids, art.n_tokens, t_start, ahead)
 
     def _done(self, job: "_Job", token_ids: list[int], finish_reason: str, *, ttft_s: float, decode_s: float,
               stats: dict) -> None:
@@ -407,6 +418,7 @@ class _Job:
     q_ids: list[int]
     n_ctx: int
     t_start: float
+    ahead: bool = False  # the runner plans it ahead, its params widened (`_plans_ahead`)
 
 
 class _TokenStream:
