@@ -7,7 +7,7 @@
 #                    carry=[".whl", ".old"])
 #   stages: tests | kerneltests | decode | decodecold | decode512 | before_after | kernels | e2e32 | e2e128 |
 #           e2e128rest | e2eprof | e2elayer | attntests | decodeab | psaab | latency | ncu | psasweep | pdlab | e2enow |
-#           offload | psa32sweep | offloadfit | ivfsweep | ivfcpp | cslfsweep | ivfsel | ivfeager | ivfsample | ncusel | psaemit | psafuse | psastop | rtrip | rerankreg | rerank96 | e2ectkvr | ncuivf | verify | repro | e2eh200 | pushab | decode512h200 | s14ab | s14e2e | s14final | s14frame | s14tests | s14lfpse2e | s15ivf | s15ivf2 | s15dot | s15final | s15rerank | s16ahead | s16overlap | s16more | s16tests | s16early | s17ahead | s17pipe | s17offload | s17reads | s17fuse | s18pages | s18offprof | s18offab | s18numa | s18staged | s18prio | s18stprof | s18frame | s19tests | s19granule | s19cached | s19overlap | s19sweep | s19gen | s20quick | s20cache | s20more | s20staged | s20tests | s21prof | s21l2 | s21split | s21ahead | s21gemv | s21decode | s21wide | saapwide
+#           offload | psa32sweep | offloadfit | ivfsweep | ivfcpp | cslfsweep | ivfsel | ivfeager | ivfsample | ncusel | psaemit | psafuse | psastop | rtrip | rerankreg | rerank96 | e2ectkvr | ncuivf | verify | repro | e2eh200 | pushab | decode512h200 | s14ab | s14e2e | s14final | s14frame | s14tests | s14lfpse2e | s15ivf | s15ivf2 | s15dot | s15final | s15rerank | s16ahead | s16overlap | s16more | s16tests | s16early | s17ahead | s17pipe | s17offload | s17reads | s17fuse | s18pages | s18offprof | s18offab | s18numa | s18staged | s18prio | s18stprof | s18frame | s19tests | s19granule | s19cached | s19overlap | s19sweep | s19gen | s20quick | s20cache | s20more | s20staged | s20tests | s21prof | s21l2 | s21split | s21ahead | s21gemv | s21decode | s21wide | saapwide | s22saap | s22wide1 | s22wide8 | s22tests | s22ncu
 #   (default: tests decode before_after)
 #   .old = the tree before the plan/run redesign (`git archive <commit> decoder indexer storage`), for
 #   the before/after decode comparison.
@@ -592,7 +592,34 @@ for stage in $stages; do
       python3 benchmarks/gpu_e2e.py --lengths 131072 --batches 1 --methods full ctkvr ctkvr@k=1536 --plan-ahead off on \
         --eager-tokens 0 --hf-tokens 0 --tokens 8 --check-prefill 0 --budget-s 170 --out "$OUT/wide" 2>&1 \
         | tee "$OUT/gpu_e2e_wide.log" | grep "^| \|ERROR\|Error" ;;
-    saapwide)  # prepared in session 21, not run yet: what 1.5x saap's probe (the wider budget that buys back
+    s22ncu)  # session 22: where the split kernel's ~8.5 us for one 128-row chunk go: ncu's stall reasons (the frame
+      # alone, then psa's plan shape; 128K, B = 1), full set, clocks left alone (METHOD.md)
+      ncu --clock-control none --kernel-name regex:_split_kernel --launch-skip 4 --launch-count 2 --set full \
+        --import-source yes -o "$OUT/split_ncu" -f python3 benchmarks/gpu_split_latency.py --ncu 2>&1 | tail -5
+      ncu --import "$OUT/split_ncu.ncu-rep" --page details > "$OUT/split_ncu_details.txt" 2>&1
+      ncu --import "$OUT/split_ncu.ncu-rep" --page source --csv --print-source sass > "$OUT/split_ncu_sass.csv" 2>&1
+      grep -i -E "duration|stall|warp cycles per|issued|occupancy|registers|long scoreboard|barrier" \
+        "$OUT/split_ncu_details.txt" | head -60 ;;
+    s22tests)  # session 22, the final tree (per-request plan_ahead in the runner): every GPU-marked test, then the
+      # row-cache and staging kernel files
+      python3 -m pytest -q -p no:cacheprovider -m gpu -o addopts="" \
+        tests/test_gpu_decode.py tests/test_triton_attention.py tests/test_backends.py tests/test_pipeline.py \
+        tests/test_csattn.py tests/test_saap_device.py tests/test_runner.py tests/test_kernels_*.py \
+        tests/test_host_memory.py 2>&1 | tee "$OUT/gpu_marked_tests.log" | tail -4
+      python3 -m pytest -q -p no:cacheprovider -o addopts="" tests/test_stage_kernel.py tests/test_attention_row_cache.py \
+        2>&1 | tee -a "$OUT/gpu_marked_tests.log" | tail -2 ;;
+    s22wide1|s22wide8)  # session 22: plan_ahead with every method's budget 1.5x as wide (the service's plan_ahead_widen,
+      # MethodParams.widened) against no planning ahead, dense in the same run; B = 1 (s22wide1) or B = 8 (s22wide8)
+      b=${stage#s22wide}
+      python3 benchmarks/gpu_e2e.py --lengths 131072 --batches "$b" --methods full psa@max_ratio=0.05 saap ctkvr csattn \
+        lfps kivf --plan-ahead off on --ahead-widen 1.5 --eager-tokens 0 --hf-tokens 0 --tokens 8 --check-prefill 0 \
+        --budget-s 480 --out "$OUT/$stage" 2>&1 | tee "$OUT/gpu_e2e_$stage.log" | grep "^| \|ERROR\|Error" ;;
+    s22saap)  # session 22: saapwide's nprobe 48 read only 1.4% more rows than 32 on random weights (its extra buckets
+      # are near empty); what saap costs at B = 1 over nprobe 32..256, i.e. as its searched rows grow, planned ahead or not
+      python3 benchmarks/gpu_e2e.py --lengths 131072 --batches 1 --methods full saap saap@nprobe=64 saap@nprobe=128 \
+        saap@nprobe=256 --plan-ahead off on --eager-tokens 0 --hf-tokens 0 --tokens 8 --check-prefill 0 --budget-s 420 \
+        --out "$OUT/s22saap" 2>&1 | tee "$OUT/gpu_e2e_s22saap.log" | grep "^| \|ERROR\|Error" ;;
+    saapwide)  # session 22 (prepared in session 21): what 1.5x saap's probe (the wider budget that buys back
       # plan_ahead's fidelity on the default model) costs at B = 1, planned ahead or not, dense in the same run
       python3 benchmarks/gpu_e2e.py --lengths 131072 --batches 1 --methods full saap saap@nprobe=48 --plan-ahead off on \
         --eager-tokens 0 --hf-tokens 0 --tokens 8 --check-prefill 0 --budget-s 300 --out "$OUT/saapwide" 2>&1 \

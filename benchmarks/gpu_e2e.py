@@ -52,7 +52,10 @@ Rows (one per n, batch, runner, method, backend), written to $OUT/gpu_e2e.json a
 Budgets as in gpu_decode.py: csattn alpha 0.1 rho 5%, ctkvr k 1024 lists 2560, kivf / lfps 5%, psa
 eps 0.95 capped at 10% of the blocks, saap nprobe 32. A method argument "name@param=value,..." runs
 another operating point in the same run (e.g. psa@max_ratio=0.05: psa capped at rho), its rows
-labelled so (`benchmarks/_gpu_timing.method_spec`). Question 16 tokens; 16 timed steps after
+labelled so (`benchmarks/_gpu_timing.method_spec`). Rows planned ahead (--plan-ahead on) plan with
+that budget × --ahead-widen (`MethodParams.widened`; default 1.5, the service's `plan_ahead_widen`;
+from 2026-11-29, session 22: earlier plan-ahead rows used the row's own params); the offload
+plan-ahead rows keep their own. Question 16 tokens; 16 timed steps after
 the question, one eager warm-up step and the capture. --budget-s stops starting new measurements
 after that many seconds (rows are saved as they come), so one call survives a 10-minute limit.
 """
@@ -386,7 +389,7 @@ class Bench:
                "fused_layer": run.layer_kernels is not None, "contexts": contexts, "plan_ahead": plan_ahead,
                "pipelined": run.pipelined, "ms_wall_mean": wall_mean, "parallel": run.parallel,
                "programs_per_sm": programs_per_sm,  # None: KernelConfig's default
-               "stage_values": run.stage_values, "ahead_priority": self.a.ahead_priority if plan_ahead else None,
+               "stage_values": run.stage_values and plan_ahead, "ahead_priority": self.a.ahead_priority if plan_ahead else None,
                "cache_rows": run.cache_rows, "cache_hit_rate": hits / rows if rows else None,
                "plan_overlap": plan_overlap, **extra}
         if prof is not None:
@@ -545,6 +548,9 @@ def main() -> None:
                          "(on: the runner's default on CUDA), without (off), or both (rows say pipelined)")
     ap.add_argument("--plan-ahead", nargs="+", choices=["off", "on"], default=["off"],
                     help="graph rows of the sparse methods with the runner's plan_ahead too (rows say plan_ahead)")
+    ap.add_argument("--ahead-widen", type=float, nargs="+", default=[1.5],
+                    help="plan_ahead rows: the method's budget this many times as wide (MethodParams.widened, as the "
+                         "service's plan_ahead_widen, default 1.5; 1 = the row's own params); rows say ahead_widen")
     ap.add_argument("--contexts", choices=["distinct", "shared", "copies"], default="distinct",
                     help="B > 1: each request on its own context (layers rotated, see rotated()), all on one, or "
                          "each on its own copy of its rotated context (own_copy(): the memory of B distinct contexts)")
@@ -674,9 +680,12 @@ def main() -> None:
                                 for fl in ((None, False) if a.layer_ab else (None,)):
                                     bench.runner(n, ctx, label, method, params, reader, be, b, True, a.tokens, extra,
                                                  fl, pipelined=on)
-                                if "on" in a.plan_ahead and name not in ("full", "streaming") and not bench.over_budget():
-                                    bench.runner(n, ctx, label, method, params, reader, be, b, True, a.tokens, extra,
-                                                 plan_ahead=True, pipelined=on)
+                                for wide in a.ahead_widen if "on" in a.plan_ahead and name not in ("full", "streaming") \
+                                        else ():
+                                    if not bench.over_budget():
+                                        bench.runner(n, ctx, label, method, params.widened(wide), reader, be, b, True,
+                                                     a.tokens, {**extra, "ahead_widen": wide}, plan_ahead=True,
+                                                     pipelined=on)
                             if a.fit_check and b > 1 and not bench.over_budget():  # B copies: do they fit?
                                 bench.runner(n, ctx, label, method, params, reader, be, b, True, a.tokens, extra,
                                              contexts="copies")
@@ -722,7 +731,7 @@ def main() -> None:
         ratio = None if not r.get("floor_ms") else r["ms_per_token"] / r["floor_ms"]
         fl = "" if r.get("fused_layer", True) else " (torch layer ops)"
         if r.get("plan_ahead"):
-            fl += " (plan ahead)"
+            fl += f" (plan ahead, budget ×{r['ahead_widen']:g})" if r.get("ahead_widen", 1) != 1 else " (plan ahead)"
         if r.get("pipelined") is False and r["runner"] == "runner_graph":
             fl += " (not pipelined)"
         if r.get("parallel") is False and r.get("batch", 1) > 1:

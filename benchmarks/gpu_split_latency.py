@@ -9,6 +9,7 @@ the kernels' device time (torch profiler, eager, back to back) and the graph rep
 L2 (`_gpu_timing.Timing`), in one run, so the rows compare with each other.
 
     python benchmarks/gpu_split_latency.py            # on the device tool; JSON to $OUT
+    ncu ... python benchmarks/gpu_split_latency.py --ncu  # the default config only, 5 calls each, untimed
 """
 
 from __future__ import annotations
@@ -42,6 +43,8 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=50)
     ap.add_argument("--more", action="store_true", help="also sweep stages and programs per SM on the plan")
     ap.add_argument("--out", default=os.environ.get("OUT", "benchmarks/out"))
+    ap.add_argument("--ncu", action="store_true",
+                    help="under a profiler: the default config on the frame, then on the plan, 5 calls each, no timing")
     a = ap.parse_args()
     dev = torch.device("cuda")
     gen = torch.Generator(device=dev).manual_seed(0)
@@ -72,6 +75,12 @@ def main() -> None:
                      for bn, w, s, pps in [(128, 4, 1, 2), (128, 8, 1, 2), (64, 4, 1, 2), (64, 8, 1, 2), (32, 4, 1, 2),
                                            (32, 4, 2, 2), (64, 4, 2, 4), (64, 4, 1, 4), (32, 4, 1, 4), (128, 4, 2, 1),
                                            (128, 4, 2, 4)]]
+    if a.ncu:  # for `ncu --kernel-name regex:_split_kernel`: frame calls 1-5, plan calls 6-10
+        for p, ln in ((frame_only, None), (positions, lengths)):
+            for _ in range(5):
+                frame_attention(q, ctx_k, ctx_v, loc_k, loc_v, q_pos, p, 4, 32, scale, lengths=ln)
+        torch.cuda.synchronize()
+        return
     rows = []
     out_empty = torch.empty(KVH, device=dev)
     empty = lambda: _empty_kernel[(KVH,)](out_empty)  # noqa: E731
