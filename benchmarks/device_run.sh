@@ -605,14 +605,6 @@ for stage in $stages; do
       python3 benchmarks/gpu_e2e.py --lengths 131072 --batches 1 --methods full psa@max_ratio=0.05 saap ctkvr \
         --plan-ahead off on --ahead-widen 1.5 --eager-tokens 0 --hf-tokens 0 --tokens 8 --check-prefill 0 \
         --budget-s 400 --out "$OUT/s22repeat" 2>&1 | tee "$OUT/gpu_e2e_s22repeat.log" | grep "^| \|ERROR\|Error" ;;
-    s22tests)  # session 22, the final tree (per-request plan_ahead in the runner): every GPU-marked test, then the
-      # row-cache and staging kernel files
-      python3 -m pytest -q -p no:cacheprovider -m gpu -o addopts="" \
-        tests/test_gpu_decode.py tests/test_triton_attention.py tests/test_backends.py tests/test_pipeline.py \
-        tests/test_csattn.py tests/test_saap_device.py tests/test_runner.py tests/test_kernels_*.py \
-        tests/test_host_memory.py 2>&1 | tee "$OUT/gpu_marked_tests.log" | tail -4
-      python3 -m pytest -q -p no:cacheprovider -o addopts="" tests/test_stage_kernel.py tests/test_attention_row_cache.py \
-        2>&1 | tee -a "$OUT/gpu_marked_tests.log" | tail -2 ;;
     s22wide1|s22wide8)  # session 22: plan_ahead with every method's budget 1.5x as wide (the service's plan_ahead_widen,
       # MethodParams.widened) against no planning ahead, dense in the same run; B = 1 (s22wide1) or B = 8 (s22wide8)
       b=${stage#s22wide}
@@ -657,7 +649,8 @@ for stage in $stages; do
         --offload-batches 8 --offload-methods ctkvr csattn --offload-contexts copies \
         --offload-plan-ahead off-cached staged --plan-overlap 0.69 0 --eager-tokens 0 --hf-tokens 0 --tokens 8 \
         --budget-s 420 --check-prefill 0 --out "$OUT/staged" 2>&1 | tee "$OUT/gpu_e2e_staged.log" | grep "^| \|rror" ;;
-    s20tests)  # session 20, the final tree: every GPU-marked test, then the kernel files' CPU-shaped tests compiled
+    s20tests|s22tests)  # sessions 20 and 22, the final tree: every GPU-marked test, then the kernel files' CPU-shaped
+      # tests compiled
       python3 -m pytest -q -p no:cacheprovider -m gpu -o addopts="" \
         tests/test_gpu_decode.py tests/test_triton_attention.py tests/test_backends.py tests/test_pipeline.py \
         tests/test_csattn.py tests/test_saap_device.py tests/test_runner.py tests/test_kernels_*.py \
