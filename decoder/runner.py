@@ -152,7 +152,7 @@ class Runner:
     Triton runs them, True = also through Triton's interpreter (tests), False = torch.
     `plan_ahead`: plan layer L >= 1 of one-token steps from the residual entering layer L - 1, on a
     side stream on CUDA (module docstring); off by default: it changes the plans (not the attention's
-    arithmetic), within the fidelity measured in RESULTS.md. `add(plan_ahead=)` sets it per request.
+    arithmetic). `add(plan_ahead=)` sets it per request (the service: `resolve_plan_ahead`, widened).
     `pipelined`: issue the next one-token step before reading this one's tokens (module docstring);
     None = on CUDA. The tokens are the same; on a CPU it would only delay each token by a step.
     `cache_rows`: under a backend keeping the context's values in host memory, keep in HBM the value
