@@ -47,6 +47,7 @@ class Request:
     touched: torch.Tensor | None = None  # [L] fp64 sums of frame fractions (track_fraction)
     row_caches: dict = field(default_factory=dict)  # layer -> RowCache (the runner's cache_rows)
     counted: int = 0  # (kv head, query token) pairs summed in `touched`, per layer
+    own_bytes: int | None = None  # `nbytes()`, kept until a row cache is made
 
     @property
     def active(self) -> bool:
@@ -61,7 +62,16 @@ class Request:
         kvh, n, d = like.shape
         if cache is None or not cache.fits(kvh, n, k):
             cache = self.row_caches[layer] = RowCache.empty(kvh, n, k, d, like.dtype, like.device)
+            self.own_bytes = None
         return cache
+
+    def nbytes(self) -> int:
+        """Device memory the request holds of its own: its request-local K/V and its row caches (made at
+        its first one-token step), not the context's arrays it reads."""
+        if self.own_bytes is None:
+            self.own_bytes = sum(t.numel() * t.element_size() for t in (self.loc_k, self.loc_v)) + sum(
+                c.nbytes for c in self.row_caches.values())
+        return self.own_bytes
 
     def cache_counts(self) -> tuple[int, int]:
         """(plan rows served from the row caches, plan rows read) over the layers so far (a host sync)."""

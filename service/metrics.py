@@ -114,6 +114,9 @@ class Tiers:
             "bytes": GaugeMetricFamily("ctxcache_tier_bytes", "bytes held by a decode worker's tier", labels=["worker", "tier"]),
             "capacity_bytes": GaugeMetricFamily("ctxcache_tier_capacity_bytes", "capacity of a decode worker's tier",
                                                 labels=["worker", "tier"]),
+            "reserved_bytes": GaugeMetricFamily("ctxcache_tier_reserved_bytes", "bytes of a decode worker's tier its "
+                                                "running requests' own buffers hold (not cached arrays)",
+                                                labels=["worker", "tier"]),
             "entries": GaugeMetricFamily("ctxcache_tier_entries", "arrays held by a decode worker's tier", labels=["worker", "tier"]),
             "hits": CounterMetricFamily("ctxcache_tier_hits", "tier lookups served from the tier", labels=["worker", "tier"]),
             "misses": CounterMetricFamily("ctxcache_tier_misses", "tier lookups loaded from below", labels=["worker", "tier"]),

@@ -56,7 +56,8 @@ class Settings(BaseSettings):
     dram_tier_bytes: int = Field(2 * 1024**3, ge=0, description="DRAM tier capacity of a decode worker (LRU by bytes)")
     gpu_cache_bytes: int | None = Field(
         None, ge=0, description="GPU tier capacity of a decode worker on a GPU (context K/V + index arrays resident "
-                                "across steps and requests, LRU by bytes); unset = half of the device's memory")
+                                "across steps and requests, LRU by bytes; running batched requests' own buffers count "
+                                "against it); unset = half of the device's memory")
     decode_runner: str = Field(
         "auto", pattern="^(auto|batched|transformers)$",
         description="how the decode worker runs requests: batched (decoder.runner: concurrent requests stepped "
@@ -77,8 +78,8 @@ class Settings(BaseSettings):
     offload_row_cache: bool = Field(
         True, description="batched runner on a GPU under offload_v / offload: keep in GPU memory, per request and "
                           "layer, the context value rows its last two plans read, and read those from there instead "
-                          "of over PCIe (decoder.runner, cache_rows); the same tokens; GPU memory per request not "
-                          "counted in gpu_cache_bytes (docs/operations.md)")
+                          "of over PCIe (decoder.runner, cache_rows); the same tokens; its GPU memory counts against "
+                          "gpu_cache_bytes while the request runs (docs/operations.md)")
     decode_pipelined: bool = Field(
         True, description="batched runner on a GPU: issue each one-token step before reading the tokens of the step "
                           "before (decoder.runner, pipelined), so the GPU does not wait for the host between tokens; "

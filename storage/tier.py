@@ -12,6 +12,10 @@ The decode worker asks for (context, array, layer) slices. Two tiers stack:
 
 Entries larger than a tier's whole capacity are returned uncached. Evicting an entry drops the
 tier's reference: a tensor a running request still holds stays alive until that request is done.
+
+A tier can also count memory it does not cache: `reserve(key, nbytes)` (the decode worker's batched
+requests' own GPU buffers: request-local K/V, the offload backends' row cache) shrinks the room for
+cached entries, evicting the least recent ones, until `release(key)`.
 """
 
 from __future__ import annotations
@@ -32,6 +36,8 @@ class TensorTier:
         self.name = name
         self._items: OrderedDict[Hashable, torch.Tensor] = OrderedDict()
         self._bytes = 0
+        self._reserved: dict[Hashable, int] = {}  # key -> bytes counted but not cached (`reserve`)
+        self._reserved_total = 0
         self._lock = threading.Lock()
         self.hits = 0
         self.misses = 0
@@ -40,6 +46,10 @@ class TensorTier:
     @property
     def nbytes(self) -> int:
         return self._bytes
+
+    @property
+    def reserved(self) -> int:
+        return self._reserved_total
 
     def __len__(self) -> int:
         return len(self._items)
@@ -55,18 +65,34 @@ class TensorTier:
             self.misses += 1
         t = load()
         size = t.numel() * t.element_size()
-        if size > self.capacity:
-            return t, False
         with self._lock:
+            if size > self.capacity - self._reserved_total:
+                return t, False
             if key in self._items:
                 return self._items[key], False
             self._items[key] = t
             self._bytes += size
-            while self._bytes > self.capacity:
-                _, old = self._items.popitem(last=False)
-                self._bytes -= old.numel() * old.element_size()
-                self.evictions += 1
+            self._evict()
         return t, False
+
+    def reserve(self, key: Hashable, nbytes: int) -> None:
+        """Count `nbytes` under `key` (replacing what it counted before) against the capacity, evicting
+        least recent entries to make room. Reservations are never evicted: past the capacity, nothing
+        is cached until they are released."""
+        with self._lock:
+            self._reserved_total += int(nbytes) - self._reserved.get(key, 0)
+            self._reserved[key] = int(nbytes)
+            self._evict()
+
+    def release(self, key: Hashable) -> None:
+        with self._lock:
+            self._reserved_total -= self._reserved.pop(key, 0)
+
+    def _evict(self) -> None:  # under the lock
+        while self._items and self._bytes + self._reserved_total > self.capacity:
+            _, old = self._items.popitem(last=False)
+            self._bytes -= old.numel() * old.element_size()
+            self.evictions += 1
 
     def contains(self, key: tuple) -> bool:
         with self._lock:
@@ -86,7 +112,8 @@ class TensorTier:
     def snapshot(self) -> dict:
         """Counters for /metrics and stats: bytes held, capacity, entries, hits, misses, evictions."""
         with self._lock:
-            return {"tier": self.name, "bytes": self._bytes, "capacity_bytes": self.capacity, "entries": len(self._items),
+            return {"tier": self.name, "bytes": self._bytes, "reserved_bytes": self._reserved_total, "capacity_bytes": self.capacity,
+                    "entries": len(self._items),
                     "hits": self.hits, "misses": self.misses, "evictions": self.evictions}
 
 

@@ -191,10 +191,36 @@ def test_offload_row_cache_hit_rate_is_in_the_completion_stats(tmp_path, redis_p
     """Under `offload_v` the batched runner's row cache (on by default on a GPU; forced on here, with
     the triton kernel through Triton's interpreter in place of the GPU's) serves plan rows the
     request's earlier plans read, and the completion says what share: `row_cache_hit_rate` in
-    (0, 1). (~25 s: the interpreter runs every attention of the completion.)"""
+    (0, 1). Its own memory counts against the GPU tier while it runs (a tier given to this CPU
+    worker, which has none): its request-local K/V from its admission, its row caches from its first
+    one-token step, to the byte, and nothing once it is done. (~25 s: the interpreter runs every
+    attention of the completion.)"""
     import decoder.runner as runner_module
+    import service.jobs.decode as decode_module
     from decoder.backends.offload import OffloadValues
     from decoder.backends.triton import TritonAttention
+    from decoder.kernels.stage import PLANS_KEPT
+    from storage.tier import TensorTier
+
+    reservations = []
+
+    class Recording(TensorTier):
+        def reserve(self, key, nbytes):
+            reservations.append((key, nbytes))
+            super().reserve(key, nbytes)
+
+        def release(self, key):
+            reservations.append((key, None))
+            super().release(key)
+
+    class WithGpuTier(decode_module.ContextTiers):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            self.gpu = tier = Recording(1 << 30, "gpu")
+            tiers.append(tier)
+
+    tiers = []
+    monkeypatch.setattr(decode_module, "ContextTiers", WithGpuTier)
 
     class Cached(runner_module.Runner):
         def __init__(self, *args, **kwargs):
@@ -210,6 +236,14 @@ def test_offload_row_cache_hit_rate_is_in_the_completion_stats(tmp_path, redis_p
                    json={"question": PASSKEY_QUESTION, "method": "topk", "params": {"k": 16}, "backend": "offload_v",
                          "max_tokens": 3})
     assert r.status_code == 200, r.text
-    stats = r.json()["stats"]
+    stats, usage = r.json()["stats"], r.json()["usage"]
     assert stats["backend"] == "offload_v" and stats["runner"] == "batched"
     assert 0 < stats["row_cache_hit_rate"] < 1, stats
+    (key,) = {k for k, _ in reservations}
+    counted = [b for _, b in reservations]
+    n, layers, kvh, d = usage["cached_tokens"], 30, 3, 64  # the default model; fp32 K/V
+    local = 2 * layers * kvh * (usage["prompt_tokens"] + 3) * d * 4  # loc_k + loc_v: question + max_tokens
+    width = (PLANS_KEPT + 1) * 16  # topk k = 16
+    caches = layers * (kvh * width * d * 4 + kvh * width * 4 + kvh * n * 4 + 2 * 8)  # vals, pos_of, slot_of, counts
+    assert counted[0] == local and counted[-1] is None and max(b for b in counted if b) == local + caches
+    assert tiers[-1].reserved == 0

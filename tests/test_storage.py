@@ -174,3 +174,27 @@ def test_dram_tier_is_lru_by_bytes():
     assert tier.drop("c") == tier.capacity and len(tier) == 0
     big, hit = tier.get(("c", "big", 0), lambda: torch.zeros(1000))
     assert not hit and len(tier) == 0  # larger than the whole tier: served, not cached
+
+
+def test_tier_reservations_shrink_the_room_for_cached_entries():
+    """`reserve` counts bytes the tier does not cache (a running request's own GPU buffers): the least
+    recent entries are evicted to make room, nothing is cached past the capacity, a key's new
+    reservation replaces its old one, and `release` gives the room back."""
+    tier = DramTier(capacity_bytes=3 * 400)  # three 100-float tensors
+    for i in range(3):
+        tier.get(("c", "a", i), lambda i=i: torch.full((100,), float(i)))
+    tier.reserve(("request", 1), 400)
+    assert not tier.contains(("c", "a", 0)) and tier.contains(("c", "a", 1)) and tier.nbytes == 800
+    tier.reserve(("request", 1), 800)  # replaces the 400: 400 + 800 > 1200 evicts one more
+    assert len(tier) == 1 and tier.reserved == 800 and tier.snapshot()["reserved_bytes"] == 800
+    _, hit = tier.get(("c", "a", 9), lambda: torch.zeros(200))  # 800 B: no room beside the reservation
+    assert not hit and not tier.contains(("c", "a", 9)) and tier.nbytes + tier.reserved <= tier.capacity
+    tier.reserve(("request", 2), 2000)  # past the capacity: everything cached goes, the reservation stays
+    assert len(tier) == 0 and tier.reserved == 2800
+    assert tier.get(("c", "a", 1), lambda: torch.ones(100))[1] is False and len(tier) == 0
+    tier.release(("request", 2))
+    tier.release(("request", 2))  # twice: nothing more
+    tier.release(("request", 1))
+    assert tier.reserved == 0
+    tier.get(("c", "a", 1), lambda: torch.ones(100))
+    assert tier.contains(("c", "a", 1))

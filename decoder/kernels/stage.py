@@ -100,6 +100,10 @@ class RowCache:
                    torch.zeros(kvh, n_ctx, dtype=torch.int32, device=device),
                    torch.zeros(2, dtype=torch.int64, device=device), plans)
 
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.vals, self.pos_of, self.slot_of, self.counts))
+
     def fits(self, kvh: int, n_ctx: int, k: int) -> bool:
         return self.pos_of.shape == (kvh, (self.plans + 1) * k) and self.slot_of.shape == (kvh, n_ctx)
 

@@ -168,6 +168,7 @@ class DecodeWorker(Loop):
                                       temperature=job.req["temperature"], seed=job.req.get("seed"), plan_ahead=job.ahead)
                     self._live[job.opened.backend.name, slot] = _Live(
                         job, _TokenStream(self.rt.streams, job.rid, self.rt.lm.tokenizer), time.perf_counter())
+                    self._count(job.opened.backend.name, slot, runner)
                     admitted = True
             finally:
                 if not admitted:  # answered, failed or dropped: done with it; a live one is released by _step
@@ -211,11 +212,10 @@ class DecodeWorker(Loop):
             except Exception as e:  # noqa: BLE001 - a failed step fails the requests in it, not the worker
                 log.exception("decode step of the %s runner failed", name)
                 for key in [k for k in self._live if k[0] == name]:
-                    live = self._live.pop(key)
                     metrics.job_finished(self.kind, "failed")
-                    self.rt.streams.emit(live.job.rid, "error", {"code": "internal_error", "message": INTERNAL_ERROR_MESSAGE})
-                    runner.remove(key[1])
-                    self._release(live.job.req)
+                    self.rt.streams.emit(self._live[key].job.rid, "error",
+                                         {"code": "internal_error", "message": INTERNAL_ERROR_MESSAGE})
+                    self._leave(runner, *key)
                 continue
             now = time.perf_counter()
             for slot, tok in got:
@@ -230,11 +230,10 @@ class DecodeWorker(Loop):
                 if reason is None and self._should_stop(live.job.rid):
                     reason = "cancelled"
                 if reason is None:
+                    self._count(name, slot, runner)  # its row caches appear at its first one-token step
                     continue
                 if reason == "cancelled" and self._abandoning():  # given up, not answered: the API retries it
-                    runner.remove(slot)
-                    del self._live[name, slot]
-                    self._release(live.job.req)
+                    self._leave(runner, name, slot)
                     continue
                 ids = [t for t in req.tokens if t not in self.rt.lm.eos_token_ids]
                 hits, rows = req.cache_counts()  # the offload backends' row cache (decoder.runner, cache_rows)
@@ -244,9 +243,22 @@ class DecodeWorker(Loop):
                                "runner": "batched", "graph": runner.graph_status, "batch_max": live.batch_max,
                                "plan_ahead": live.job.ahead,
                                **({"row_cache_hit_rate": round(hits / rows, 4)} if rows else {})})
-                runner.remove(slot)
-                del self._live[name, slot]
-                self._release(live.job.req)
+                self._leave(runner, name, slot)
+
+    def _count(self, name: str, slot: int, runner) -> None:
+        """A batched request's own device memory (`Request.nbytes`: request-local K/V, row caches)
+        counts against the GPU tier while it runs, which evicts cached arrays to make room."""
+        if self.tiers.gpu is not None:
+            self.tiers.gpu.reserve(("request", name, slot), runner.requests[slot].nbytes())
+
+    def _leave(self, runner, name: str, slot: int) -> None:
+        """A batched request is done (answered, failed or given up): out of its runner, its memory no
+        longer counted, its lease released."""
+        live = self._live.pop((name, slot))
+        runner.remove(slot)
+        if self.tiers.gpu is not None:
+            self.tiers.gpu.release(("request", name, slot))
+        self._release(live.job.req)
 
     def _artifacts(self, cid: PromptHash, slug: str):
         """The cached read handle of a context, opened again when its manifest changed on disk (the
