@@ -371,7 +371,8 @@ class SparseMethod(ABC):
     has_index: ClassVar[bool] = False  # True when `build` persists arrays
     # planned ahead on a GPU by default (the service's plan_ahead "auto"): set where the plans made
     # from a predicted query with the budget widened (`MethodParams.widened`, plan_ahead_widen) stay at
-    # least as close to dense as the method's own plans from the true query (RESULTS.md, session 22)
+    # least as close to dense as the method's own plans from the true query, and planning ahead so
+    # pays on the GPU (faster at B = 1, not much slower at B = 8: RESULTS.md, session 22)
     plans_ahead: ClassVar[bool] = False
 
     def validate_configuration(self, spec, params: MethodParams, env: MethodEnv | None = None) -> list[str]:

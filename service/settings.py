@@ -69,7 +69,7 @@ class Settings(BaseSettings):
                             "before, on a side stream during that layer (decoder.runner, plan_ahead), with the budget "
                             "widened by plan_ahead_widen: faster one-token steps on a GPU, plans from a predicted "
                             "query; auto = on a GPU for the methods whose widened plans stay at least as close to "
-                            "dense (a method's `plans_ahead`: csattn, ctkvr, kivf, saap; benchmarks/RESULTS.md)")
+                            "dense (a method's `plans_ahead`: csattn, ctkvr, saap; benchmarks/RESULTS.md)")
     plan_ahead_widen: float = Field(
         1.5, ge=1.0, le=4.0,
         description="with plan_ahead on the batched runner: each request's search budget this many times as wide "

@@ -87,7 +87,7 @@ def test_auto_backend_reads_a_context_larger_than_the_gpu_tier_from_host_memory(
 
 def test_plan_ahead_auto_plans_ahead_on_a_gpu_for_the_methods_that_keep_their_fidelity(monkeypatch):
     """plan_ahead "auto" (the default): a GPU worker plans ahead the methods whose widened plans stay
-    at least as close to dense (`plans_ahead`: csattn, ctkvr, kivf, saap), not the others, and not
+    at least as close to dense and gain on the GPU (`plans_ahead`: csattn, ctkvr, saap), not the others, and not
     under the offload backends (PCIe-bound: the wider plans would read more over it); a CPU worker
     none. true / false (CTXCACHE_PLAN_AHEAD as before) apply to every method and backend."""
     from decoder.backends import get_backend
@@ -99,7 +99,7 @@ def test_plan_ahead_auto_plans_ahead_on_a_gpu_for_the_methods_that_keep_their_fi
     triton, offload_v = get_backend("triton"), get_backend("offload_v")
     assert auto.plan_ahead == "auto"
     ahead = {name for name in method_names() if resolve_plan_ahead(auto, "cuda", get_method(name), triton)}
-    assert ahead == {"csattn", "ctkvr", "kivf", "saap"}
+    assert ahead == {"csattn", "ctkvr", "saap"}
     for device, be in (("cpu", get_backend("torch_ref")), ("cuda", offload_v), ("cuda", get_backend("offload"))):
         assert not any(resolve_plan_ahead(auto, device, get_method(name), be) for name in method_names())
     for env, want in (("true", True), ("false", False), ("auto", "auto")):
