@@ -7,7 +7,7 @@
 #                    carry=[".whl", ".old"])
 #   stages: tests | kerneltests | decode | decodecold | decode512 | before_after | kernels | e2e32 | e2e128 |
 #           e2e128rest | e2eprof | e2elayer | attntests | decodeab | psaab | latency | ncu | psasweep | pdlab | e2enow |
-#           offload | psa32sweep | offloadfit | ivfsweep | ivfcpp | cslfsweep | ivfsel | ivfeager | ivfsample | ncusel | psaemit | psafuse | psastop | rtrip | rerankreg | rerank96 | e2ectkvr | ncuivf | verify | repro | e2eh200 | pushab | decode512h200 | s14ab | s14e2e | s14final | s14frame | s14tests | s14lfpse2e | s15ivf | s15ivf2 | s15dot | s15final | s15rerank | s16ahead | s16overlap | s16more | s16tests | s16early | s17ahead | s17pipe | s17offload | s17reads | s17fuse | s18pages | s18offprof | s18offab | s18numa | s18staged | s18prio | s18stprof | s18frame | s19tests | s19granule | s19cached | s19overlap | s19sweep | s19gen | s20quick | s20cache | s20more | s20staged | s20tests | s21prof | s21l2 | s21split | s21ahead | s21gemv | s21decode | s21wide | saapwide | s22saap | s22wide1 | s22wide8 | s22tests | s22ncu | s22repeat
+#           offload | psa32sweep | offloadfit | ivfsweep | ivfcpp | cslfsweep | ivfsel | ivfeager | ivfsample | ncusel | psaemit | psafuse | psastop | rtrip | rerankreg | rerank96 | e2ectkvr | ncuivf | verify | repro | e2eh200 | pushab | decode512h200 | s14ab | s14e2e | s14final | s14frame | s14tests | s14lfpse2e | s15ivf | s15ivf2 | s15dot | s15final | s15rerank | s16ahead | s16overlap | s16more | s16tests | s16early | s17ahead | s17pipe | s17offload | s17reads | s17fuse | s18pages | s18offprof | s18offab | s18numa | s18staged | s18prio | s18stprof | s18frame | s19tests | s19granule | s19cached | s19overlap | s19sweep | s19gen | s20quick | s20cache | s20more | s20staged | s20tests | s21prof | s21l2 | s21split | s21ahead | s21gemv | s21decode | s21wide | saapwide | s22saap | s22wide1 | s22wide8 | s22tests | s22ncu | s22repeat | s22split8
 #   (default: tests decode before_after)
 #   .old = the tree before the plan/run redesign (`git archive <commit> decoder indexer storage`), for
 #   the before/after decode comparison.
@@ -600,6 +600,11 @@ for stage in $stages; do
       ncu --import "$OUT/split_ncu.ncu-rep" --page source --csv --print-source sass > "$OUT/split_ncu_sass.csv" 2>&1
       grep -i -E "duration|stall|warp cycles per|issued|occupancy|registers|long scoreboard|barrier" \
         "$OUT/split_ncu_details.txt" | head -60 ;;
+    s22split8)  # session 22: at B = 8, what planning ahead costs kivf and csattn by itself (widen 1) and with the wider
+      # budget (1.5)
+      python3 benchmarks/gpu_e2e.py --lengths 131072 --batches 8 --methods kivf csattn --plan-ahead off on \
+        --ahead-widen 1 1.5 --eager-tokens 0 --hf-tokens 0 --tokens 8 --check-prefill 0 --budget-s 420 \
+        --out "$OUT/s22split8" 2>&1 | tee "$OUT/gpu_e2e_s22split8.log" | grep "^| \|ERROR\|Error" ;;
     s22repeat)  # session 22: issue 13's B = 1 rows again on the final tree (the defaults: saap and ctkvr planned ahead
       # and widened, psa not), to see the spread between calls
       python3 benchmarks/gpu_e2e.py --lengths 131072 --batches 1 --methods full psa@max_ratio=0.05 saap ctkvr \
