@@ -150,7 +150,11 @@ class MethodParams(BaseModel):
         """These params with the search's budget `factor` (>= 1) times as wide, for plans made from a
         predicted query (the runner's `plan_ahead`, service setting `plan_ahead_widen`): the extra rows
         buy back what the prediction costs (benchmarks/RESULTS.md). Never a build field, so the
-        index stays the same. A method without a search budget (full, streaming) returns itself."""
+        index stays the same. Factor 1, or a method without a search budget (full, streaming): itself."""
+        return self if factor == 1 else self._widen(factor)
+
+    def _widen(self, factor: float) -> "MethodParams":
+        """`widened` for factor != 1: what a method with a search budget overrides."""
         return self
 
     def _capped(self, name: str, value: float) -> float:
@@ -179,10 +183,8 @@ class BudgetParams(MethodParams):
         """K, the context positions a plan holds per (KV head, token), from the context length."""
         return budget(n_ctx, k=self.k, ratio=self.budget_ratio, default=self.default_k)
 
-    def widened(self, factor: float) -> "BudgetParams":
+    def _widen(self, factor: float) -> "BudgetParams":
         """K `factor` times as large: `k` if set, else the ratio (capped at 1), else `default_k`."""
-        if factor == 1:
-            return self
         if self.k is None and self.budget_ratio is not None:
             return self.with_overrides({self.ratio_field: min(1.0, round(self.budget_ratio * factor, 12))})
         k = self.k if self.k is not None else self.default_k

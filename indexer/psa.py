@@ -107,10 +107,8 @@ class PSAParams(MethodParams):
 
     build_fields = frozenset({"block_size"})
 
-    def widened(self, factor: float) -> "PSAParams":
+    def _widen(self, factor: float) -> "PSAParams":
         """The mass left out, 1 - eps, divided by `factor`, and the block cap `max_ratio` times it."""
-        if factor == 1:
-            return self
         return self.with_overrides({"eps": round(1.0 - (1.0 - self.eps) / factor, 12),
                                     "max_ratio": min(1.0, round(self.max_ratio * factor, 12))})
 

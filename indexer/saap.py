@@ -116,10 +116,8 @@ class SaapParams(MethodParams):
         """SAAP's dense part is part of the frame: the sink and `window` + `recent` most recent tokens."""
         return self.sink, self.window + self.recent_for(n_ctx)
 
-    def widened(self, factor: float) -> "SaapParams":
+    def _widen(self, factor: float) -> "SaapParams":
         """ℓ `factor` times as many buckets probed (the plan's width grows with the buckets' sizes)."""
-        if factor == 1:
-            return self
         return self.with_overrides({"nprobe": int(self._capped("nprobe", math.ceil(self.nprobe * factor)))})
 
 
