@@ -7,7 +7,7 @@
 #                    carry=[".whl", ".old"])
 #   stages: tests | kerneltests | decode | decodecold | decode512 | before_after | kernels | e2e32 | e2e128 |
 #           e2e128rest | e2eprof | e2elayer | attntests | decodeab | psaab | latency | ncu | psasweep | pdlab | e2enow |
-#           offload | psa32sweep | offloadfit | ivfsweep | ivfcpp | cslfsweep | ivfsel | ivfeager | ivfsample | ncusel | psaemit | psafuse | psastop | rtrip | rerankreg | rerank96 | e2ectkvr | ncuivf | verify | repro | e2eh200 | pushab | decode512h200 | s14ab | s14e2e | s14final | s14frame | s14tests | s14lfpse2e | s15ivf | s15ivf2 | s15dot | s15final | s15rerank | s16ahead | s16overlap | s16more | s16tests | s16early | s17ahead | s17pipe | s17offload | s17reads | s17fuse | s18pages | s18offprof | s18offab | s18numa | s18staged | s18prio | s18stprof | s18frame | s19tests | s19granule | s19cached | s19overlap | s19sweep | s19gen | s20quick | s20cache | s20more | s20staged | s20tests | s21prof | s21l2 | s21split | s21ahead | s21gemv | s21decode | s21wide | saapwide | s22saap | s22wide1 | s22wide8 | s22tests | s22ncu | s22repeat | s22split8 | s23ncu | s23knobs
+#           offload | psa32sweep | offloadfit | ivfsweep | ivfcpp | cslfsweep | ivfsel | ivfeager | ivfsample | ncusel | psaemit | psafuse | psastop | rtrip | rerankreg | rerank96 | e2ectkvr | ncuivf | verify | repro | e2eh200 | pushab | decode512h200 | s14ab | s14e2e | s14final | s14frame | s14tests | s14lfpse2e | s15ivf | s15ivf2 | s15dot | s15final | s15rerank | s16ahead | s16overlap | s16more | s16tests | s16early | s17ahead | s17pipe | s17offload | s17reads | s17fuse | s18pages | s18offprof | s18offab | s18numa | s18staged | s18prio | s18stprof | s18frame | s19tests | s19granule | s19cached | s19overlap | s19sweep | s19gen | s20quick | s20cache | s20more | s20staged | s20tests | s21prof | s21l2 | s21split | s21ahead | s21gemv | s21decode | s21wide | saapwide | s22saap | s22wide1 | s22wide8 | s22tests | s22ncu | s22repeat | s22split8 | s23ncu | s23knobs | s23splits
 #   (default: tests decode before_after)
 #   .old = the tree before the plan/run redesign (`git archive <commit> decoder indexer storage`), for
 #   the before/after decode comparison.
@@ -679,6 +679,10 @@ for stage in $stages; do
         $P:select_warps=4 $P:select_warps=16 $P:select_warps=32 $P:sums_warps=8 $P:stop_warps=8 $P:stop_parts=8 \
         $P:stop_parts=32 $P:crit_warps=8 $P:block_b=32 $P:block_b=128 $P:tile_tokens=64 $P,eps=1 \
         --out "$OUT/s23knobs" 2>&1 | tee "$OUT/gpu_decode_s23knobs.log" | grep -E "graph|Error|error" ;;
+    s23splits)  # session 23: fewer splits, no merge launch? psa capped at rho and the frame alone, 32K and 128K, B = 1
+      python3 benchmarks/gpu_decode.py --lengths 32768 131072 --profile --methods psa@max_ratio=0.05 streaming \
+        --backends triton triton:splits=1 triton:splits=2 triton:splits=4 triton:splits=8 --out "$OUT/s23splits" 2>&1 \
+        | tee "$OUT/gpu_decode_s23splits.log" | grep -E "graph|Error|error" ;;
     *) echo "unknown stage $stage" ;;
   esac
 done
