@@ -14,6 +14,7 @@ P·V, as flash attention does; worst measured over these shapes in the interpret
 
 from __future__ import annotations
 
+import dataclasses
 import zlib
 
 import pytest
@@ -161,18 +162,47 @@ def test_plan_lengths_divide_only_the_filled_slots(kvh, g, t, dtype, cfg):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("shape", [s for s in SHAPES if s[2] == 1] + [(1, 16, 2, 16, 60, 4, 2, 20, 2, 4)],
+                         ids=lambda s: "kvh{}-g{}-t{}-d{}".format(*s[:4]))
+def test_one_token_blocks_mask_as_the_general_path(shape, dtype):
+    """Where every query block holds one token (decode steps; g = 16 makes one-token blocks of a
+    two-token step), the split kernel masks per key row and reads plan rows without dividing by the
+    plan's width (`KernelConfig.one_token`): the general path's output, bit for bit, for a plain
+    plan, one with bypassed heads and the pseudo-token, and one with lengths."""
+    kvh, g, t, d, n, m_cap, m, k, sink, window = shape
+    for cfg in (kernels.KernelConfig(), SMALL):
+        assert min(t, kernels.launch_plan(kvh, g, t, d, 4, n, m_cap, k, sink, window, 4, cfg).tokens_per_block) == 1
+    q, kv, pos = _inputs(_seed("one-token", shape, dtype), kvh, g, t, d, n, m_cap, m, k, dtype)
+    gen = torch.Generator().manual_seed(_seed("one-token-extra", shape))
+    bypass = torch.rand(kvh, g, t, generator=gen) < 0.5
+    rest_logit = torch.where(bypass, torch.randn(kvh, g, t, generator=gen), float("-inf"))
+    lengths = torch.randint(0, k + 1, (kvh, t), generator=gen, dtype=torch.int32)
+    valid_first = torch.where(torch.arange(k) < lengths[..., None].long(), pos, -1)
+    plans = [Plan(pos), Plan(pos, bypass=bypass, rest_logit=rest_logit, rest_value=torch.randn(kvh, d, generator=gen)),
+             Plan(valid_first, lengths=lengths)]
+    for cfg in (kernels.KernelConfig(), SMALL):
+        for plan in plans:
+            args = _to(DEVICE, q, kv, plan)
+            fast = TritonAttention(cfg).run(*args, sink, window, 0.25)
+            general = TritonAttention(dataclasses.replace(cfg, one_token=False)).run(*args, sink, window, 0.25)
+            assert torch.equal(fast, general)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("cfg", [kernels.KernelConfig(), SMALL], ids=["default", "small"])
 def test_dense_plan(dtype, cfg):
     q, kv, _ = _inputs(_seed("dense", dtype), kvh=2, g=4, t=3, d=64, n=150, m_cap=8, m=5, dtype=dtype)
     _check(q, kv, Plan.dense(), 4, 8, 0.125, cfg=cfg)
 
 
+@pytest.mark.parametrize("t", [3, 1], ids=["t3", "t1"])
 @pytest.mark.parametrize("splits", [3, 1], ids=["merged", "direct"])
 @pytest.mark.parametrize("k", [9, 0])
-def test_bypass_and_pseudo_token(k, splits):
+def test_bypass_and_pseudo_token(k, splits, t):
     """A bypassed head attends the frame only, plus the pseudo-token standing for the rest (added
-    by the merge kernel, or by the split kernel itself when there is one split)."""
-    kvh, g, t, d = 2, 4, 3, 16
+    by the merge kernel, or by the split kernel itself when there is one split); t = 1 takes the
+    one-token mask (`KernelConfig.one_token`)."""
+    kvh, g, d = 2, 4, 16
     cfg = kernels.KernelConfig(block_n=16, splits=splits)
     assert (kernels.launch_plan(kvh, g, t, d, 4, 60, 6, k, 4, 8, 4, cfg).splits == 1) == (splits == 1)
     q, kv, pos = _inputs(_seed("bypass", k), kvh, g, t, d, n=60, m_cap=6, m=4, k=k)

@@ -106,6 +106,7 @@ def _split_kernel(
     G: tl.constexpr, TB: tl.constexpr, D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HAS_PLAN: tl.constexpr, HAS_LEN: tl.constexpr, HAS_BYPASS: tl.constexpr, HAS_REST: tl.constexpr, DIRECT: tl.constexpr,
+    ONE_TOKEN: tl.constexpr,
     DOT_PRECISION: tl.constexpr, DOT_FP32: tl.constexpr, NUM_STAGES: tl.constexpr, PDL: tl.constexpr = False,
     CACHE: tl.constexpr = 0, CACHE_STAGED: tl.constexpr = False,
 ):
@@ -175,12 +176,16 @@ def _split_kernel(
         if HAS_PLAN:
             in_plan = (r >= b2) & (r < b3)
             j = r - b2
-            tt = t0 + j // n_pos_div  # the token whose plan this row belongs to
-            pos = tl.load(POS + h * sp_h + tt.to(tl.int64) * sp_t + (j % n_pos_div) * sp_k,
-                          mask=in_plan, other=-1).to(tl.int64)
-            qpos_tt = tl.load(QPOS + tt, mask=in_plan, other=0).to(tl.int64)
-            wlo_tt = tl.minimum(tl.maximum(qpos_tt - window + 1, s_end), n_ctx)
-            plan_ok = in_plan & (pos >= s_end) & (pos < wlo_tt)  # -1, sink and window duplicates: no
+            if ONE_TOKEN:  # the block's one token owns every plan row: no division per row
+                pos = tl.load(POS + h * sp_h + t0.to(tl.int64) * sp_t + j * sp_k, mask=in_plan, other=-1).to(tl.int64)
+                plan_ok = in_plan & (pos >= s_end) & (pos < wlo_min)  # -1, sink and window duplicates: no
+            else:
+                tt = t0 + j // n_pos_div  # the token whose plan this row belongs to
+                pos = tl.load(POS + h * sp_h + tt.to(tl.int64) * sp_t + (j % n_pos_div) * sp_k,
+                              mask=in_plan, other=-1).to(tl.int64)
+                qpos_tt = tl.load(QPOS + tt, mask=in_plan, other=0).to(tl.int64)
+                wlo_tt = tl.minimum(tl.maximum(qpos_tt - window + 1, s_end), n_ctx)
+                plan_ok = in_plan & (pos >= s_end) & (pos < wlo_tt)  # -1, sink and window duplicates: no
             ctx_row = tl.where(in_plan, pos, ctx_row)
             row_ok = row_ok | plan_ok
         loc_row = (r - b3).to(tl.int64)
@@ -208,11 +213,16 @@ def _split_kernel(
             c_rows += plan_ok.to(tl.int32)
 
         # which (query row, key row) pairs are attended
-        valid = in_sink[None, :] | (in_win[None, :] & (ctx_row[None, :] >= wlo_q[:, None]))
-        valid = valid | (in_loc[None, :] & (n_ctx + loc_row[None, :] <= qpos_q[:, None]))
-        if HAS_PLAN:
-            valid = valid | (plan_ok[None, :] & (tt[None, :] == t_q[:, None]) & ~byp_q[:, None])
-        valid = valid & q_ok[:, None] & row_ok[None, :]
+        if ONE_TOKEN:  # the block's rows share one frame, so row_ok (built with its bounds) is the mask
+            valid = q_ok[:, None] & row_ok[None, :]
+            if HAS_PLAN and HAS_BYPASS:
+                valid = valid & ~(byp_q[:, None] & in_plan[None, :])
+        else:
+            valid = in_sink[None, :] | (in_win[None, :] & (ctx_row[None, :] >= wlo_q[:, None]))
+            valid = valid | (in_loc[None, :] & (n_ctx + loc_row[None, :] <= qpos_q[:, None]))
+            if HAS_PLAN:
+                valid = valid | (plan_ok[None, :] & (tt[None, :] == t_q[:, None]) & ~byp_q[:, None])
+            valid = valid & q_ok[:, None] & row_ok[None, :]
 
         k = k.to(q.dtype)
         v = v.to(q.dtype)
@@ -332,6 +342,7 @@ class KernelConfig:
     splits: int | None = None  # force the split count (tests; capped at the number of chunks)
     max_query_rows: int = 64  # BLOCK_M cap when several tokens share a block
     pdl: bool = True  # programmatic dependent launch on Hopper and later (`indexer/kernels/pdl.py`)
+    one_token: bool = True  # one token per query block: the per-key-row mask, no division per plan row (A/B knob)
 
 
 @dataclass(frozen=True)
@@ -474,7 +485,8 @@ def frame_attention(
     else:
         sink_rows, win_rows = s_end, min(max(window - 1, 0), n_ctx - s_end)
     has_plan = n_pos > 0
-    has_len = has_plan and lengths is not None and min(t, lp.tokens_per_block) == 1  # one token per block
+    one_token = min(t, lp.tokens_per_block) == 1  # every query block holds one token (decode steps)
+    has_len = has_plan and lengths is not None and one_token
     plen = lengths if has_len else q_pos  # a placeholder pointer when unused
     has_bypass = has_plan and bypass is not None
     has_rest = not dense and rest_logit is not None
@@ -510,6 +522,7 @@ def frame_attention(
         float(scale) * LOG2E,
         G=g, TB=lp.tokens_per_block, D=d, BLOCK_M=lp.block_m, BLOCK_N=lp.block_n,
         HAS_PLAN=has_plan, HAS_LEN=has_len, HAS_BYPASS=has_bypass, HAS_REST=has_rest, DIRECT=direct,
+        ONE_TOKEN=one_token and cfg.one_token,
         DOT_PRECISION="ieee" if dtype == torch.float32 else "tf32",
         DOT_FP32=interpreted() and dtype == torch.bfloat16, NUM_STAGES=lp.num_stages, PDL=bool(pdl), **pdl,
         CACHE=0 if c is None else c.plans + 1, CACHE_STAGED=v_staged, num_warps=lp.num_warps,
