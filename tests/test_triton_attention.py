@@ -166,9 +166,9 @@ def test_plan_lengths_divide_only_the_filled_slots(kvh, g, t, dtype, cfg):
                          ids=lambda s: "kvh{}-g{}-t{}-d{}".format(*s[:4]))
 def test_one_token_blocks_mask_as_the_general_path(shape, dtype):
     """Where every query block holds one token (decode steps; g = 16 makes one-token blocks of a
-    two-token step), the split kernel masks per key row and reads plan rows without dividing by the
-    plan's width (`KernelConfig.one_token`): the general path's output, bit for bit, for a plain
-    plan, one with bypassed heads and the pseudo-token, and one with lengths."""
+    two-token step), the split kernel masks the scores by key row alone (`KernelConfig.one_token`):
+    the general path's output, bit for bit, for a plain plan, one with bypassed heads and the
+    pseudo-token, and one with lengths."""
     kvh, g, t, d, n, m_cap, m, k, sink, window = shape
     for cfg in (kernels.KernelConfig(), SMALL):
         assert min(t, kernels.launch_plan(kvh, g, t, d, 4, n, m_cap, k, sink, window, 4, cfg).tokens_per_block) == 1
