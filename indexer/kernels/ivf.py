@@ -326,13 +326,18 @@ def _kth_search(BUF, cur, cur_n, ping_off, pong_off, n, K, lo, hi, c_hi, n_band,
 
 
 @triton.jit
-def _bisect_regs(reg, n, K, lo, hi, c_hi, done):
+def _bisect_regs(reg, n, K, lo, hi, c_hi, done, ALL: tl.constexpr = False):
     """Phase B of `_kth_largest`: the bisection over keys held in registers (`reg`: the band
     [lo, hi) and anything outside it; -1 for empty slots), given count(key >= hi) = c_hi < K;
-    returns (thr, take) as `_kth_largest` does."""
+    returns (thr, take) as `_kth_largest` does. ALL: `reg` holds every key (c_hi counts some of
+    them), so a step counts the keys >= mid directly, one compare per key instead of two (the same
+    counts)."""
     while (hi - lo > 1) & (done == 0):
         mid = lo + (hi - lo) // 2
-        cnt = c_hi + tl.sum(((reg >= mid) & (reg < hi)).to(tl.int32), 0)
+        if ALL:
+            cnt = tl.sum((reg >= mid).to(tl.int32), 0)
+        else:
+            cnt = c_hi + tl.sum(((reg >= mid) & (reg < hi)).to(tl.int32), 0)
         if cnt >= K:
             lo = mid
             done = (cnt == K).to(tl.int32)
@@ -352,13 +357,13 @@ def _bisect_regs(reg, n, K, lo, hi, c_hi, done):
 
 
 @triton.jit
-def _top_threshold_regs(keys, n, K, key_min, n_valid, key_hi):
+def _top_threshold_regs(keys, n, K, key_min, n_valid, key_hi, ALL: tl.constexpr = True):
     """`_top_threshold` over keys held in registers (a row of n <= the block's keys, no scratch)."""
     if n_valid < K:
         thr = n * 0
         take = K - n_valid
     else:
-        thr, take = _bisect_regs(keys, n, K, key_min, key_hi, n * 0, (K >= n_valid).to(tl.int32))
+        thr, take = _bisect_regs(keys, n, K, key_min, key_hi, n * 0, (K >= n_valid).to(tl.int32), ALL=ALL)
     return thr, take
 
 
