@@ -695,7 +695,7 @@ for stage in $stages; do
       python3 benchmarks/gpu_decode.py --lengths 32768 131072 --batches 1 8 --profile \
         --methods psa@max_ratio=0.05 ctkvr saap streaming --backends triton:one_token=0 triton \
         --out "$OUT/s23ab_mask" 2>&1 | tee "$OUT/gpu_decode_s23ab_mask.log" | grep -E "graph|Error|error"
-      P=psa@max_ratio=0.05
+      P=psa@max_ratio=0.05 n=0
       for order in "$P:aligned_x=0,direct_count=0 $P $P:aligned_x=0 $P:direct_count=0" \
                    "$P:direct_count=0 $P:aligned_x=0 $P $P:aligned_x=0,direct_count=0"; do
         python3 benchmarks/gpu_decode.py --lengths 32768 131072 --backends triton --profile --methods $order \
