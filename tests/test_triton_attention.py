@@ -162,30 +162,29 @@ def test_plan_lengths_divide_only_the_filled_slots(kvh, g, t, dtype, cfg):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-@pytest.mark.parametrize("shape", [s for s in SHAPES if s[2] == 1] + [(1, 16, 2, 16, 60, 4, 2, 20, 2, 4)],
+@pytest.mark.parametrize("shape", [s for s in SHAPES if s[2] == 1] + [(1, 16, 2, 16, 60, 6, 5, 0, 2, 4)],
                          ids=lambda s: "kvh{}-g{}-t{}-d{}".format(*s[:4]))
-def test_one_token_blocks_mask_as_the_general_path(shape, dtype):
-    """Where every query block holds one token (decode steps; g = 16 makes one-token blocks of a
-    two-token step), the split kernel masks the scores by key row alone (`KernelConfig.one_token`):
-    the general path's output, bit for bit, for a plain plan, one with bypassed heads and the
-    pseudo-token, and one with lengths."""
-    kvh, g, t, d, n, m_cap, m, k, sink, window = shape
-    for cfg in (kernels.KernelConfig(), SMALL):
-        assert min(t, kernels.launch_plan(kvh, g, t, d, 4, n, m_cap, k, sink, window, 4, cfg).tokens_per_block) == 1
-    q, kv, pos = _inputs(_seed("one-token", shape, dtype), kvh, g, t, d, n, m_cap, m, k, dtype)
+def test_frame_only_one_token_blocks_mask_as_the_general_path(shape, dtype):
+    """A frame-only step (no plan positions: streaming) whose query blocks hold one token each (decode
+    steps; g = 16 with 16-row blocks makes one-token blocks of a two-token step) masks the scores by
+    key row alone (`KernelConfig.one_token`): the general path's output, bit for bit, with and
+    without the pseudo-token, in one split and in several."""
+    kvh, g, t, d, n, m_cap, m, _, sink, window = shape
+    cfgs = [kernels.KernelConfig(max_query_rows=16), kernels.KernelConfig(block_n=16, splits=3, max_query_rows=16)]
+    for cfg in cfgs:  # the blocks hold one token each
+        assert min(t, kernels.launch_plan(kvh, g, t, d, 4, n, m_cap, 0, sink, window, 4, cfg).tokens_per_block) == 1
+    q, kv, pos = _inputs(_seed("one-token", shape, dtype), kvh, g, t, d, n, m_cap, m, 0, dtype)
     gen = torch.Generator().manual_seed(_seed("one-token-extra", shape))
-    bypass = torch.rand(kvh, g, t, generator=gen) < 0.5
-    rest_logit = torch.where(bypass, torch.randn(kvh, g, t, generator=gen), float("-inf"))
-    lengths = torch.randint(0, k + 1, (kvh, t), generator=gen, dtype=torch.int32)
-    valid_first = torch.where(torch.arange(k) < lengths[..., None].long(), pos, -1)
-    plans = [Plan(pos), Plan(pos, bypass=bypass, rest_logit=rest_logit, rest_value=torch.randn(kvh, d, generator=gen)),
-             Plan(valid_first, lengths=lengths)]
-    for cfg in (kernels.KernelConfig(), SMALL):
+    rest_logit = torch.where(torch.rand(kvh, g, t, generator=gen) < 0.5, torch.randn(kvh, g, t, generator=gen),
+                             float("-inf"))
+    plans = [Plan(pos), Plan(pos, rest_logit=rest_logit, rest_value=torch.randn(kvh, d, generator=gen))]
+    for cfg in cfgs:
         for plan in plans:
             args = _to(DEVICE, q, kv, plan)
             fast = TritonAttention(cfg).run(*args, sink, window, 0.25)
             general = TritonAttention(dataclasses.replace(cfg, one_token=False)).run(*args, sink, window, 0.25)
             assert torch.equal(fast, general)
+            assert _rel(fast.cpu(), _reference(q, kv, plan, sink, window, 0.25)) < TOL[dtype]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)

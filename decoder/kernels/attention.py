@@ -210,8 +210,9 @@ def _split_kernel(
 
         # which (query row, key row) pairs are attended
         if ONE_TOKEN:  # the block's rows share one frame, so row_ok (built with its bounds) is the mask: fewer
-            # row vectors carried into the scores' layout (sm_90 static SASS: 1712 -> 1600 instructions
-            # with a plan, 3568 -> 3240 without)
+            # row vectors carried into the scores' layout. Taken for frame-only steps (streaming: the split
+            # kernel 10.2 -> 8.8 us on the H200); with a plan it measured 0.3-0.5 us slower (Triton then
+            # recomputes the rows' mapping in more layouts), dense is unmeasured: both keep the general mask
             valid = q_ok[:, None] & row_ok[None, :]
             if HAS_PLAN and HAS_BYPASS:
                 valid = valid & ~(byp_q[:, None] & in_plan[None, :])
@@ -340,7 +341,7 @@ class KernelConfig:
     splits: int | None = None  # force the split count (tests; capped at the number of chunks)
     max_query_rows: int = 64  # BLOCK_M cap when several tokens share a block
     pdl: bool = True  # programmatic dependent launch on Hopper and later (`indexer/kernels/pdl.py`)
-    one_token: bool = True  # one token per query block: the scores' mask from the key rows' alone (A/B knob)
+    one_token: bool = True  # frame-only steps, one token per query block: the scores' mask from the key rows' alone
 
 
 @dataclass(frozen=True)
@@ -520,7 +521,7 @@ def frame_attention(
         float(scale) * LOG2E,
         G=g, TB=lp.tokens_per_block, D=d, BLOCK_M=lp.block_m, BLOCK_N=lp.block_n,
         HAS_PLAN=has_plan, HAS_LEN=has_len, HAS_BYPASS=has_bypass, HAS_REST=has_rest, DIRECT=direct,
-        ONE_TOKEN=one_token and cfg.one_token,
+        ONE_TOKEN=one_token and cfg.one_token and not has_plan and not dense,
         DOT_PRECISION="ieee" if dtype == torch.float32 else "tf32",
         DOT_FP32=interpreted() and dtype == torch.bfloat16, NUM_STAGES=lp.num_stages, PDL=bool(pdl), **pdl,
         CACHE=0 if c is None else c.plans + 1, CACHE_STAGED=v_staged, num_warps=lp.num_warps,

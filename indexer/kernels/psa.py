@@ -252,10 +252,9 @@ def _crit_kernel(
 @triton.jit(do_not_specialize=["T", "nb", "n_ctx", "s_end", "window", "n_sb", "bs", "n_bt", "K", "scr_row"])
 def _select_kernel(
     X, PS, QPOS, SCR, CAND, CKEY, NCAND,
-    T, nb, n_ctx, s_end, window, n_sb, bs, n_bt, K, scr_row, x_stride,
+    T, nb, n_ctx, s_end, window, n_sb, bs, n_bt, K, scr_row,
     G: tl.constexpr, G_PAD: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK: tl.constexpr,
-    IN_REGS: tl.constexpr, PRECISE: tl.constexpr, ALIGNED_X: tl.constexpr, DIRECT_COUNT: tl.constexpr,
-    PDL: tl.constexpr = False,
+    IN_REGS: tl.constexpr, PRECISE: tl.constexpr, PDL: tl.constexpr = False,
 ):
     """One program per row (KV head, token): the group score of every ranked block (sum over the
     group's heads of the softmax over blocks) as an int key (float bits + 1; 0 = dense-part block),
@@ -298,18 +297,17 @@ def _select_kernel(
     out = r.to(tl.int64) * K
     if IN_REGS:
         blk = tl.arange(0, BLOCK)
-        kreg = _group_keys(X, hrow, g_ok, blk, nb, x_stride, n_sb, first_w, m_all, inv_z, PRECISE, ALIGNED_X)
+        kreg = _group_keys(X, hrow, g_ok, blk, nb, n_sb, first_w, m_all, inv_z, PRECISE)
         n_valid = tl.sum((kreg > 0).to(tl.int32), 0)
         key_min = tl.min(tl.where(kreg > 0, kreg, INT_MAX), 0)
-        thr, take = _top_threshold_regs(kreg, nb, K, key_min, n_valid, tl.max(kreg, 0) + 1, DIRECT_COUNT)
+        thr, take = _top_threshold_regs(kreg, nb, K, key_min, n_valid, tl.max(kreg, 0) + 1)
         n_gt, n_eq = _emit_keys(kreg, blk, thr, take, r * 0, r * 0, CAND + out, CKEY + out)
         tl.store(NCAND + r, n_gt + tl.minimum(n_eq, take))
     else:
         row = SCR + r.to(tl.int64) * scr_row
         for c0 in range(0, nb, BLOCK_C):
             b = c0 + tl.arange(0, BLOCK_C)
-            tl.store(row + b, _group_keys(X, hrow, g_ok, b, nb, x_stride, n_sb, first_w, m_all, inv_z, PRECISE, ALIGNED_X),
-                     mask=b < nb)
+            tl.store(row + b, _group_keys(X, hrow, g_ok, b, nb, n_sb, first_w, m_all, inv_z, PRECISE), mask=b < nb)
         tl.debug_barrier()  # the keys' stores before other threads read them
         # The count and range of the keys from the stored keys, which every thread reads alike. (Where
         # a tile is smaller than the CTA, elements are replicated over threads, and the copies of a
@@ -336,21 +334,14 @@ def _select_kernel(
 
 
 @triton.jit
-def _group_keys(X, hrow, g_ok, b, nb, x_stride, n_sb, first_w, m_all, inv_z, PRECISE: tl.constexpr,
-                ALIGNED_X: tl.constexpr):
+def _group_keys(X, hrow, g_ok, b, nb, n_sb, first_w, m_all, inv_z, PRECISE: tl.constexpr):
     """Int keys of blocks b: the group score (sum over the group's heads of the softmax over blocks,
     from the criticality X and the per-head max / 1/Z) as float bits + 1 (scores are >= 0, so the
-    bits keep the order); 0 for a dense-part block or b >= nb. x_stride = nb, X's row stride, passed
-    apart from nb so that Triton specialises its divisibility by 16 (nb's is not, to keep one
-    compiled variant), and the load is masked by it alone (the ranked range applies to the keys):
-    16-byte loads where the rows are aligned (nb = 4096 at 128K: 16 loads per thread instead of 64);
-    ALIGNED_X False: the load masked by the ranked range (scalar loads; an A/B knob)."""
+    bits keep the order); 0 for a dense-part block or b >= nb. (16-byte loads of X's rows, with the
+    row stride specialised and the load masked by nb alone, were measured and dropped: the keys'
+    layout they bring makes the emit longer than the loads save, benchmarks/RESULTS.md.)"""
     ranked = (b < nb) & (b >= n_sb) & (b < first_w)
-    if ALIGNED_X:
-        x = tl.load(X + hrow[:, None] * x_stride + b[None, :], mask=g_ok[:, None] & (b < x_stride)[None, :],
-                    other=float("-inf"))  # the dense part's blocks get a score too, then key 0 below
-    else:
-        x = tl.load(X + hrow[:, None] * nb + b[None, :], mask=g_ok[:, None] & ranked[None, :], other=float("-inf"))
+    x = tl.load(X + hrow[:, None] * nb + b[None, :], mask=g_ok[:, None] & ranked[None, :], other=float("-inf"))
     score = tl.sum(_exp(x - m_all[:, None], PRECISE) * inv_z[:, None], 0)
     return tl.where(ranked, score.to(tl.int32, bitcast=True) + 1, 0)
 
@@ -620,8 +611,6 @@ class PsaConfig:
     score_block: int = 1024  # select: blocks per chunk of the score pass
     select_block: int = 4096  # select: keys the threshold search holds in registers (larger rows: L2 passes)
     select_warps: int = 8
-    aligned_x: bool = True  # select: X's rows loaded 16 bytes at a time where nb % 16 == 0 (A/B knob)
-    direct_count: bool = True  # select: a bisection step counts the keys >= mid directly (A/B knob)
     pdl: bool = True  # programmatic dependent launch on Hopper and later (`indexer/kernels/pdl.py`)
     regs_select: bool = True  # select: keep a row's keys in registers when they fit (False: the scratch path)
     regs_scores: int = 16384  # select: most G_PAD x BLOCK scores the in-register path holds
@@ -772,14 +761,13 @@ def progressive_plan(
         )
         _select_kernel[(r,)](
             x, ps, pc, scr, cand, ckey, ncand,
-            tcc, nb, n, s_end, window, n_sb, bs, n_bt, bm, scr_row, nb,
+            tcc, nb, n, s_end, window, n_sb, bs, n_bt, bm, scr_row,
             # BLOCK_P <= 64: Triton 3.6 fails to compile the [G_PAD, BLOCK_P] reductions at 128 and 256
             # for sm_90 (TritonGPUOptimizeThreadLocality; hit at 512K, n_bt = 256, on the H100)
             G=g, G_PAD=_pow2(g), BLOCK_P=max(16, min(64, _pow2(n_bt))),
             BLOCK_C=max(16, min(cfg.score_block, _pow2(nb))),
             BLOCK=min(cfg.select_block, max(16, _pow2(nb))),
-            IN_REGS=in_regs, PRECISE=precise, ALIGNED_X=cfg.aligned_x, DIRECT_COUNT=cfg.direct_count, PDL=bool(pdl),
-            **pdl, num_warps=cfg.select_warps,
+            IN_REGS=in_regs, PRECISE=precise, PDL=bool(pdl), **pdl, num_warps=cfg.select_warps,
         )
         _sums_kernel[(n_st + 1, r)](
             qc, ctx_k, loc_k, pc, cand, ckey, ncand, sid, smx, ssm, dmx, dsm,
