@@ -7,7 +7,7 @@
 #                    carry=[".whl", ".old"])
 #   stages: tests | kerneltests | decode | decodecold | decode512 | before_after | kernels | e2e32 | e2e128 |
 #           e2e128rest | e2eprof | e2elayer | attntests | decodeab | psaab | latency | ncu | psasweep | pdlab | e2enow |
-#           offload | psa32sweep | offloadfit | ivfsweep | ivfcpp | cslfsweep | ivfsel | ivfeager | ivfsample | ncusel | psaemit | psafuse | psastop | rtrip | rerankreg | rerank96 | e2ectkvr | ncuivf | verify | repro | e2eh200 | pushab | decode512h200 | s14ab | s14e2e | s14final | s14frame | s14tests | s14lfpse2e | s15ivf | s15ivf2 | s15dot | s15final | s15rerank | s16ahead | s16overlap | s16more | s16tests | s16early | s17ahead | s17pipe | s17offload | s17reads | s17fuse | s18pages | s18offprof | s18offab | s18numa | s18staged | s18prio | s18stprof | s18frame | s19tests | s19granule | s19cached | s19overlap | s19sweep | s19gen | s20quick | s20cache | s20more | s20staged | s20tests | s21prof | s21l2 | s21split | s21ahead | s21gemv | s21decode | s21wide | saapwide | s22saap | s22wide1 | s22wide8 | s22tests | s22ncu | s22repeat | s22split8 | s23ncu | s23knobs | s23splits | s23onetok | s23ab
+#           offload | psa32sweep | offloadfit | ivfsweep | ivfcpp | cslfsweep | ivfsel | ivfeager | ivfsample | ncusel | psaemit | psafuse | psastop | rtrip | rerankreg | rerank96 | e2ectkvr | ncuivf | verify | repro | e2eh200 | pushab | decode512h200 | s14ab | s14e2e | s14final | s14frame | s14tests | s14lfpse2e | s15ivf | s15ivf2 | s15dot | s15final | s15rerank | s16ahead | s16overlap | s16more | s16tests | s16early | s17ahead | s17pipe | s17offload | s17reads | s17fuse | s18pages | s18offprof | s18offab | s18numa | s18staged | s18prio | s18stprof | s18frame | s19tests | s19granule | s19cached | s19overlap | s19sweep | s19gen | s20quick | s20cache | s20more | s20staged | s20tests | s21prof | s21l2 | s21split | s21ahead | s21gemv | s21decode | s21wide | saapwide | s22saap | s22wide1 | s22wide8 | s22tests | s22ncu | s22repeat | s22split8 | s23ncu | s23knobs | s23splits | s23onetok | s23ab | s23dense
 #   (default: tests decode before_after)
 #   .old = the tree before the plan/run redesign (`git archive <commit> decoder indexer storage`), for
 #   the before/after decode comparison.
@@ -701,6 +701,14 @@ for stage in $stages; do
         python3 benchmarks/gpu_decode.py --lengths 32768 131072 --backends triton --profile --methods $order \
           --out "$OUT/s23ab_select_$((++n))" 2>&1 | tee -a "$OUT/gpu_decode_s23ab_select.log" | grep -E "graph|Error|error"
       done ;;
+    s23dense)  # session 23: the one-token mask and its anchoring load on steps without plan positions (dense full,
+      # streaming), psa as the control (its plans keep the general mask); then dense and streaming end to end
+      python3 benchmarks/gpu_decode.py --lengths 32768 131072 --batches 1 8 --profile \
+        --methods full streaming psa@max_ratio=0.05 --backends triton:one_token=0 triton \
+        --out "$OUT/s23dense_decode" 2>&1 | tee "$OUT/gpu_decode_s23dense.log" | grep -E "graph|Error|error"
+      python3 benchmarks/gpu_e2e.py --lengths 131072 --batches 1 8 --methods full streaming \
+        --backends triton:one_token=0 triton --tokens 8 --eager-tokens 0 --hf-tokens 0 --check-prefill 0 \
+        --budget-s 300 --out "$OUT/s23dense_e2e" 2>&1 | tee "$OUT/gpu_e2e_s23dense.log" | grep "^| \|ERROR\|Error" ;;
     *) echo "unknown stage $stage" ;;
   esac
 done

@@ -118,6 +118,15 @@ METHOD_PARAMS = {  # the same operating points as benchmarks/gpu_decode.py
 NEEDS_Q = {"csattn", "ctkvr", "lfps"}  # builds that read the prefill queries
 
 
+def backend_of(spec: str):
+    """A registered backend by name, or "triton:knob=value,..." for the triton backend with `KernelConfig`
+    knobs changed (A/B rows in one run, as gpu_decode.py's --backends)."""
+    if ":" not in spec:
+        return get_backend(spec)
+    from benchmarks.gpu_decode import backend_for
+
+    return backend_for(spec)
+
 def log(*a):
     print(*a, flush=True)
 
@@ -281,7 +290,7 @@ class Bench:
         """transformers eager: generate() with full attention, B = 1 (and the derived serial B rows)."""
         full = get_method("full")
         params = full.Params()
-        be = get_backend(backend_name)
+        be = backend_of(backend_name)
         (q,) = self.questions(1, n)
         k = self.a.hf_tokens
         generate(self.lm, ctx, full.open(None, params, DecodeContext(n, self.lm.spec, len(q) + 2)), params, q,
@@ -301,7 +310,7 @@ class Bench:
                contexts: str | None = None, plan_ahead: bool = False, pipelined: bool = True,
                parallel: bool = True, programs_per_sm: int | None = None, stage_values: bool | None = None,
                cache_rows: bool | None = None, plan_overlap: float | None = None) -> None:
-        be = get_backend(backend_name)
+        be = backend_of(backend_name)
         if programs_per_sm is not None:  # the attention kernel's launch: programs per SM it aims at
             from decoder.kernels.attention import KernelConfig
             be = type(be)(KernelConfig(programs_per_sm=programs_per_sm))
@@ -394,7 +403,7 @@ class Bench:
                "plan_overlap": plan_overlap, **extra}
         if prof is not None:
             row["profile"] = prof
-        host = get_backend(backend_name).host_arrays
+        host = backend_of(backend_name).host_arrays
         if host:  # the offload backends: the share of the K/V rows read from host memory, over PCIe
             row["pcie_floor_ms"] = kv_bytes * len(host) / 2 / self.info["h2d_bytes_per_s"] * 1e3
         self.add(row)
@@ -628,7 +637,7 @@ def main() -> None:
             ctx = ContextKV(n, lambda name, layer, k=ctx_k, v=ctx_v: (k if name == "kv/k" else v)[layer])
             host_ctx: dict[str, ContextKV] = {}  # offload backend -> its view of the host copies
             host_copy: dict[str, list[torch.Tensor]] = {}  # "kv/k" / "kv/v" -> per-layer pinned copies
-            on_host = [be for be in backends if get_backend(be).host_arrays]
+            on_host = [be for be in backends if backend_of(be).host_arrays]
             for label in a.methods:  # "name" or "name@param=value,..." (rows keep the label)
                 name, overrides, knobs = method_spec(label)
                 if knobs:
@@ -705,7 +714,7 @@ def main() -> None:
                                                  plan_overlap=ov)
                             continue
                         if be not in host_ctx:
-                            host_ctx[be] = host_context({"kv/k": ctx_k, "kv/v": ctx_v}, get_backend(be).host_arrays,
+                            host_ctx[be] = host_context({"kv/k": ctx_k, "kv/v": ctx_v}, backend_of(be).host_arrays,
                                                         host_copy, dev)
                         for b in a.offload_batches:
                             if not bench.over_budget():

@@ -164,11 +164,11 @@ def test_plan_lengths_divide_only_the_filled_slots(kvh, g, t, dtype, cfg):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("shape", [s for s in SHAPES if s[2] == 1] + [(1, 16, 2, 16, 60, 6, 5, 0, 2, 4)],
                          ids=lambda s: "kvh{}-g{}-t{}-d{}".format(*s[:4]))
-def test_frame_only_one_token_blocks_mask_as_the_general_path(shape, dtype):
-    """A frame-only step (no plan positions: streaming) whose query blocks hold one token each (decode
-    steps; g = 16 with 16-row blocks makes one-token blocks of a two-token step) masks the scores by
-    key row alone (`KernelConfig.one_token`): the general path's output, bit for bit, with and
-    without the pseudo-token, in one split and in several."""
+def test_planless_one_token_blocks_mask_as_the_general_path(shape, dtype):
+    """A step without plan positions (streaming's frame, dense attention) whose query blocks hold one
+    token each (decode steps; g = 16 with 16-row blocks makes one-token blocks of a two-token step)
+    masks the scores by key row alone (`KernelConfig.one_token`): the general path's output, bit for
+    bit, with and without the pseudo-token and dense, in one split and in several."""
     kvh, g, t, d, n, m_cap, m, _, sink, window = shape
     cfgs = [kernels.KernelConfig(max_query_rows=16), kernels.KernelConfig(block_n=16, splits=3, max_query_rows=16)]
     for cfg in cfgs:  # the blocks hold one token each
@@ -177,7 +177,7 @@ def test_frame_only_one_token_blocks_mask_as_the_general_path(shape, dtype):
     gen = torch.Generator().manual_seed(_seed("one-token-extra", shape))
     rest_logit = torch.where(torch.rand(kvh, g, t, generator=gen) < 0.5, torch.randn(kvh, g, t, generator=gen),
                              float("-inf"))
-    plans = [Plan(pos), Plan(pos, rest_logit=rest_logit, rest_value=torch.randn(kvh, d, generator=gen))]
+    plans = [Plan(pos), Plan(pos, rest_logit=rest_logit, rest_value=torch.randn(kvh, d, generator=gen)), Plan.dense()]
     for cfg in cfgs:
         for plan in plans:
             args = _to(DEVICE, q, kv, plan)
