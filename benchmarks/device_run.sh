@@ -7,7 +7,7 @@
 #                    carry=[".whl", ".old"])
 #   stages: tests | kerneltests | decode | decodecold | decode512 | before_after | kernels | e2e32 | e2e128 |
 #           e2e128rest | e2eprof | e2elayer | attntests | decodeab | psaab | latency | ncu | psasweep | pdlab | e2enow |
-#           offload | psa32sweep | offloadfit | ivfsweep | ivfcpp | cslfsweep | ivfsel | ivfeager | ivfsample | ncusel | psaemit | psafuse | psastop | rtrip | rerankreg | rerank96 | e2ectkvr | ncuivf | verify | repro | e2eh200 | pushab | decode512h200 | s14ab | s14e2e | s14final | s14frame | s14tests | s14lfpse2e | s15ivf | s15ivf2 | s15dot | s15final | s15rerank | s16ahead | s16overlap | s16more | s16tests | s16early | s17ahead | s17pipe | s17offload | s17reads | s17fuse | s18pages | s18offprof | s18offab | s18numa | s18staged | s18prio | s18stprof | s18frame | s19tests | s19granule | s19cached | s19overlap | s19sweep | s19gen | s20quick | s20cache | s20more | s20staged | s20tests | s21prof | s21l2 | s21split | s21ahead | s21gemv | s21decode | s21wide | saapwide | s22saap | s22wide1 | s22wide8 | s22tests | s22ncu | s22repeat | s22split8 | s23ncu | s23knobs | s23splits | s23onetok | s23ab | s23dense
+#           offload | psa32sweep | offloadfit | ivfsweep | ivfcpp | cslfsweep | ivfsel | ivfeager | ivfsample | ncusel | psaemit | psafuse | psastop | rtrip | rerankreg | rerank96 | e2ectkvr | ncuivf | verify | repro | e2eh200 | pushab | decode512h200 | s14ab | s14e2e | s14final | s14frame | s14tests | s14lfpse2e | s15ivf | s15ivf2 | s15dot | s15final | s15rerank | s16ahead | s16overlap | s16more | s16tests | s16early | s17ahead | s17pipe | s17offload | s17reads | s17fuse | s18pages | s18offprof | s18offab | s18numa | s18staged | s18prio | s18stprof | s18frame | s19tests | s19granule | s19cached | s19overlap | s19sweep | s19gen | s20quick | s20cache | s20more | s20staged | s20tests | s21prof | s21l2 | s21split | s21ahead | s21gemv | s21decode | s21wide | saapwide | s22saap | s22wide1 | s22wide8 | s22tests | s22ncu | s22repeat | s22split8 | s23ncu | s23knobs | s23splits | s23onetok | s23ab | s23dense | s23e2e
 #   (default: tests decode before_after)
 #   .old = the tree before the plan/run redesign (`git archive <commit> decoder indexer storage`), for
 #   the before/after decode comparison.
@@ -654,7 +654,7 @@ for stage in $stages; do
         --offload-batches 8 --offload-methods ctkvr csattn --offload-contexts copies \
         --offload-plan-ahead off-cached staged --plan-overlap 0.69 0 --eager-tokens 0 --hf-tokens 0 --tokens 8 \
         --budget-s 420 --check-prefill 0 --out "$OUT/staged" 2>&1 | tee "$OUT/gpu_e2e_staged.log" | grep "^| \|rror" ;;
-    s20tests|s22tests)  # sessions 20 and 22, the final tree: every GPU-marked test, then the kernel files' CPU-shaped
+    s20tests|s22tests|s23tests)  # sessions 20 and 22, the final tree: every GPU-marked test, then the kernel files' CPU-shaped
       # tests compiled
       python3 -m pytest -q -p no:cacheprovider -m gpu -o addopts="" \
         tests/test_gpu_decode.py tests/test_triton_attention.py tests/test_backends.py tests/test_pipeline.py \
@@ -709,6 +709,11 @@ for stage in $stages; do
       python3 benchmarks/gpu_e2e.py --lengths 131072 --batches 1 8 --methods full streaming \
         --backends triton:one_token=0 triton --tokens 8 --eager-tokens 0 --hf-tokens 0 --check-prefill 0 \
         --budget-s 300 --out "$OUT/s23dense_e2e" 2>&1 | tee "$OUT/gpu_e2e_s23dense.log" | grep "^| \|ERROR\|Error" ;;
+    s23e2e)  # session 23: the service's defaults end to end on the final tree (dense `full` now 14% faster): dense, psa
+      # capped at rho, saap and ctkvr, not planned ahead and planned ahead (widened 1.5x), B = 1 and 8
+      python3 benchmarks/gpu_e2e.py --lengths 131072 --batches 1 8 --methods full psa@max_ratio=0.05 saap ctkvr \
+        --plan-ahead off on --ahead-widen 1.5 --eager-tokens 0 --hf-tokens 0 --tokens 8 --check-prefill 0 \
+        --budget-s 330 --out "$OUT/s23e2e" 2>&1 | tee "$OUT/gpu_e2e_s23e2e.log" | grep "^| \|ERROR\|Error" ;;
     *) echo "unknown stage $stage" ;;
   esac
 done
