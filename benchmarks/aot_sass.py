@@ -1,28 +1,40 @@
-"""Static SASS of a Triton kernel variant for the H100/H200 (sm_90), compiled ahead of time on a
-machine without a GPU: the instruction count, the most frequent opcodes and the layout conversions
-Triton inserted. A proxy for a latency-bound kernel's cost that needs no device minutes: in session
-23 the attention split kernel's measured time followed its static count (1712 instructions: 8.2 us
-at 128K, 3304: 11.4 us), so a change that adds instructions can be rejected before a device run.
+"""Static SASS of Triton kernels for the H100/H200 (sm_90), compiled ahead of time on a machine
+without a GPU: instruction counts, the most frequent opcodes and the layout conversions Triton
+inserted. A proxy for a latency-bound kernel's cost that needs no device minutes: in session 23 the
+attention split kernel's measured time followed its static count (1,712 instructions: 8.2 µs at
+128K; 3,304: 11.4 µs), and a dense step's chunk went 3,568 -> 1,416 instructions and 176 -> 140 µs.
 
     python benchmarks/aot_sass.py split                         # the split kernel, a psa-shaped decode step
     python benchmarks/aot_sass.py split --set HAS_PLAN=0 HAS_LEN=0 ONE_TOKEN=1 BLOCK_N=64 --warps 8  # frame only
     python benchmarks/aot_sass.py psa_select --set BLOCK=1024   # psa's select at 32K (nb = 1024)
     python benchmarks/aot_sass.py split --out /tmp/split         # also writes split.sass and split.ttgir
+    python benchmarks/aot_sass.py step --methods psa ctkvr --n 131072 --json out.json
 
-Kernels are compiled at the 8B layer's decode shape (G 4, D 128, bf16, one token); pointers are
-declared 16-byte aligned and the strides the JIT would find divisible by 16 are declared so, as the
-JIT specialises them on the device. Needs only Triton (its bundled ptxas and nvdisasm).
+`split` / `psa_select` compile one kernel at the 8B layer's decode shape (G 4, D 128, bf16, one
+token) with constexprs overridden by --set. `step` records every Triton launch of one fused decode
+step (plan + attention, T = 1) of each method on the CPU without running it (`JITFunction.run` is
+replaced: the launch sequence depends on shapes only), with the GPU's choices where a launch makes
+others for CPU tensors (the SM count, the pipelined chunk loop, psa's fp16 criticality, lfps'
+precise exp, ctkvr's register cap), and compiles each as the JIT would specialise it. Checked
+against Nsight Compute on the H200 (session 23): psa's six kernels at 128K have the same static
+instruction counts as on the device. Needs only Triton (its bundled ptxas and nvdisasm).
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
+import os
 import re
+import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
+import torch
 import triton
+import triton.language as tl
+from triton import knobs
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
@@ -54,6 +66,21 @@ KERNELS = {
 }
 
 
+def sass_lines(k) -> list[str]:
+    """The compiled kernel's instructions, from cuobjdump on its cubin (Triton's own `asm["sass"]` text
+    stops near 4,100 lines, which would cap a larger kernel's count), the NOPs that pad the end
+    included, as Nsight Compute's source view lists them."""
+    fd, path = tempfile.mkstemp(suffix=".cubin")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(k.asm["cubin"])
+        out = subprocess.check_output([knobs.nvidia.cuobjdump.path, "-sass", path]).decode()
+    finally:
+        os.remove(path)
+    lines = [m.group(1).strip() for m in re.finditer(r"^\s+/\*[0-9a-f]{4,6}\*/\s+(.*?);", out, re.M)]
+    return lines
+
+
 def compile_variant(kernel: str, overrides: dict, num_warps: int | None = None) -> dict:
     fn, ptrs, const, ones, div16, warps, stages = KERNELS[kernel]
     warps = num_warps or warps
@@ -77,10 +104,141 @@ def compile_variant(kernel: str, overrides: dict, num_warps: int | None = None) 
                 attrs[(i,)] = [["tt.divisibility", 16]]
     k = triton.compile(ASTSource(fn, sig, constexprs=const, attrs=attrs), target=GPUTarget("cuda", 90, 32),
                        options={"num_warps": warps, "num_stages": const.get("NUM_STAGES", stages)})
-    lines = [ln.split("\t", 1)[1] for ln in k.asm["sass"].splitlines() if "\t" in ln]
-    ops = collections.Counter(re.sub(r"^@!?U?P\w+\s+", "", ln).split(" ")[0].rstrip(";") for ln in lines)
+    lines = sass_lines(k)
+    ops = collections.Counter(re.sub(r"^@!?U?P\w+\s+", "", ln).split(" ")[0] for ln in lines)
     return {"instructions": len(lines), "layout_conversions": k.asm["ttgir"].count("ttg.convert_layout"),
-            "ops": ops, "sass": k.asm["sass"], "ttgir": k.asm["ttgir"]}
+            "ops": ops, "sass": "\n".join(lines), "ttgir": k.asm["ttgir"]}
+
+
+TL_PTR = {torch.float64: "*fp64", torch.float32: "*fp32", torch.float16: "*fp16", torch.bfloat16: "*bf16", torch.int64: "*i64",
+          torch.int32: "*i32", torch.int16: "*i16", torch.int8: "*i8", torch.uint8: "*u8", torch.bool: "*i1"}
+
+
+def compile_launch(fn, args: tuple, kwargs: dict) -> dict:
+    """One recorded launch `fn[grid](*args, **kwargs)` compiled for sm_90 with the JIT's
+    specialisation (ints equal to 1 become constexprs, ints and pointers divisible by 16 are
+    declared so, except the `do_not_specialize` ints); PDL on, as on a Hopper GPU."""
+    opts = {k: kwargs.pop(k) for k in ("num_warps", "num_stages", "launch_pdl", "maxnreg") if k in kwargs}
+    opts.pop("launch_pdl", None)
+    values = dict(zip(fn.arg_names, args)) | kwargs
+    # the choices a launch makes differently for CPU tensors, as a GPU's launch makes them
+    if fn.__name__ == "_crit_kernel" and "CDT" in values:  # psa: the metadata's dtype (fp32 on the CPU)
+        values["CDT"] = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}.get(values["META"].dtype, tl.float32)
+    if "PRECISE" in values and fn.__module__.endswith("lfps"):  # lfps: precise exp / log on a GPU
+        values["PRECISE"] = True
+    if fn.__name__ == "_rerank_kernel":  # ivf: its register cap is a CUDA launch option
+        from indexer.kernels.ivf import DEFAULT_CONFIG as ivf_cfg
+
+        if ivf_cfg.rerank_maxnreg:
+            opts["maxnreg"] = ivf_cfg.rerank_maxnreg
+    sig, const, attrs = {}, {}, {}
+    for i, prm in enumerate(fn.params):
+        v = values.get(prm.name, prm.default if prm.has_default else None)
+        if prm.is_constexpr:
+            sig[prm.name] = "constexpr"
+            const[prm.name] = True if prm.name == "PDL" else v
+        elif isinstance(v, torch.Tensor):
+            sig[prm.name] = TL_PTR[v.dtype]
+            if v.data_ptr() % 16 == 0:
+                attrs[(i,)] = [["tt.divisibility", 16]]
+        elif isinstance(v, bool):
+            sig[prm.name] = "i1"
+        elif isinstance(v, int):
+            if v == 1 and not prm.do_not_specialize:
+                sig[prm.name] = "constexpr"
+                const[prm.name] = 1
+            else:
+                sig[prm.name] = "i32" if -2**31 <= v < 2**31 else "i64"
+                if v % 16 == 0 and not prm.do_not_specialize:
+                    attrs[(i,)] = [["tt.divisibility", 16]]
+        elif isinstance(v, float):
+            sig[prm.name] = "fp32"
+        else:
+            sig[prm.name] = "constexpr"
+            const[prm.name] = v
+    options = {"num_warps": opts.get("num_warps", 4), "num_stages": opts.get("num_stages", 3)}
+    if "maxnreg" in opts:
+        options["maxnreg"] = opts["maxnreg"]
+    k = triton.compile(ASTSource(fn, sig, constexprs=const, attrs=attrs), target=GPUTarget("cuda", 90, 32),
+                       options=options)
+    lines = sass_lines(k)
+    return {"kernel": fn.__name__, "instructions": len(lines), "num_warps": opts.get("num_warps", 4),
+            "layout_conversions": k.asm["ttgir"].count("ttg.convert_layout")}
+
+
+def step_launches(method: str, n: int) -> list[tuple]:
+    """The Triton launches of one fused decode step (plan + attention, T = 1) of `method` at the 8B
+    layer's shape over n tokens, recorded on the CPU without running them (`JITFunction.run` is
+    replaced: the launch sequence depends on shapes only, never on device values)."""
+    from triton.runtime.jit import JITFunction
+
+    import benchmarks.gpu_decode as gd
+    from benchmarks._gpu_timing import method_spec
+    from decoder.backends.triton import TritonAttention
+    from indexer.base import PrefillCapture
+
+    gd.DEV = "cpu"
+    name, overrides, _ = method_spec(method)
+    sp1, sp2 = gd.spec(1), gd.spec(2)
+    mix = gd.Mixture(sp2, "cpu", seed=0)
+    q_all, k_all, v_all = gd.make_inputs(n, mix, seed=n)
+    ctx_k, ctx_v = k_all[:, :n].contiguous(), v_all[:, :n].contiguous()
+    loc_k, loc_v = k_all[:, n:].contiguous(), v_all[:, n:].contiguous()
+    q_step = q_all[:, -1].reshape(gd.KVH, gd.G, 1, gd.D).contiguous()
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        saap_dir = Path(tmp) / "saap-model"
+        if name == "saap":
+            gd.write_saap_model(saap_dir, sp2, mix, layers=[1], clusters=1024, hidden=1024, sample=16384)
+        m, params = gd.method_params(name, saap_dir, 0.1, overrides)
+        layers = 2 if name == "saap" else 1
+        sp = sp2 if name == "saap" else sp1
+        arrays = None
+        if m.has_index:
+            cap = PrefillCapture(q=q_all[None, :, :n].expand(layers, -1, -1, -1), k=ctx_k[None].expand(layers, -1, -1, -1),
+                                 v=ctx_v[None].expand(layers, -1, -1, -1), positions=torch.arange(n), spec=sp)
+            arrays = m.build(cap, params)
+        req = gd.Request(ctx_k, ctx_v, loc_k, loc_v, q_step, arrays, m, params, layers - 1, sp, TritonAttention())
+        for attr in ("fused", "use_kernels"):
+            if hasattr(req.planner, attr):
+                setattr(req.planner, attr, True)
+        recorded = []
+        real_run = JITFunction.run
+        # the fused paths run here as on a GPU: no "needs CUDA tensors" refusal, a GPU's SM count
+        import importlib
+
+        patched = []
+        for modname in ("psa", "ivf", "csattn", "lfps", "saap", "select"):
+            mod = importlib.import_module(f"indexer.kernels.{modname}")
+            if hasattr(mod, "unsupported"):
+                orig = mod.unsupported
+                mod.unsupported = (lambda orig: lambda *a, **k: [r for r in orig(*a, **k) if "CUDA" not in r])(orig)
+                patched.append((mod, "unsupported", orig))
+            for fn_name in ("_sm_count",):
+                if hasattr(mod, fn_name):
+                    patched.append((mod, fn_name, getattr(mod, fn_name)))
+                    setattr(mod, fn_name, lambda device: 132)
+        patched.append((attention, "_sm_count", attention._sm_count))
+        attention._sm_count = lambda device: 132
+        plan = attention.launch_plan  # the pipelined chunk loop of a GPU launch (one stage on the CPU)
+        patched.append((attention, "launch_plan", plan))
+        attention.launch_plan = lambda *a, interpreted_run=False, **k: plan(*a, interpreted_run=False, **k)
+        select = importlib.import_module("indexer.kernels.select")
+        patched.append((select, "kernel_enabled", select.kernel_enabled))
+        select.kernel_enabled = lambda score: True
+
+        def record(self, *args, grid, warmup, **kwargs):
+            recorded.append((self, args, dict(kwargs)))
+
+        JITFunction.run = record
+        try:
+            req.step()
+        finally:
+            JITFunction.run = real_run
+            for mod, attr, orig in patched:
+                setattr(mod, attr, orig)
+    return recorded
 
 
 def parse_value(v: str):
@@ -94,11 +252,28 @@ def parse_value(v: str):
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("kernel", choices=sorted(KERNELS))
+    ap.add_argument("kernel", choices=sorted(KERNELS) + ["step"])
+    ap.add_argument("--methods", nargs="*", default=["psa@max_ratio=0.05", "ctkvr", "saap", "csattn", "lfps", "streaming"],
+                    help="step: the methods whose decode step is compiled")
+    ap.add_argument("--n", type=int, default=32768, help="step: context tokens")
+    ap.add_argument("--json", type=Path, default=None, help="step: the rows as JSON")
     ap.add_argument("--set", nargs="*", default=[], help="constexpr overrides NAME=VALUE (0/1 for flags)")
     ap.add_argument("--warps", type=int, default=None, help="num_warps (default: the launch's at this shape)")
     ap.add_argument("--out", type=Path, default=None, help="a path prefix for the .sass and .ttgir files")
     a = ap.parse_args()
+    if a.kernel == "step":
+        import json
+
+        rows = []
+        for method in a.methods:
+            for fn, args, kwargs in step_launches(method, a.n):
+                row = {"method": method, "n": a.n, **compile_launch(fn, args, kwargs)}
+                rows.append(row)
+                print(f"{method:22s} {row['kernel']:28s} {row['num_warps']} warps: {row['instructions']:5d} static "
+                      f"instructions, {row['layout_conversions']:2d} layout conversions", flush=True)
+        if a.json:
+            a.json.write_text(json.dumps(rows, indent=1))
+        return
     overrides = {k: parse_value(v) for k, _, v in (s.partition("=") for s in a.set)}
     r = compile_variant(a.kernel, overrides, a.warps)
     print(f"{a.kernel} {overrides or ''}: {r['instructions']} static instructions, "

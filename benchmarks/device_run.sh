@@ -695,11 +695,14 @@ for stage in $stages; do
       python3 benchmarks/gpu_decode.py --lengths 32768 131072 --batches 1 8 --profile \
         --methods psa@max_ratio=0.05 ctkvr saap streaming --backends triton:one_token=0 triton \
         --out "$OUT/s23ab_mask" 2>&1 | tee "$OUT/gpu_decode_s23ab_mask.log" | grep -E "graph|Error|error"
-      P=psa@max_ratio=0.05 n=0
-      for order in "$P:aligned_x=0,direct_count=0 $P $P:aligned_x=0 $P:direct_count=0" \
-                   "$P:direct_count=0 $P:aligned_x=0 $P $P:aligned_x=0,direct_count=0"; do
+      # (the select's knobs aligned_x and direct_count were removed after this run: aligned_x lost, direct_count is
+      # the only path now; the second order's JSON overwrote the first's, the log holds both)
+      P=psa@max_ratio=0.05
+      for n in 1 2; do
+        [ $n = 1 ] && order="$P:aligned_x=0,direct_count=0 $P $P:aligned_x=0 $P:direct_count=0" \
+                   || order="$P:direct_count=0 $P:aligned_x=0 $P $P:aligned_x=0,direct_count=0"
         python3 benchmarks/gpu_decode.py --lengths 32768 131072 --backends triton --profile --methods $order \
-          --out "$OUT/s23ab_select_$((++n))" 2>&1 | tee -a "$OUT/gpu_decode_s23ab_select.log" | grep -E "graph|Error|error"
+          --out "$OUT/s23ab_select_$n" 2>&1 | tee -a "$OUT/gpu_decode_s23ab_select.log" | grep -E "graph|Error|error"
       done ;;
     s23dense)  # session 23: the one-token mask and its anchoring load on steps without plan positions (dense full,
       # streaming), psa as the control (its plans keep the general mask); then dense and streaming end to end
