@@ -110,7 +110,8 @@ def compile_variant(kernel: str, overrides: dict, num_warps: int | None = None) 
             "ops": ops, "sass": "\n".join(lines), "ttgir": k.asm["ttgir"]}
 
 
-TL_PTR = {torch.float64: "*fp64", torch.float32: "*fp32", torch.float16: "*fp16", torch.bfloat16: "*bf16", torch.int64: "*i64",
+TL_PTR = {torch.float64: "*fp64", torch.float32: "*fp32", torch.float16: "*fp16", torch.bfloat16: "*bf16",
+          torch.int64: "*i64",
           torch.int32: "*i32", torch.int16: "*i16", torch.int8: "*i8", torch.uint8: "*u8", torch.bool: "*i1"}
 
 
@@ -196,8 +197,9 @@ def step_launches(method: str, n: int) -> list[tuple]:
         sp = sp2 if name == "saap" else sp1
         arrays = None
         if m.has_index:
-            cap = PrefillCapture(q=q_all[None, :, :n].expand(layers, -1, -1, -1), k=ctx_k[None].expand(layers, -1, -1, -1),
-                                 v=ctx_v[None].expand(layers, -1, -1, -1), positions=torch.arange(n), spec=sp)
+            per_layer = lambda x: x[None].expand(layers, -1, -1, -1)  # noqa: E731
+            cap = PrefillCapture(q=per_layer(q_all[:, :n]), k=per_layer(ctx_k), v=per_layer(ctx_v),
+                                 positions=torch.arange(n), spec=sp)
             arrays = m.build(cap, params)
         req = gd.Request(ctx_k, ctx_v, loc_k, loc_v, q_step, arrays, m, params, layers - 1, sp, TritonAttention())
         for attr in ("fused", "use_kernels"):
@@ -253,7 +255,8 @@ def parse_value(v: str):
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("kernel", choices=sorted(KERNELS) + ["step"])
-    ap.add_argument("--methods", nargs="*", default=["psa@max_ratio=0.05", "ctkvr", "saap", "csattn", "lfps", "streaming"],
+    ap.add_argument("--methods", nargs="*",
+                    default=["psa@max_ratio=0.05", "ctkvr", "saap", "csattn", "lfps", "kivf", "streaming", "full"],
                     help="step: the methods whose decode step is compiled")
     ap.add_argument("--n", type=int, default=32768, help="step: context tokens")
     ap.add_argument("--json", type=Path, default=None, help="step: the rows as JSON")
