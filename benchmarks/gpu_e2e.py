@@ -127,6 +127,7 @@ def backend_of(spec: str):
 
     return backend_for(spec)
 
+
 def log(*a):
     print(*a, flush=True)
 

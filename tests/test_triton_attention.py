@@ -199,8 +199,8 @@ def test_dense_plan(dtype, cfg):
 @pytest.mark.parametrize("k", [9, 0])
 def test_bypass_and_pseudo_token(k, splits, t):
     """A bypassed head attends the frame only, plus the pseudo-token standing for the rest (added
-    by the merge kernel, or by the split kernel itself when there is one split); t = 1 takes the
-    one-token mask (`KernelConfig.one_token`)."""
+    by the merge kernel, or by the split kernel itself when there is one split), for a decode step
+    (t = 1) and a question chunk."""
     kvh, g, d = 2, 4, 16
     cfg = kernels.KernelConfig(block_n=16, splits=splits)
     assert (kernels.launch_plan(kvh, g, t, d, 4, 60, 6, k, 4, 8, 4, cfg).splits == 1) == (splits == 1)

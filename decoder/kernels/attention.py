@@ -187,7 +187,8 @@ def _split_kernel(
         loc_row = (r - b3).to(tl.int64)
         if ONE_TOKEN:  # the block's token's position, loaded per row (the same word: one L1 line) only so that
             # Triton maps the rows once, one per thread, and converts the results, instead of recomputing the
-            # mapping in the 2-D tiles' layouts (sm_90 static SASS of a 128-row frame chunk: 3240 -> 1416)
+            # mapping in the 2-D tiles' layouts (sm_90 static SASS of a 128-row planless chunk: 3568 with the
+            # general mask, 3240 with the one-token mask alone, 1416 with this load)
             qpos_r = tl.load(QPOS + t0 + r * 0, mask=in_loc, other=0).to(tl.int64)
             row_ok = row_ok | (in_loc & (n_ctx + loc_row <= qpos_r))
         else:
@@ -220,8 +221,6 @@ def _split_kernel(
             # anchoring load above, on the H200: dense 176 -> 140 us at 128K, the frame alone 16 -> 12 us);
             # with a plan the mask alone measured 0.3-0.5 us slower, so plans keep the general mask
             valid = q_ok[:, None] & row_ok[None, :]
-            if HAS_PLAN and HAS_BYPASS:
-                valid = valid & ~(byp_q[:, None] & in_plan[None, :])
         else:
             valid = in_sink[None, :] | (in_win[None, :] & (ctx_row[None, :] >= wlo_q[:, None]))
             valid = valid | (in_loc[None, :] & (n_ctx + loc_row[None, :] <= qpos_q[:, None]))

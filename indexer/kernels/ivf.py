@@ -357,13 +357,13 @@ def _bisect_regs(reg, n, K, lo, hi, c_hi, done, ALL: tl.constexpr = False):
 
 
 @triton.jit
-def _top_threshold_regs(keys, n, K, key_min, n_valid, key_hi, ALL: tl.constexpr = True):
+def _top_threshold_regs(keys, n, K, key_min, n_valid, key_hi):
     """`_top_threshold` over keys held in registers (a row of n <= the block's keys, no scratch)."""
     if n_valid < K:
         thr = n * 0
         take = K - n_valid
     else:
-        thr, take = _bisect_regs(keys, n, K, key_min, key_hi, n * 0, (K >= n_valid).to(tl.int32), ALL=ALL)
+        thr, take = _bisect_regs(keys, n, K, key_min, key_hi, n * 0, (K >= n_valid).to(tl.int32), ALL=True)
     return thr, take
 
 
