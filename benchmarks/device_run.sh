@@ -683,7 +683,8 @@ for stage in $stages; do
       python3 benchmarks/gpu_decode.py --lengths 32768 131072 --profile --methods psa@max_ratio=0.05 streaming \
         --backends triton triton:splits=1 triton:splits=2 triton:splits=4 triton:splits=8 --out "$OUT/s23splits" 2>&1 \
         | tee "$OUT/gpu_decode_s23splits.log" | grep -E "graph|Error|error" ;;
-    s23onetok)  # session 23: the split kernel's one-token mask (no division per plan row) against the general path,
+    s23onetok)  # session 23: the split kernel's one-token mask (no division per plan row) against the general path
+      # (that version was rejected; one_token now applies to planless steps only, so a rerun compares other code),
       # same run; then the attention kernel tests on the GPU
       python3 benchmarks/gpu_decode.py --lengths 32768 131072 --batches 1 8 --profile \
         --methods psa@max_ratio=0.05 ctkvr saap streaming csattn --backends triton:one_token=0 triton \
