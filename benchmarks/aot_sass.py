@@ -1,6 +1,6 @@
 """Static SASS of Triton kernels for the H100/H200 (sm_90), compiled ahead of time on a machine
 without a GPU: instruction counts, the most frequent opcodes and the layout conversions Triton
-inserted. A proxy for a latency-bound kernel's cost that needs no device minutes: in session 23 the
+inserted; for `step`, also each kernel's registers per thread, spilled bytes and shared memory. A proxy for a latency-bound kernel's cost that needs no device minutes: in session 23 the
 attention split kernel's measured time followed its static count (1,712 instructions: 8.2 µs at
 128K; 3,304: 11.4 µs), and a dense step's chunk went 3,568 -> 1,416 instructions and 176 -> 140 µs.
 
@@ -66,17 +66,31 @@ KERNELS = {
 }
 
 
-def sass_lines(k) -> list[str]:
-    """The compiled kernel's instructions, from cuobjdump on its cubin (Triton's own `asm["sass"]` text
-    stops near 4,100 lines, which would cap a larger kernel's count), the NOPs that pad the end
-    included, as Nsight Compute's source view lists them."""
+def cuobjdump(k, flag: str) -> str:
+    """cuobjdump's output (`flag`: -sass, -res-usage) on the compiled kernel's cubin."""
     fd, path = tempfile.mkstemp(suffix=".cubin")
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(k.asm["cubin"])
-        out = subprocess.check_output([knobs.nvidia.cuobjdump.path, "-sass", path]).decode()
+        return subprocess.check_output([knobs.nvidia.cuobjdump.path, flag, path]).decode()
     finally:
         os.remove(path)
+
+
+def resources(k) -> dict:
+    """Registers per thread, spill bytes and static shared memory of the compiled kernel (cuobjdump's
+    resource usage of its cubin, what ptxas reports)."""
+    out = cuobjdump(k, "-res-usage")
+    got = {key: int(m.group(1)) for key, pat in (("registers", r"REG:(\d+)"), ("spill_bytes", r"LOCAL:(\d+)"))
+           if (m := re.search(pat, out))}
+    return got | {"shared_bytes": k.metadata.shared}
+
+
+def sass_lines(k) -> list[str]:
+    """The compiled kernel's instructions, from cuobjdump on its cubin (Triton's own `asm["sass"]` text
+    stops near 4,100 lines, which would cap a larger kernel's count), the NOPs that pad the end
+    included, as Nsight Compute's source view lists them."""
+    out = cuobjdump(k, "-sass")
     lines = [m.group(1).strip() for m in re.finditer(r"^\s+/\*[0-9a-f]{4,6}\*/\s+(.*?);", out, re.M)]
     return lines
 
@@ -164,7 +178,7 @@ def compile_launch(fn, args: tuple, kwargs: dict) -> dict:
                        options=options)
     lines = sass_lines(k)
     return {"kernel": fn.__name__, "instructions": len(lines), "num_warps": opts.get("num_warps", 4),
-            "layout_conversions": k.asm["ttgir"].count("ttg.convert_layout")}
+            "layout_conversions": k.asm["ttgir"].count("ttg.convert_layout"), **resources(k)}
 
 
 def step_launches(method: str, n: int) -> list[tuple]:
@@ -273,7 +287,8 @@ def main() -> None:
                 row = {"method": method, "n": a.n, **compile_launch(fn, args, kwargs)}
                 rows.append(row)
                 print(f"{method:22s} {row['kernel']:28s} {row['num_warps']} warps: {row['instructions']:5d} static "
-                      f"instructions, {row['layout_conversions']:2d} layout conversions", flush=True)
+                      f"instructions, {row['layout_conversions']:2d} layout conversions, {row.get('registers')} "
+                      f"registers, {row.get('spill_bytes')} spill bytes, {row['shared_bytes']} B shared", flush=True)
         if a.json:
             a.json.write_text(json.dumps(rows, indent=1))
         return

@@ -160,8 +160,11 @@ def prefill_layer_ms(n: int) -> float:
 class Request:
     """One request on one context: static buffers a graph can read, the planner, the backend."""
 
-    def __init__(self, ctx_k, ctx_v, loc_k, loc_v, q, arrays, method, params, layer, sp, backend, torch_plan=False):
-        self.kv = KVView(ctx_k, ctx_v, loc_k, loc_v, torch.tensor([ctx_k.shape[1] + M_LOCAL - 1], device=DEV))
+    def __init__(self, ctx_k, ctx_v, loc_k, loc_v, q, arrays, method, params, layer, sp, backend, torch_plan=False,
+                 solo=True):
+        # the planner may attend its plan where the runner lets it: a request alone in its step
+        self.kv = KVView(ctx_k, ctx_v, loc_k, loc_v, torch.tensor([ctx_k.shape[1] + M_LOCAL - 1], device=DEV),
+                         attend_scale=D ** -0.5 if solo and backend.takes_attended else None)
         self.q = q
         self.layer = layer
         reader = None if arrays is None else IndexReader(lambda nm, l: arrays[nm][l], sorted(arrays))
@@ -354,7 +357,7 @@ def run_length(n: int, batches: list[int], methods: list[str], backends: list[st
                         own = (lambda x: x.clone()) if i else (lambda x: x)
                         arr_i = None if arrays is None else {k: own(v) for k, v in arrays.items()}
                         reqs.append(Request(own(ctx_k), own(ctx_v), own(loc_k), own(loc_v), own(q_step), arr_i,
-                                            method, params, layer, sp, be))
+                                            method, params, layer, sp, be, solo=b == 1))
 
                     streams = None
                     if b > 1 and parallel and DEV == "cuda":

@@ -80,7 +80,8 @@ class DecodeStep:
         _, h, t, d = query.shape
         ctx_k, ctx_v = self.ctx.layer(layer)
         q = query[0].reshape(kvh, g, t, d)  # q head i*G + j belongs to kv head i (repeat_kv order)
-        kv = KVView(ctx_k, ctx_v, key[0], value[0], self.q_pos)
+        kv = KVView(ctx_k, ctx_v, key[0], value[0], self.q_pos,
+                    attend_scale=scaling if self.backend.takes_attended else None)
         t0 = time.perf_counter()
         plan = self.planner.plan(layer, q, kv)
         t1 = time.perf_counter()

@@ -436,7 +436,7 @@ class Runner:
             outs = fork_join(self._streams(b), [
                 lambda i=i, r=r: self._attend(r, layer, lw.scale, q[i * t:(i + 1) * t], k[i * t:(i + 1) * t],
                                               v[i * t:(i + 1) * t], q_pos[i], slots[i], plans.get(i), rows is None,
-                                              i in staged)
+                                              i in staged, b == 1)
                 for i, r in enumerate(reqs)])
             planned = nxt
             a = outs[0] if b == 1 else torch.cat(outs)  # [S, H D]
@@ -470,11 +470,12 @@ class Runner:
         return self._side[:b]
 
     def _attend(self, r: Request, layer: int, scale: float, q, k, v, q_pos, slots, plan=None,
-                write: bool = True, staged: bool = False) -> torch.Tensor:
+                write: bool = True, staged: bool = False, solo: bool = True) -> torch.Tensor:
         """One request's attention of one layer. q [T, H, D], k/v [T, KVH, D] post-RoPE, q_pos [T]
         absolute positions, slots [T] local slots -> [T, H D]. `plan`: made ahead (else planned here).
         `write`: store k/v into the slots here (False: the fused RoPE launch did). `staged`: the plan's
-        value rows were staged into the layer's row cache (decoder/plan_ahead.py)."""
+        value rows were staged into the layer's row cache (decoder/plan_ahead.py). `solo`: alone in its
+        step, so its planner may attend the plan (`KVView.attend_scale`: pays at B = 1 only, RESULTS.md)."""
         w = self.w
         t = q.shape[0]
         kvh, g, d = w.n_kv_heads, w.group, w.head_dim
@@ -485,7 +486,8 @@ class Runner:
             loc_v.index_copy_(1, slots, new_v)
         ctx_k, ctx_v = r.ctx_kv[layer]
         qh = q.transpose(0, 1).reshape(kvh, g, t, d)  # q head i*G + j belongs to kv head i
-        kv = KVView(ctx_k, ctx_v, loc_k, loc_v, q_pos)
+        kv = KVView(ctx_k, ctx_v, loc_k, loc_v, q_pos, attend_scale=scale if solo and self.backend.takes_attended
+                    else None)
         if plan is None:
             plan = r.planner.plan(layer, qh, kv)
         if self.cache_rows and t == 1 and not plan.is_dense:  # RowCache per request and layer

@@ -234,6 +234,9 @@ class KVView:
     ctx_v is in host memory): the `triton` backend reads the plan's rows it holds from it, and
     refreshes it (v_staged: already filled for this step, only read); the same values as ctx_v, so
     every other reader ignores it.
+    attend_scale: set by a caller whose backend takes a planner's attention (`AttentionBackend.
+    takes_attended`) to the scale it will attend with: a planner that can attend its plan while it
+    searches (psa's fused plan) may then return the result as `Plan.attended`. None: plan only.
     """
 
     ctx_k: torch.Tensor
@@ -243,6 +246,7 @@ class KVView:
     q_pos: torch.Tensor
     v_cache: object = None
     v_staged: bool = False
+    attend_scale: float | None = None
 
     @property
     def n_ctx(self) -> int:
@@ -303,6 +307,8 @@ class Plan:
         lengths[h, t]:] are all -1 (slots below it may be -1 too). Planners whose rows are
         valid-first with a -1 tail (psa, saap) give it, so a backend can skip the tail (the triton
         backend divides only the live rows over its programs); it never changes what is attended.
+    attended: optional `Attended`: this plan's attention, computed by the planner while it searched
+        (asked for by `KVView.attend_scale`); a backend that takes it returns it instead of running.
     """
 
     positions: torch.Tensor | None
@@ -310,6 +316,7 @@ class Plan:
     rest_logit: torch.Tensor | None = None
     rest_value: torch.Tensor | None = None
     lengths: torch.Tensor | None = None
+    attended: "Attended | None" = None
 
     @classmethod
     def dense(cls) -> "Plan":
@@ -318,6 +325,28 @@ class Plan:
     @property
     def is_dense(self) -> bool:
         return self.positions is None
+
+
+@dataclass(frozen=True)
+class Attended:
+    """A plan's attention computed by its planner: the exact attention of `query` over the frame
+    (sink, window, every visible request-local token) and the plan's positions at `scale`, what an
+    attention backend's `run(query, kv, plan, sink, window, scale)` computes, up to summation order.
+    psa's fused plan computes it from the scores its exact sums take anyway, so a step needs no
+    attention launches after the plan (`indexer/kernels/psa.py`). It is valid for exactly that query
+    tensor and frame: `serves` checks them, and a backend runs as usual where they differ (a plan made
+    ahead from a predicted query never carries one).
+
+    out: [KVH, G, T, D] in the query's dtype."""
+
+    query: torch.Tensor
+    sink: int
+    window: int
+    scale: float
+    out: torch.Tensor
+
+    def serves(self, q: torch.Tensor, sink: int, window: int, scale: float) -> bool:
+        return q is self.query and (sink, window, scale) == (self.sink, self.window, self.scale)
 
 
 class IndexReader:

@@ -62,9 +62,12 @@ GPU: the plan runs fused (`indexer/kernels/psa.py`): the criticality of every bl
 per-tile softmax state, the B_max best blocks by an integer-key threshold search (no sort), their
 exact per-block sums (each candidate block's keys read once for the GQA group) with their rank in
 the order, and the stop rule + positions: 4 launches per chunk of query tokens, no host sync,
-deterministic (ties: lowest block id first). This torch code is the reference and the CPU path; the
-fused plan selects the same blocks in the same order (up to near-ties of the fp16 criticality: the
-kernel module's docstring). `planner.fused`: None = fused for CUDA tensors (the default), True =
+deterministic (ties: lowest block id first). Asked by its caller (`KVView.attend_scale`: the runner
+for a request alone in its step, under the `triton` backend) it also attends the plan from the
+scores and values of the blocks it sums, for short candidate lists (`Plan.attended`: the backend then
+runs nothing; `indexer/kernels/psa.py`, "The plan's attention"). This torch code is the reference
+and the CPU path; the fused plan selects the same blocks in the same order (up to near-ties of the
+fp16 criticality: the kernel module's docstring). `planner.fused`: None = fused for CUDA tensors (the default), True =
 also on CPU (Triton's interpreter, tests), False = torch. Its speed against the torch plan and
 dense attention: benchmarks/RESULTS.md, "Fused searches (issue 12) and the batched runner".
 
@@ -85,7 +88,8 @@ import torch.nn.functional as F
 from pydantic import Field
 
 from indexer.selection import gather_rows
-from indexer.base import MethodParams, Plan, Planner, SparseMethod, budget, frame_bounds, graph_capturing, register
+from indexer.base import (Attended, MethodParams, Plan, Planner, SparseMethod, budget, frame_bounds, graph_capturing,
+                          register)
 
 META_MIN, META_MAX, META_MEAN = 0, 1, 2
 FP16_MAX = 65504.0
@@ -190,6 +194,7 @@ class ProgressivePlan:
     mass_est: torch.Tensor  # [KVH, G, T] fp32: P_acc at the stop
     capped: torch.Tensor  # [KVH, T] bool: stopped by B_max before the rule was met
     lengths: torch.Tensor  # [KVH, T] int32: (dense-part blocks + used)·bs, positions past it are -1
+    out: torch.Tensor | None = None  # [KVH, G, T, D]: the attention over the plan (the fused plan, when asked)
 
 
 def _amax(x: torch.Tensor) -> torch.Tensor:
@@ -346,11 +351,18 @@ class _PSAPlanner(Planner):
         p = self.params
         meta = self.index.layer("block_meta", layer)  # persisted, shared: read only
         kernels = self._fused(q, meta)
-        fn = progressive_plan if kernels is None else kernels.progressive_plan
-        res = fn(q, kv.ctx_k, kv.loc_k, kv.q_pos, meta, p.block_size, eps=p.eps, microbatch=p.microbatch,
-                 sink=self.sink, window=self.window, max_blocks=self.max_blocks, criticality=p.criticality)
+        args = (q, kv.ctx_k, kv.loc_k, kv.q_pos, meta, p.block_size)
+        kw = dict(eps=p.eps, microbatch=p.microbatch, sink=self.sink, window=self.window,
+                  max_blocks=self.max_blocks, criticality=p.criticality)
+        if kernels is None:
+            res = progressive_plan(*args, **kw)
+        else:  # with the plan's attention where the caller asks and it pays (`kernels.attends`)
+            res = kernels.progressive_plan(*args, **kw, ctx_v=kv.ctx_v, loc_v=kv.loc_v, attend_scale=kv.attend_scale)
         self._last[layer] = res
-        return Plan(res.positions, lengths=res.lengths)
+        attended = None
+        if res.out is not None:
+            attended = Attended(q, self.sink, self.window, kv.attend_scale, res.out)
+        return Plan(res.positions, lengths=res.lengths, attended=attended)
 
     def update(self, layer, k, v, positions):
         res = self._last.pop(layer, None)

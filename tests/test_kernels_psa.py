@@ -17,6 +17,7 @@ duplicated blocks, against the torch path given a stable sort.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import zlib
 from dataclasses import fields
@@ -232,8 +233,144 @@ def test_a_plan_ignores_what_an_earlier_plan_left_in_the_workspace():
     for buf in kernels._WORKSPACES.buffers():  # finite poison: a GPU's max ignores a NaN
         buf.fill_(1 if buf.dtype == torch.int32 else 1e30)
     again = kernels.progressive_plan(*_dev(q, ctx_k, loc_k, q_pos, meta), 8, **kw)
-    for name in PLAN_FIELDS:
+    assert clean.out is None and again.out is None  # T = 2: never attended
+    for name in PLAN_FIELDS[:-1]:
         assert torch.equal(getattr(clean, name), getattr(again, name)), name
+
+
+# ---------------------------------------------------------------------------------------------
+# The plan's attention (`progressive_plan(attend_scale=)`)
+
+
+def _values(seed, ctx_k, loc_k, m):
+    """Values like the keys' shapes; local slots past the m request tokens hold NaN (garbage a kernel
+    must not read). Returns (ctx_v, loc_v, loc_v with the garbage zeroed, for torch_ref's masked
+    product, where NaN·0 would be NaN)."""
+    gen = torch.Generator().manual_seed(seed)
+    ctx_v = torch.randn(ctx_k.shape, generator=gen).to(ctx_k.dtype)
+    loc_v = torch.randn(loc_k.shape, generator=gen).to(loc_k.dtype)
+    clean = loc_v.clone()
+    loc_v[:, m:] = float("nan")
+    clean[:, m:] = 0.0
+    return ctx_v, loc_v, clean
+
+
+def _attended_and_reference(seed, *, dtype, kind="cuboid", eps=0.9, ratio=0.3, n=300, m=4, cfg=None, scale=0.3,
+                            poison=False):
+    """The fused plan with its attention, the same plan without it, and torch_ref's attention over the
+    returned plan's positions (dense attention masked to frame ∪ plan)."""
+    from decoder.backends.torch_ref import TorchRef
+    from indexer.base import Plan
+
+    q, ctx_k, loc_k, q_pos = _inputs(seed, n=n, t=1, m=m, dtype=dtype)
+    ctx_v, loc_v, loc_v_ref = _values(seed + 1, ctx_k, loc_k, m)
+    meta = _meta(ctx_k, 16)  # blocks of 16: a block's P·V is a tl.dot over its tokens
+    kw = dict(eps=eps, microbatch=1 + seed % 3, sink=4, window=8, max_blocks=math.ceil(ratio * meta.shape[1]),
+              criticality=kind)
+    q, ctx_k, loc_k, q_pos, meta, ctx_v, loc_v, loc_v_ref = _dev(q, ctx_k, loc_k, q_pos, meta, ctx_v, loc_v, loc_v_ref)
+    plain = kernels.progressive_plan(q, ctx_k, loc_k, q_pos, meta, 16, cfg=cfg, **kw)
+    if poison:  # what an interrupted plan could leave in every workspace, the attention's included
+        kernels.progressive_plan(q, ctx_k, loc_k, q_pos, meta, 16, cfg=cfg, ctx_v=ctx_v, loc_v=loc_v,
+                                 attend_scale=scale, **kw)
+        for buf in kernels._WORKSPACES.buffers():
+            buf.fill_(1 if buf.dtype == torch.int32 else 1e30)
+    got = kernels.progressive_plan(q, ctx_k, loc_k, q_pos, meta, 16, cfg=cfg, ctx_v=ctx_v, loc_v=loc_v,
+                                   attend_scale=scale, **kw)
+    ref = TorchRef().run(q, KVView(ctx_k, ctx_v, loc_k, loc_v_ref, q_pos), Plan(got.positions), 4, 8, scale)
+    return got, plain, ref
+
+
+def _rel(a, b):
+    return float((a.double() - b.double()).norm() / b.double().norm())
+
+
+# tolerances: relative L2 against torch_ref (float32 arithmetic) over the same positions. fp32 measured 2.8e-7;
+# bf16 5.0e-3 (bf16 output rounding and P rounded to bf16, as the triton backend's 3.6-3.8e-3 against float64)
+ATTEND_TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2}
+
+
+@pytest.mark.parametrize("kind,eps,ratio,dtype", [("cuboid", 0.9, 0.3, torch.float32), ("mean", 1.0, 0.3, torch.float32),
+                                                  ("center", 0.9, 1.0, torch.float32), ("cuboid", 0.9, 0.3, torch.bfloat16),
+                                                  ("mean", 1.0, 1.0, torch.bfloat16)],
+                         ids=lambda v: str(v).replace("torch.", ""))
+def test_fused_plan_attends_its_plan(kind, eps, ratio, dtype):
+    """`out` is the attention over the frame and the plan the same call returns (torch_ref over its
+    positions), the plan is the one planned without attending, bit for bit, and the request-local
+    slots no query sees (NaN here) are never read."""
+    seed = zlib.crc32(f"{kind}{eps}{ratio}{dtype}".encode()) % 10_000
+    got, plain, ref = _attended_and_reference(seed, dtype=dtype, kind=kind, eps=eps, ratio=ratio, n=200 + seed % 300)
+    for name in PLAN_FIELDS[:-1]:
+        assert torch.equal(getattr(got, name), getattr(plain, name)), name
+    assert plain.out is None and got.out.dtype == dtype and got.out.shape == ref.shape
+    assert torch.isfinite(got.out).all()
+    assert _rel(got.out, ref) < ATTEND_TOL[dtype], _rel(got.out, ref)
+
+
+def test_attending_with_tiny_tiles_and_a_poisoned_workspace():
+    """Two candidate blocks per sums program, several dense-part chunks and several merge chunks
+    (TINY tiles, tile_tokens 32, attend_block 4: a row keeps ~20 blocks), after every workspace word was
+    poisoned: the kernels write what the attend kernel reads before it reads it."""
+    cfg = dataclasses.replace(TINY, tile_tokens=32, attend_block=4)
+    got, plain, ref = _attended_and_reference(41, dtype=torch.float32, eps=1.0, ratio=1.0, n=370, m=6, cfg=cfg,
+                                              poison=True)
+    assert int(got.used.min()) > 2 * 4  # the merge's chunk loop runs
+    assert torch.equal(got.positions, plain.positions)
+    assert _rel(got.out, ref) < ATTEND_TOL[torch.float32], _rel(got.out, ref)
+
+
+def test_attending_only_where_it_pays():
+    """No attention (`out` None, the plan unchanged) without a scale, for a question chunk (T > 1),
+    with the values in another dtype, past `attend_tokens` candidate tokens per row, for blocks under
+    16 tokens, or switched off."""
+    q, ctx_k, loc_k, q_pos = _inputs(9, n=256, t=1, m=3)
+    ctx_v, loc_v, _ = _values(10, ctx_k, loc_k, 3)
+    meta = _meta(ctx_k, 16)
+    kw = dict(eps=0.9, microbatch=1, sink=4, window=8, max_blocks=4)  # 64 candidate tokens per row
+    args = _dev(q, ctx_k, loc_k, q_pos, meta)
+    vals = dict(zip(("ctx_v", "loc_v"), _dev(ctx_v, loc_v)))
+    assert kernels.progressive_plan(*args, 16, **kw, **vals, attend_scale=0.25).out is not None
+    assert kernels.progressive_plan(*args, 16, **kw, **vals).out is None
+    assert kernels.progressive_plan(*args, 16, **kw, **vals, attend_scale=0.25,
+                                    cfg=kernels.PsaConfig(attend_tokens=63)).out is None
+    assert kernels.progressive_plan(*args, 16, **kw, **vals, attend_scale=0.25,
+                                    cfg=kernels.PsaConfig(attend=False)).out is None
+    half = {k: v.half() for k, v in vals.items()}
+    assert kernels.progressive_plan(*args, 16, **kw, **half, attend_scale=0.25).out is None
+    q3, _, _, q_pos3 = _inputs(9, n=256, t=3, m=3)
+    assert kernels.progressive_plan(*_dev(q3, ctx_k, loc_k, q_pos3, meta), 16, **kw, **vals,
+                                    attend_scale=0.25).out is None
+    meta8 = _meta(ctx_k, 8)  # blocks of 8 tokens: below a tl.dot's 16
+    assert kernels.progressive_plan(*_dev(q, ctx_k, loc_k, q_pos, meta8), 8, **kw, **vals, attend_scale=0.25).out is None
+
+
+def test_the_triton_backend_returns_the_planners_attention_for_its_own_query():
+    """Through the planner and the triton backend: asked by `KVView.attend_scale`, the plan carries
+    its attention and the backend returns that tensor; the backend runs as usual (same result within
+    the tolerance) for another query tensor, another scale or frame, and a plan not asked for carries none."""
+    from decoder.backends.triton import TritonAttention
+    from indexer.base import Plan
+
+    n, m, bs = 300, 4, 16
+    q, ctx_k, loc_k, q_pos = _inputs(12, n=n, t=1, m=m, dtype=torch.bfloat16)
+    ctx_v, loc_v, _ = _values(13, ctx_k, loc_k, m)
+    psa = get_method("psa")
+    params = psa.Params(block_size=bs, eps=0.9, sink=4, window=8, max_ratio=0.3)
+    planner = psa.open(_reader(_meta(ctx_k, bs)), params, DecodeContext(n))
+    planner.fused = True
+    sink, window = params.frame(n)
+    q, ctx_k, loc_k, q_pos, ctx_v, loc_v = _dev(q, ctx_k, loc_k, q_pos, ctx_v, loc_v)
+    kv = KVView(ctx_k, ctx_v, loc_k, loc_v, q_pos, attend_scale=0.125)
+    plan = planner.plan(0, q, kv)
+    be = TritonAttention()
+    assert plan.attended is not None and be.run(q, kv, plan, sink, window, 0.125) is plan.attended.out
+    ran = be.run(q, kv, Plan(plan.positions, lengths=plan.lengths), sink, window, 0.125)
+    assert _rel(plan.attended.out, ran) < ATTEND_TOL[torch.bfloat16]
+    for call in [(q.clone(), sink, window, 0.125), (q, sink, window, 0.25), (q, sink + 1, window, 0.125)]:
+        out = be.run(call[0], kv, plan, *call[1:])
+        assert out is not plan.attended.out
+    assert torch.equal(be.run(q.clone(), kv, plan, sink, window, 0.125), ran)
+    planner.update(0, None, None, q_pos)
+    assert planner.plan(0, q, KVView(ctx_k, ctx_v, loc_k, loc_v, q_pos)).attended is None
 
 
 def _reader(meta):
@@ -324,5 +461,26 @@ def test_fused_plan_makes_no_host_sync_and_replays_in_a_graph():
     want = b.plan(0, q, kv).positions
     torch.cuda.synchronize()
     assert torch.equal(got, want)
+    # with the plan's attention: no sync, and the graph replays it bit for bit (B_max 2 % here: the attending
+    # plan's candidate-token bound)
+    c = psa.open(index, psa.Params(eps=0.95, max_ratio=0.02), DecodeContext(n))
+    kva = KVView(kv.ctx_k, kv.ctx_v, kv.loc_k, kv.loc_v, kv.q_pos, attend_scale=d ** -0.5)
+    c.plan(0, q, kva)  # compiles
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        eager = c.plan(0, q, kva)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    with torch.cuda.stream(side):
+        c.plan(0, q, kva)
+        graph_a = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph_a):
+            replayed = c.plan(0, q, kva)
+    torch.cuda.current_stream().wait_stream(side)
+    graph_a.replay()
+    torch.cuda.synchronize()
+    assert eager.attended is not None and torch.equal(replayed.attended.out, eager.attended.out)
+    assert torch.equal(replayed.positions, eager.positions)
     b.fused = False
     assert torch.equal(want.sort(-1).values, b.plan(0, q, kv).positions.sort(-1).values)

@@ -737,6 +737,47 @@ def test_gpu_plan_ahead_on_side_streams_equals_its_reference():
 
 
 @pytest.mark.gpu
+def test_gpu_solo_psa_request_takes_its_planners_attention(monkeypatch):
+    """A psa request alone in its steps (fp32, CUDA graphs): its planner attends the plan it makes
+    (`KVView.attend_scale`, psa's fused plan: `Plan.attended`) and the triton backend returns that; the
+    logits equal those of the backend running every plan itself (`take_attended=False`) within the
+    graph tolerance, and the same tokens. Beside another request, nothing is attended by a planner."""
+    import indexer.kernels.psa as kp
+    from decoder.kernels.attention import KernelConfig
+
+    lm, gpu_ctx = gpu_setup(torch.float32)
+    n_new = 6
+    reqs = _gpu_requests(lm, gpu_ctx, n_new, names=("psa", "full"))
+    attended = []
+    plan = kp.progressive_plan
+
+    def counting(q, *a, **k):  # (query tokens, whether the plan attended) per plan made in Python
+        res = plan(q, *a, **k)
+        attended.append((q.shape[2], res.out is not None))
+        return res
+
+    monkeypatch.setattr(kp, "progressive_plan", counting)
+    runs = {}
+    for take in (True, False):
+        runner = Runner(lm, TritonAttention(KernelConfig(take_attended=take)))
+        _, ctx, planner, params, q = reqs[0]
+        slot = runner.add(ctx, planner(), params, q, n_new)
+        attended.clear()
+        runs[take] = _drain(runner, [slot])
+        decode = [a for t, a in attended if t == 1]  # the question's chunk (T = 12) is never attended
+        assert decode and all(a == take for a in decode) and not any(a for t, a in attended if t > 1), (take, attended)
+    (got,), (toks,), status = runs[True]
+    (ref,), (ref_toks,), _ = runs[False]
+    assert "captured" in status and "replayed" in status, status
+    assert _same_decode(got, ref, REL_GRAPH, 1e-2) == len(ref) and toks == ref_toks
+    runner = Runner(lm, TritonAttention())
+    slots = [runner.add(ctx, planner(), params, q, n_new) for _, ctx, planner, params, q in reqs]
+    attended.clear()
+    _drain(runner, slots)
+    assert attended and not any(a for _, a in attended)
+
+
+@pytest.mark.gpu
 def test_gpu_pipelined_replays_equal_plain_ones():
     """On CUDA the runner issues each one-token step before it reads the tokens of the step before
     (`pipelined`, the default there). Three requests (full, topk, ctkvr), fp32: the same tokens and

@@ -31,6 +31,9 @@ class AttentionBackend(ABC):
     #: the context arrays ("kv/k", "kv/v") the pipeline keeps in pinned host memory on a GPU worker and
     #: hands out as mapped CUDA views (`decoder.backends.offload`); empty: all on the GPU
     host_arrays: ClassVar[frozenset[str]] = frozenset()
+    #: returns a plan's `attended` result when it serves the call (`indexer.base.Attended`) instead of
+    #: running; callers then ask planners for it (`KVView.attend_scale`)
+    takes_attended: ClassVar[bool] = False
 
     def validate_configuration(self, spec, device: str | torch.device, dtype: torch.dtype) -> list[str]:
         """Reasons this backend cannot run this model shape / device / dtype (empty = fine)."""

@@ -10,6 +10,11 @@ suffices). Launch sizes are host ints from shapes only: no host sync, capturable
 ieee dots, no tf32; fp16/bf16: fp32 softmax and accumulation, P rounded to the input dtype before
 P·V). Design, error bounds and H100 timings: `decoder/kernels/NOTES.md`.
 
+A plan that carries its attention (`Plan.attended`: psa's fused plan attends the blocks it keeps
+from the scores its exact sums take, `indexer/kernels/psa.py`) is not run again: `run` returns it
+when it was computed for this very query tensor, frame and scale (`takes_attended`; the runner and
+the decode step then ask planners for it through `KVView.attend_scale`).
+
 Importing this module imports triton: without it the backend is not offered
 (`decoder.backends._discover`). On a CPU `run` works only through Triton's interpreter
 (`TRITON_INTERPRET=1`, the tests' CPU mode, far too slow to serve): `validate_configuration`
@@ -32,6 +37,10 @@ class TritonAttention(AttentionBackend):
     def __init__(self, cfg: kernels.KernelConfig | None = None):
         self.cfg = cfg or kernels.KernelConfig()
 
+    @property
+    def takes_attended(self) -> bool:  # `KernelConfig.take_attended` (A/B rows: "triton:take_attended=0")
+        return self.cfg.take_attended
+
     def validate_configuration(self, spec, device, dtype) -> list[str]:
         reasons = kernels.unsupported(spec.head_dim, dtype)
         if torch.device(device).type != "cuda":  # Triton's CPU interpreter is for the kernel tests only
@@ -39,6 +48,8 @@ class TritonAttention(AttentionBackend):
         return reasons
 
     def run(self, q: torch.Tensor, kv: KVView, plan: Plan, sink: int, window: int, scale: float) -> torch.Tensor:
+        if plan.attended is not None and self.takes_attended and plan.attended.serves(q, sink, window, scale):
+            return plan.attended.out  # attended by the planner's kernels (psa): equal up to summation order
         if plan.is_dense:  # dense attention ignores the plan's extras, like torch_ref
             return kernels.frame_attention(q, kv.ctx_k, kv.ctx_v, kv.loc_k, kv.loc_v, kv.q_pos, None,
                                            sink, window, scale, cfg=self.cfg)

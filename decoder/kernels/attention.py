@@ -347,6 +347,7 @@ class KernelConfig:
     max_query_rows: int = 64  # BLOCK_M cap when several tokens share a block
     pdl: bool = True  # programmatic dependent launch on Hopper and later (`indexer/kernels/pdl.py`)
     one_token: bool = True  # no plan positions (dense, the frame alone), a token per query block: per-key-row mask
+    take_attended: bool = True  # the backend returns a plan's own attention (`Plan.attended`, psa) instead of running
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,7 @@
-"""PSA's decode plan (`indexer/psa.py`, `progressive_plan`) in four Triton launches instead of the
-torch path's ~280 dispatched ops (views included; a full sort of the block scores, a gather of the
-candidates' keys, cumsum / cummin and their masks). The planner dispatches here for CUDA tensors
+"""PSA's decode plan (`indexer/psa.py`, `progressive_plan`) in four Triton launches (five with the
+plan's attention, which then needs no attention launch after it) instead of the torch path's ~280
+dispatched ops (views included; a full sort of the block scores, a gather of the candidates' keys,
+cumsum / cummin and their masks). The planner dispatches here for CUDA tensors
 (`planner.fused`: None = fused for CUDA tensors, True = also on CPU tensors through Triton's
 interpreter, the tests' mode, False = torch); the torch function stays the reference and the CPU
 path. `CTXCACHE_FUSED_PSA=0` keeps every planner on torch (A/B runs).
@@ -46,6 +47,29 @@ Kernels (grids from shapes only, no host sync, fixed-shape outputs; rows of one 
    associative min scan for AS_min, IEEE division for P_acc), stopping at the first chunk that holds
    the stop point; writes the plan row (the torch path's layout and order), `ranked` (-1 past the
    candidates), `blocks`, `used`, P_acc at the stop and `capped`.
+
+The plan's attention (`progressive_plan(attend_scale=, ctx_v=, loc_v=)`, asked for by the caller through
+`KVView.attend_scale` when its backend takes it: `Plan.attended`, the `triton` backend). The sums
+kernel already reads every candidate block's keys and scores them for the group; with their values
+it also keeps each block's partial attention as the attention kernel computes it (the unrounded
+scores at the attention's scale in base 2, the block's max, the sum of P rounded to the values'
+dtype, P·V in fp32) at the block's rank -> AACC [rows·G, K, D], AML [rows·G, K, 2], and the dense
+part's (its sink/window blocks and visible request-local keys, an online softmax) -> DACC, DML.
+`_attend_kernel`, grid (rows, G), merges the dense part and the first `used` candidates (the blocks
+the stop kept) by log-sum-exp in rank order -> out [KVH, G, T, D]. A step is then five launches
+and no attention launches after them (the split and merge kernels of `decoder/kernels/attention.py`:
+six), the same attention up to summation order (the tests: torch_ref over the returned positions,
+rel. L2 2.8e-7 fp32, 5.0e-3 bf16). The price: the values of every candidate are read and multiplied,
+kept or not (the stop keeps 32-48% of them at rho 5%), so it pays only where launches dominate the
+bytes. Measured on the H200 (benchmarks/RESULTS.md, session 24), one 8B layer, rho 5%, B = 1: 32K
+27.9 -> 26.3 us, 64K 35.4 -> 34.2, 128K 50.8 -> 54.4 (the sums kernel 7.5 -> 18 us: twice the bytes);
+at B = 8 (a batched step, bound by bytes) 56 -> 59 us at 32K. So it runs for one-token plans of at
+most `attend_tokens` (4,096) candidate tokens per row, blocks of >= 16 tokens (a block's P·V is a
+tl.dot), values in the query's dtype (`attends`), and the runner asks for it only for a request
+alone in its step. Tried and slower at 128K (RESULTS.md): per-slot 2-D dots instead of the batched
+one, the values loaded after the scores, 2 blocks per program, register caps of 128 and 96 (so not
+occupancy: bytes); the merge in the stop kernel's programs (no attend launch) was 1.6 us slower at
+32K (the stop 3.5 -> 7.1 us), 0.9 us faster at 64K.
 
 These kernels are bound by latency at decode shapes (a few µs each, little of it memory time), so
 each issues the loads of its first chunk together, before any of them is reduced or used to mask
@@ -143,6 +167,7 @@ INT_MAX: tl.constexpr = tl.constexpr(2147483647)
 KINDS = {"cuboid": 0, "center": 1, "mean": 2}
 SUPPORTED_HEAD_DIMS = (16, 32, 64, 128, 256)
 MAX_BLOCK_SIZE = 256  # tokens per PSA block a sums program holds (a tile of >= one block)
+LOG2E = 1.4426950408889634
 
 
 # ---------------------------------------------------------------------------------------------
@@ -164,9 +189,9 @@ def _window_start(QPOS, t, n_ctx, s_end, window, bs, nb):
 
 
 @triton.jit
-def _logits(q, k, qk_scale, LOGIT_DT: tl.constexpr, DOT_FP32: tl.constexpr):
-    """q [G_PAD, D] (query dtype), k [N, D] -> q·k rounded to the query dtype, times the scale:
-    the torch path's `einsum(q, k.to(q.dtype)).float() * scale`. [G_PAD, N] fp32."""
+def _qk(q, k, LOGIT_DT: tl.constexpr, DOT_FP32: tl.constexpr):
+    """q [G_PAD, D] (query dtype), k [N, D] -> q·k in fp32 (k in the query dtype, fp32 accumulation:
+    the attention kernel's scores). [G_PAD, N]."""
     if DOT_FP32:  # the interpreter (its bf16 dot is wrong): fp32 operands holding the same values
         kf = _round_as(k.to(tl.float32), LOGIT_DT)
         s = tl.dot(q.to(tl.float32), tl.trans(kf), input_precision="ieee")
@@ -174,7 +199,29 @@ def _logits(q, k, qk_scale, LOGIT_DT: tl.constexpr, DOT_FP32: tl.constexpr):
         s = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee")
     else:
         s = tl.dot(q, tl.trans(k.to(LOGIT_DT)))
+    return s
+
+
+@triton.jit
+def _logits(s, qk_scale, LOGIT_DT: tl.constexpr):
+    """q·k from `_qk` rounded to the query dtype, times the scale: the torch path's
+    `einsum(q, k.to(q.dtype)).float() * scale`. [G_PAD, N] fp32."""
     return _round_as(s, LOGIT_DT) * qk_scale
+
+
+@triton.jit
+def _pv(p, v, AXIS: tl.constexpr, V_DT: tl.constexpr, DOT_FP32: tl.constexpr):
+    """The attention kernel's P·V (`decoder/kernels/attention.py`): p [..., M, N] fp32 rounded to the
+    values' dtype, v [..., N, D] -> (the row sums of the rounded p [..., M], P·V [..., M, D] fp32); AXIS:
+    p's last axis."""
+    if DOT_FP32:  # the interpreter: fp32 operands holding the rounded values
+        pr = _round_as(p, V_DT)
+        return tl.sum(pr, AXIS), tl.dot(pr, v.to(tl.float32), input_precision="ieee")
+    elif V_DT == tl.float32:
+        return tl.sum(p, AXIS), tl.dot(p, v, input_precision="ieee")
+    else:
+        pr = p.to(V_DT)
+        return tl.sum(pr.to(tl.float32), AXIS), tl.dot(pr, v.to(V_DT))
 
 
 @triton.jit
@@ -365,18 +412,25 @@ def _emit_keys(key, b, thr, take, gt_base, eq_base, CAND, CKEY):
                                "n_st"])
 def _sums_kernel(
     Q, CK, LK, QPOS, CAND, CKEY, NCAND, SID, SMX, SSM, DMX, DSM,
-    sq_h, sq_g, sq_t, sck_h, sck_n, slk_h, slk_n,
-    T, n_ctx, n_loc, nb, K, s_end, window, n_sb, first_w0, F, bs, n_st, qk_scale,
+    CV, LV, AACC, AML, DACC, DML,
+    sq_h, sq_g, sq_t, sck_h, sck_n, slk_h, slk_n, scv_h, scv_n, slv_h, slv_n,
+    T, n_ctx, n_loc, nb, K, s_end, window, n_sb, first_w0, F, bs, n_st, qk_scale, att_scale,
     G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, BS_PAD: tl.constexpr, SLOTS: tl.constexpr,
     BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, LOGIT_DT: tl.constexpr, DOT_FP32: tl.constexpr,
-    PRECISE: tl.constexpr, PDL: tl.constexpr = False,
+    PRECISE: tl.constexpr, ATTEND: tl.constexpr = False, PDL: tl.constexpr = False,
 ):
     """Programs 0 .. n_st - 1 of a row: SLOTS candidate blocks each. A candidate's rank in the
     order (key desc, block id asc) is the count of candidates before it (the row's K keys, from
     L2); its block's keys are read once for the group's heads, and (block id, max, sum of exp(x -
     max) per head) are written to slot `rank` -> SID [rows, K], SMX / SSM [rows·G, K]. Program
     n_st: the same state over the dense part (the row's sink/window blocks, its visible
-    request-local keys) -> DMX / DSM [rows·G]."""
+    request-local keys) -> DMX / DSM [rows·G].
+
+    ATTEND (the plan's attention, `progressive_plan(attend_scale=)`): with the same scores, unrounded
+    and at the attention's scale (att_scale = scale · log2 e), each candidate block's partial
+    attention as the attention kernel computes it (base-2 max, the sum of P rounded to the values'
+    dtype, P·V) -> AACC [rows·G, K, D] and AML [rows·G, K, 2] at the block's rank, and the dense
+    part's -> DACC [rows·G, D], DML [rows·G, 2]; `_attend_kernel` merges those the stop kept."""
     pdl_begin(PDL)
     s = tl.program_id(0)
     r = tl.program_id(1)
@@ -407,13 +461,17 @@ def _sums_kernel(
             ok = (us < n_cand) & (ua < bs) & (tok < n_ctx)
             k = tl.load(CK + h * sck_h + tok[:, None].to(tl.int64) * sck_n + offs_d[None, :], mask=ok[:, None],
                         other=0.0)  # in flight while the rank is counted
+            if ATTEND:  # with the keys, before the rank is counted
+                v = tl.load(CV + h * scv_h + tok[:, None].to(tl.int64) * scv_n + offs_d[None, :], mask=ok[:, None],
+                            other=0.0)
             sl_ok = sl < n_cand
             key_i = tl.where(sl_ok, key_i, 0)
             rank = _before(kj0, jr, key_i, sl, n_cand)
             for c0 in range(BLOCK_R, n_cand, BLOCK_R):
                 jj = c0 + jr
                 rank += _before(tl.load(CKEY + row + jj, mask=jj < n_cand, other=0), jj, key_i, sl, n_cand)
-            x = tl.where(ok[None, :], _logits(q, k, qk_scale, LOGIT_DT, DOT_FP32), float("-inf"))
+            qk = _qk(q, k, LOGIT_DT, DOT_FP32)
+            x = tl.where(ok[None, :], _logits(qk, qk_scale, LOGIT_DT), float("-inf"))
             x3 = tl.reshape(x, (G_PAD, SLOTS, BS_PAD))
             mb = tl.maximum(tl.max(x3, 2), NEG_BIG)  # [G_PAD, SLOTS]
             lb = tl.sum(_exp(x3 - mb[:, :, None], PRECISE), 2)
@@ -422,11 +480,24 @@ def _sums_kernel(
             msk = g_ok[:, None] & sl_ok[None, :]
             tl.store(SMX + hrow[:, None] * K + rank[None, :], mb, mask=msk)
             tl.store(SSM + hrow[:, None] * K + rank[None, :], lb, mask=msk)
+            if ATTEND:  # per block: [SLOTS] x ([G_PAD, BS_PAD] · [BS_PAD, D]), one batched dot
+                a3 = tl.reshape(tl.where(ok[None, :], qk * att_scale, float("-inf")), (G_PAD, SLOTS, BS_PAD))
+                ma = tl.maximum(tl.max(a3, 2), NEG_BIG)  # [G_PAD, SLOTS]
+                p3 = tl.permute(tl.math.exp2(a3 - ma[:, :, None]), (1, 0, 2))  # [SLOTS, G_PAD, BS_PAD]
+                la, pv = _pv(p3, tl.reshape(v, (SLOTS, BS_PAD, D)), 2, LOGIT_DT, DOT_FP32)  # [SLOTS, G_PAD (, D)]
+                at = hrow[None, :] * K + rank[:, None]  # [SLOTS, G_PAD]
+                msk_t = sl_ok[:, None] & g_ok[None, :]
+                tl.store(AACC + at[:, :, None] * D + offs_d[None, None, :], pv, mask=msk_t[:, :, None])
+                tl.store(AML + at * 2, tl.trans(ma), mask=msk_t)
+                tl.store(AML + at * 2 + 1, la, mask=msk_t)
     else:
         _, first_w = _window_start(QPOS, t, n_ctx, s_end, window, bs, nb)
         qp = tl.load(QPOS + t).to(tl.int32)
         m = tl.full([G_PAD], NEG_BIG, tl.float32)
         l = tl.zeros([G_PAD], tl.float32)
+        m2 = tl.full([G_PAD], NEG_BIG, tl.float32)  # ATTEND: the attention's state (base 2)
+        l2 = tl.zeros([G_PAD], tl.float32)
+        acc = tl.zeros([G_PAD, D], tl.float32)
         for c0 in range(0, F * BS_PAD, BLOCK_N):  # the dense-part blocks that are this token's
             u = c0 + tl.arange(0, BLOCK_N)
             f = u // BS_PAD
@@ -436,18 +507,44 @@ def _sums_kernel(
             ok = (f < F) & (a < bs) & (tok < n_ctx) & ((bid < n_sb) | (bid >= first_w))
             k = tl.load(CK + h * sck_h + tok[:, None].to(tl.int64) * sck_n + offs_d[None, :], mask=ok[:, None],
                         other=0.0)
-            x = tl.where(ok[None, :], _logits(q, k, qk_scale, LOGIT_DT, DOT_FP32), float("-inf"))
+            qk = _qk(q, k, LOGIT_DT, DOT_FP32)
+            x = tl.where(ok[None, :], _logits(qk, qk_scale, LOGIT_DT), float("-inf"))
             m, l = _online(m, l, x, PRECISE)
+            if ATTEND:
+                v = tl.load(CV + h * scv_h + tok[:, None].to(tl.int64) * scv_n + offs_d[None, :],
+                            mask=ok[:, None], other=0.0)
+                m2, l2, acc = _attend_online(m2, l2, acc, tl.where(ok[None, :], qk * att_scale, float("-inf")), v,
+                                             LOGIT_DT, DOT_FP32)
         n_vis = tl.minimum(n_loc, qp - n_ctx + 1)  # request-local slots j with n_ctx + j <= q_pos
         for c0 in range(0, n_vis, BLOCK_N):
             jj = c0 + tl.arange(0, BLOCK_N)
             ok = jj < n_vis
             k = tl.load(LK + h * slk_h + jj[:, None].to(tl.int64) * slk_n + offs_d[None, :], mask=ok[:, None],
                         other=0.0)
-            x = tl.where(ok[None, :], _logits(q, k, qk_scale, LOGIT_DT, DOT_FP32), float("-inf"))
+            qk = _qk(q, k, LOGIT_DT, DOT_FP32)
+            x = tl.where(ok[None, :], _logits(qk, qk_scale, LOGIT_DT), float("-inf"))
             m, l = _online(m, l, x, PRECISE)
+            if ATTEND:
+                v = tl.load(LV + h * slv_h + jj[:, None].to(tl.int64) * slv_n + offs_d[None, :], mask=ok[:, None],
+                            other=0.0)
+                m2, l2, acc = _attend_online(m2, l2, acc, tl.where(ok[None, :], qk * att_scale, float("-inf")), v,
+                                             LOGIT_DT, DOT_FP32)
         tl.store(DMX + hrow, m, mask=g_ok)
         tl.store(DSM + hrow, l, mask=g_ok)
+        if ATTEND:
+            tl.store(DACC + hrow[:, None] * D + offs_d[None, :], acc, mask=g_ok[:, None])
+            tl.store(DML + hrow * 2, m2, mask=g_ok)
+            tl.store(DML + hrow * 2 + 1, l2, mask=g_ok)
+
+
+@triton.jit
+def _attend_online(m, l, acc, s, v, V_DT: tl.constexpr, DOT_FP32: tl.constexpr):
+    """The attention kernel's online softmax step (base 2): state (m, l [G_PAD], acc [G_PAD, D])
+    updated with scores s [G_PAD, N] (-inf = masked) and values v [N, D]."""
+    m_new = tl.maximum(m, tl.max(s, 1))
+    alpha = tl.math.exp2(m - m_new)
+    ls, pv = _pv(tl.math.exp2(s - m_new[:, None]), v, 1, V_DT, DOT_FP32)
+    return m_new, l * alpha + ls, acc * alpha[:, None] + pv
 
 
 @triton.jit
@@ -598,6 +695,54 @@ def _stop_kernel(
 
 
 # ---------------------------------------------------------------------------------------------
+# 5. the plan's attention (ATTEND)
+
+
+@triton.jit(do_not_specialize=["T", "K"])
+def _attend_kernel(
+    AACC, AML, DACC, DML, USED, OUT,
+    sb_h, sb_t, so_h, so_g, so_t,
+    T, K,
+    G: tl.constexpr, D: tl.constexpr, BLOCK_I: tl.constexpr, PDL: tl.constexpr = False,
+):
+    """Program (row, head): the attention over the row's dense part and its first `used` candidates
+    (the blocks the stop kept, in rank order), a log-sum-exp merge of their partial states in that
+    fixed order -> OUT [KVH, G, T, D] in its dtype."""
+    pdl_begin(PDL)
+    r = tl.program_id(0)
+    g = tl.program_id(1)
+    h = (r // T).to(tl.int64)
+    t = r % T
+    hr = r.to(tl.int64) * G + g
+    offs_d = tl.arange(0, D)
+    ar = tl.arange(0, BLOCK_I)
+    # the count, the dense part and the first chunk of candidates are loaded at once (the chunk masked
+    # by K, then by the count once it is known): one round trip to L2 where the kept blocks fit a chunk
+    used = tl.load(USED + h * sb_h + t * sb_t).to(tl.int32)
+    m = tl.load(DML + hr * 2)
+    l = tl.load(DML + hr * 2 + 1)
+    acc = tl.load(DACC + hr * D + offs_d)
+    mi = tl.load(AML + (hr * K + ar) * 2, mask=ar < K, other=NEG_BIG)
+    li = tl.load(AML + (hr * K + ar) * 2 + 1, mask=ar < K, other=0.0)
+    ai = tl.load(AACC + (hr * K + ar)[:, None] * D + offs_d[None, :], mask=(ar < K)[:, None], other=0.0)
+    for c0 in range(0, used, BLOCK_I):
+        ok = c0 + ar < used
+        mi = tl.where(ok, mi, NEG_BIG)
+        m_new = tl.maximum(m, tl.max(mi, 0))
+        w = tl.where(ok, tl.math.exp2(mi - m_new), 0.0)
+        alpha = tl.math.exp2(m - m_new)
+        l = l * alpha + tl.sum(w * li, 0)
+        acc = acc * alpha + tl.sum(w[:, None] * ai, 0)
+        m = m_new
+        i = c0 + BLOCK_I + ar  # the next chunk (masked off past the count: no traffic)
+        mi = tl.load(AML + (hr * K + i) * 2, mask=i < used, other=NEG_BIG)
+        li = tl.load(AML + (hr * K + i) * 2 + 1, mask=i < used, other=0.0)
+        ai = tl.load(AACC + (hr * K + i)[:, None] * D + offs_d[None, :], mask=(i < used)[:, None], other=0.0)
+    out = tl.where(l > 0, acc / tl.where(l > 0, l, 1.0), 0.0)
+    tl.store(OUT + h * so_h + g * so_g + t * so_t + offs_d, out.to(OUT.dtype.element_ty))
+
+
+# ---------------------------------------------------------------------------------------------
 # Launch configuration and workspaces (host ints from shapes only)
 
 
@@ -622,6 +767,10 @@ class PsaConfig:
     pos_block: int = 1024  # stop: plan slots per store
     stop_warps: int = 4
     stop_parts: int = 16  # stop: programs per row sharing the plan row's stores
+    attend: bool = True  # the plan's attention when the caller asks (`attend_scale`) and it pays; False: never
+    attend_tokens: int = 4096  # ... it pays while the candidates hold at most this many tokens per row (module doc)
+    attend_block: int = 64  # attend: kept blocks per merge chunk
+    attend_warps: int = 4
     x_budget: int = 1 << 22  # most criticality floats in the workspace: T is planned in chunks beyond it
 
 
@@ -661,9 +810,9 @@ def unsupported(q: torch.Tensor, meta: torch.Tensor, block_size: int) -> list[st
 _TL_DTYPES = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
 
 
-def _carve(get, device: torch.device, dtype: torch.dtype, **sizes: int) -> dict[str, torch.Tensor]:
+def _carve(get, device: torch.device, dtype: torch.dtype, tag: str = "psa", **sizes: int) -> dict[str, torch.Tensor]:
     """Consecutive views of one grow-only workspace buffer (`Workspaces.get`), one per named size."""
-    buf = get(device, "psa", sum(sizes.values()), dtype)
+    buf = get(device, tag, sum(sizes.values()), dtype)
     out, at = {}, 0
     for name, size in sizes.items():
         out[name] = buf[at:at + size]
@@ -690,10 +839,18 @@ def progressive_plan(
     max_blocks: int,
     criticality: str = "cuboid",
     cfg: PsaConfig | None = None,
+    ctx_v: torch.Tensor | None = None,  # [KVH, N, D]: with loc_v and attend_scale, the plan's attention too
+    loc_v: torch.Tensor | None = None,  # [KVH, M, D]
+    attend_scale: float | None = None,
 ) -> ProgressivePlan:
     """`indexer.psa.progressive_plan` in four launches per chunk of query tokens (one chunk unless
     T is large); same arguments (no `score_all`: the fused plan never scores every key), same
-    result (module docstring: what may differ). No host sync; allocates only the outputs."""
+    result (module docstring: what may differ). No host sync; allocates only the outputs.
+
+    With `attend_scale` (and the values), a one-token plan also attends: `out` is the attention of q
+    over the frame and the plan's positions at that scale (`attends`: when it can), as the triton
+    attention backend would compute it over the returned plan, from the scores the sums already take
+    (module docstring, "The plan's attention"); one launch more, and no split/merge launches after."""
     cfg = cfg or DEFAULT_CONFIG
     dev = q.device
     kvh, g, t, d = q.shape
@@ -733,6 +890,17 @@ def progressive_plan(
     wi = _carve(_WORKSPACES.get, dev, torch.int32, scr=rows * scr_row, cand=rows * bm, ckey=rows * bm,
                 sid=rows * bm, ncand=rows)
     x, ps, smx, ssm, dmx, dsm = (wf[k] for k in ("x", "ps", "smx", "ssm", "dmx", "dsm"))
+    attend = attend_scale is not None and attends(q, ctx_v, loc_v, bm, bs, cfg)
+    if attend:  # the candidates' and the dense part's partial attention (t == 1: one chunk of rows)
+        wa = _carve(_WORKSPACES.get, dev, torch.float32, tag="psa_attend", aacc=rows * g * bm * d,
+                    aml=rows * g * bm * 2, dacc=rows * g * d, dml=rows * g * 2)
+        aacc, aml, dacc, dml = (wa[k] for k in ("aacc", "aml", "dacc", "dml"))
+        out = torch.empty_like(q)
+    else:
+        aacc = aml = dacc = dml = x  # never read (ATTEND off)
+        out = None
+    cv = _rows_contiguous(ctx_v) if attend else ctx_k
+    lv = _rows_contiguous(loc_v) if attend else loc_k
     scr, cand, ckey, sid, ncand = (wi[k] for k in ("scr", "cand", "ckey", "sid", "ncand"))
 
     on_gpu = dev.type == "cuda"
@@ -770,12 +938,13 @@ def progressive_plan(
             IN_REGS=in_regs, PRECISE=precise, PDL=bool(pdl), **pdl, num_warps=cfg.select_warps,
         )
         _sums_kernel[(n_st + 1, r)](
-            qc, ctx_k, loc_k, pc, cand, ckey, ncand, sid, smx, ssm, dmx, dsm,
+            qc, ctx_k, loc_k, pc, cand, ckey, ncand, sid, smx, ssm, dmx, dsm, cv, lv, aacc, aml, dacc, dml,
             qc.stride(0), qc.stride(1), qc.stride(2), ctx_k.stride(0), ctx_k.stride(1),
-            loc_k.stride(0), loc_k.stride(1),
+            loc_k.stride(0), loc_k.stride(1), cv.stride(0), cv.stride(1), lv.stride(0), lv.stride(1),
             tcc, n, loc_k.shape[1], nb, bm, s_end, window, n_sb, first_w0, f, bs, n_st, float(d ** -0.5),
+            float(attend_scale or 1.0) * LOG2E,
             G=g, G_PAD=g_pad, D=d, BS_PAD=bs_pad, SLOTS=slots, BLOCK_R=min(cfg.rank_block, max(16, _pow2(bm))),
-            BLOCK_N=cfg.dense_block, LOGIT_DT=logit_dt, DOT_FP32=dot_fp32, PRECISE=precise,
+            BLOCK_N=cfg.dense_block, LOGIT_DT=logit_dt, DOT_FP32=dot_fp32, PRECISE=precise, ATTEND=attend,
             PDL=bool(pdl), **pdl, num_warps=cfg.sums_warps,
         )
         pos_c, rk_c = positions[:, t0:t1], ranked[:, t0:t1]
@@ -789,7 +958,29 @@ def progressive_plan(
             G=g, G_PAD=_pow2(g), BLOCK=min(cfg.scan_block, max(16, _pow2(bm))), BLOCK_P=cfg.pos_block,
             EXACT=eps >= 1.0, PRECISE=precise, PDL=bool(pdl), **pdl, num_warps=cfg.stop_warps,
         )
-    return ProgressivePlan(positions, counts[0], ranked, counts[1], mass, capped.view(torch.bool), lengths)
+        if attend:
+            _attend_kernel[(r, g)](
+                aacc, aml, dacc, dml, us_c, out,
+                us_c.stride(0), us_c.stride(1), out.stride(0), out.stride(1), out.stride(2),
+                tcc, bm,
+                G=g, D=d, BLOCK_I=_pow2(min(cfg.attend_block, bm)), PDL=bool(pdl), **pdl,
+                num_warps=cfg.attend_warps,
+            )
+    return ProgressivePlan(positions, counts[0], ranked, counts[1], mass, capped.view(torch.bool), lengths, out)
 
 
-__all__ = ["DEFAULT_CONFIG", "PsaConfig", "clear_workspace", "progressive_plan", "unsupported"]
+def attends(q: torch.Tensor, ctx_v: torch.Tensor | None, loc_v: torch.Tensor | None, max_blocks: int,
+            block_size: int, cfg: PsaConfig | None = None) -> bool:
+    """Whether `progressive_plan(attend_scale=...)` computes the plan's attention: `PsaConfig.attend`
+    on, at most `attend_tokens` candidate tokens per row (B_max · block size: the values it reads
+    whether the stop keeps them or not; module docstring), blocks of >= 16 tokens (a block's P·V is a
+    tl.dot over them), one query token (a decode step; a question chunk's candidates' values would be
+    read per token), values in the query's dtype on its device."""
+    cfg = cfg or DEFAULT_CONFIG
+    return (cfg.attend and max_blocks * block_size <= cfg.attend_tokens and block_size >= 16 and q.shape[2] == 1
+            and ctx_v is not None and loc_v is not None
+            and ctx_v.dtype == q.dtype and loc_v.dtype == q.dtype and ctx_v.device == q.device
+            and loc_v.device == q.device)
+
+
+__all__ = ["DEFAULT_CONFIG", "PsaConfig", "attends", "clear_workspace", "progressive_plan", "unsupported"]
