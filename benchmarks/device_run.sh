@@ -7,7 +7,8 @@
 #                    carry=[".whl", ".old"])
 #   stages: tests | kerneltests | decode | decodecold | decode512 | before_after | kernels | e2e32 | e2e128 |
 #           e2e128rest | e2eprof | e2elayer | attntests | decodeab | psaab | latency | ncu | psasweep | pdlab | e2enow |
-#           offload | psa32sweep | offloadfit | ivfsweep | ivfcpp | cslfsweep | ivfsel | ivfeager | ivfsample | ncusel | psaemit | psafuse | psastop | rtrip | rerankreg | rerank96 | e2ectkvr | ncuivf | verify | repro | e2eh200 | pushab | decode512h200 | s14ab | s14e2e | s14final | s14frame | s14tests | s14lfpse2e | s15ivf | s15ivf2 | s15dot | s15final | s15rerank | s16ahead | s16overlap | s16more | s16tests | s16early | s17ahead | s17pipe | s17offload | s17reads | s17fuse | s18pages | s18offprof | s18offab | s18numa | s18staged | s18prio | s18stprof | s18frame | s19tests | s19granule | s19cached | s19overlap | s19sweep | s19gen | s20quick | s20cache | s20more | s20staged | s20tests | s21prof | s21l2 | s21split | s21ahead | s21gemv | s21decode | s21wide | saapwide | s22saap | s22wide1 | s22wide8 | s22tests | s22ncu | s22repeat | s22split8 | s23ncu | s23knobs | s23splits | s23onetok | s23ab | s23dense | s23e2e
+#           offload | psa32sweep | offloadfit | ivfsweep | ivfcpp | cslfsweep | ivfsel | ivfeager | ivfsample | ncusel | psaemit | psafuse | psastop | rtrip | rerankreg | rerank96 | e2ectkvr | ncuivf | verify | repro | e2eh200 | pushab | decode512h200 | s14ab | s14e2e | s14final | s14frame | s14tests | s14lfpse2e | s15ivf | s15ivf2 | s15dot | s15final | s15rerank | s16ahead | s16overlap | s16more | s16tests | s16early | s17ahead | s17pipe | s17offload | s17reads | s17fuse | s18pages | s18offprof | s18offab | s18numa | s18staged | s18prio | s18stprof | s18frame | s19tests | s19granule | s19cached | s19overlap | s19sweep | s19gen | s20quick | s20cache | s20more | s20staged | s20tests | s21prof | s21l2 | s21split | s21ahead | s21gemv | s21decode | s21wide | saapwide | s22saap | s22wide1 | s22wide8 | s22tests | s22ncu | s22repeat | s22split8 | s23ncu | s23knobs | s23splits | s23onetok | s23ab | s23dense | s23e2e |
+#           s24attend | s24variants | s24regs | s24final | s24tests | s24stop
 #   (default: tests decode before_after)
 #   .old = the tree before the plan/run redesign (`git archive <commit> decoder indexer storage`), for
 #   the before/after decode comparison.
@@ -654,8 +655,8 @@ for stage in $stages; do
         --offload-batches 8 --offload-methods ctkvr csattn --offload-contexts copies \
         --offload-plan-ahead off-cached staged --plan-overlap 0.69 0 --eager-tokens 0 --hf-tokens 0 --tokens 8 \
         --budget-s 420 --check-prefill 0 --out "$OUT/staged" 2>&1 | tee "$OUT/gpu_e2e_staged.log" | grep "^| \|rror" ;;
-    s20tests|s22tests|s23tests)  # sessions 20 and 22, the final tree: every GPU-marked test, then the kernel files' CPU-shaped
-      # tests compiled
+    s20tests|s22tests|s23tests|s24tests)  # sessions 20-24, the final tree: every GPU-marked test, then the kernel
+      # files' CPU-shaped tests compiled
       python3 -m pytest -q -p no:cacheprovider -m gpu -o addopts="" \
         tests/test_gpu_decode.py tests/test_triton_attention.py tests/test_backends.py tests/test_pipeline.py \
         tests/test_csattn.py tests/test_saap_device.py tests/test_runner.py tests/test_kernels_*.py \
@@ -718,6 +719,46 @@ for stage in $stages; do
       python3 benchmarks/gpu_e2e.py --lengths 131072 --batches 1 8 --methods full psa@max_ratio=0.05 saap ctkvr \
         --plan-ahead off on --ahead-widen 1.5 --eager-tokens 0 --hf-tokens 0 --tokens 8 --check-prefill 0 \
         --budget-s 330 --out "$OUT/s23e2e" 2>&1 | tee "$OUT/gpu_e2e_s23e2e.log" | grep "^| \|ERROR\|Error" ;;
+    s24attend)  # session 24: psa's plan attends the blocks it keeps (sums + attend kernel, no split / merge launches)
+      # against the plan run by the attention kernel (attend=0), and the sums kernel at 8 warps; 32K and 128K, B = 1, 8
+      P=psa@max_ratio=0.05
+      python3 benchmarks/gpu_decode.py --lengths 32768 131072 --batches 1 8 --profile --backends triton \
+        --methods $P:attend=0 $P $P:sums_warps=8 $P:attend=0 $P --out "$OUT/s24attend" 2>&1 \
+        | tee "$OUT/gpu_decode_s24attend.log" | grep -E "graph|Error|error" ;;
+    s24variants)  # session 24: the attending sums kernel's variants (per-slot 2-D dots, V loaded after the scores,
+      # 2 blocks per program) and the attend kernel's chunk, against attend=0; 32K and 128K, B = 1 and 8 (the
+      # attend_batched / attend_late_v knobs were removed with the losing variants: this stage documents that run)
+      P=psa@max_ratio=0.05
+      python3 benchmarks/gpu_decode.py --lengths 32768 131072 --batches 1 8 --profile --backends triton \
+        --methods $P:attend=0 $P $P:attend_batched=0 $P:attend_late_v=1 $P:attend_batched=0,attend_late_v=1 \
+        $P:tile_tokens=64 $P:attend_block=128,attend_warps=8 --out "$OUT/s24variants" 2>&1 \
+        | tee "$OUT/gpu_decode_s24variants.log" | grep -E "graph|Error|error" ;;
+    s24regs)  # session 24: the attending sums kernel in one wave at 128K (4 programs per SM: <= 128 registers; the
+      # sums_maxnreg / attend_late_v knobs were removed after this run)
+      P=psa@max_ratio=0.05
+      python3 benchmarks/gpu_decode.py --lengths 32768 131072 --batches 1 8 --profile --backends triton \
+        --methods $P:attend=0 $P:sums_maxnreg=128 $P:attend_late_v=1,sums_maxnreg=128 $P:sums_maxnreg=96 \
+        $P:attend_late_v=1,sums_maxnreg=96 $P:tile_tokens=64,sums_maxnreg=96 --out "$OUT/s24regs" 2>&1 \
+        | tee "$OUT/gpu_decode_s24regs.log" | grep -E "graph|Error|error" ;;
+    s24final)  # session 24, the final tree: psa attending its plan where it pays (B = 1, <= 2,048 candidate tokens per
+      # row: 32K at rho 5%) against the triton backend running the plan (take_attended=0), 32K / 64K / 128K, B = 1 and 8;
+      # forced to attend everywhere (attend_tokens) to check the bound; then psa at 32K end to end, B = 1
+      P=psa@max_ratio=0.05
+      python3 benchmarks/gpu_decode.py --lengths 32768 65536 131072 --batches 1 8 --profile \
+        --backends triton:take_attended=0 triton --methods $P $P:attend_tokens=1000000 streaming \
+        --out "$OUT/s24final_decode" 2>&1 | tee "$OUT/gpu_decode_s24final.log" | grep -E "graph|Error|error"
+      python3 benchmarks/gpu_e2e.py --lengths 32768 --batches 1 --methods full $P \
+        --backends triton:take_attended=0 triton --tokens 8 --eager-tokens 0 --hf-tokens 0 --check-prefill 0 \
+        --budget-s 200 --out "$OUT/s24final_e2e" 2>&1 | tee "$OUT/gpu_e2e_s24final.log" | grep "^| \|ERROR\|Error" ;;
+    s24stop)  # session 24: the plan's attention merged in the stop kernel (no attend launch; rejected, the tree has no
+      # such variant now), B = 1, 32K and 64K, against the triton backend running the plan (take_attended=0); then
+      # psa's kernel tests on the GPU
+      P=psa@max_ratio=0.05
+      python3 benchmarks/gpu_decode.py --lengths 32768 65536 --batches 1 --profile \
+        --backends triton:take_attended=0 triton --methods $P --out "$OUT/s24stop" 2>&1 \
+        | tee "$OUT/gpu_decode_s24stop.log" | grep -E "graph|Error|error"
+      python3 -m pytest -q -p no:cacheprovider -o addopts="" tests/test_kernels_psa.py 2>&1 \
+        | tee "$OUT/gpu_psa_kernel_tests_s24stop.log" | tail -2 ;;
     *) echo "unknown stage $stage" ;;
   esac
 done
