@@ -139,7 +139,8 @@ Checked without a GPU (Triton 3.6, ahead-of-time compile for sm_90 at the shape 
 16-divisibility of pointers and strides, default knobs): no register spills; registers per thread:
 crit 124 (cuboid) / 116 (center) / 80 (mean) with 4 warps, select 128 (8 warps, block 4096), sums
 96 (4 warps, 37 KB shared memory), stop 128 (4 warps); fp32 q/K and metadata (ieee dots) compile
-too (crit 166, sums 124).
+too (crit 166, sums 124). Attending (`benchmarks/aot_sass.py step`, session 24): sums 190 registers
+at 128K / 168 at 32K (72 KB shared memory), attend 116, no spills.
 
 Workspaces: one float32 and one int32 buffer per device and stream (grow-only, `Workspaces`):
 X, PS, the per-candidate sums, the select scratch (keys + ping/pong), candidates, ranks' output.
