@@ -33,7 +33,7 @@ ivf = pytest.importorskip("indexer.kernels.ivf", reason="triton is not installed
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-TINY = ivf.IvfConfig(block_c=16, block_u=16, chunks_per_prog=2, select_block=16, mass_block=16, select_warps=4,
+TINY = ivf.IvfConfig(block_c=16, block_u=16, chunks_per_prog=2, select_block=16, select_warps=4,
                      eager_rows=False, probe_one_load=False)
 # the default loads K rows before the dedup answers, TINY after; the default probe loads every head's
 # centroid rows at once, TINY one head at a time
@@ -303,8 +303,8 @@ def test_select_kernel_ties_take_the_lowest_slots(kp, rho, search):
     d = lambda x: x.to(DEVICE)  # noqa: E731
     t = 1  # every row is a last token's row (T = 1: one row per KV head)
     args = [d(logits), d(pos), d(ml), d(scr), d(out), d(push)]
-    cfg = ivf.IvfConfig(select_block=block, mass_block=block, select_warps=4, sample_select=search == "sampled")
-    ivf.select_launch(*args, None, t=t, u=u, n_parts=1, kp=kp, rho=rho, g=g, pb=1, cfg=cfg, block_s=32)
+    ivf._select_kernel[(rows, 2)](*args, args[1], t, u, 1, kp, rho, 3 * u, 1, G=g, G_PAD=g, BLOCK=block, BLOCK_S=32,
+                                  HAS_PUSH=True, PRECISE=DEVICE == "cuda", SAMPLE=search == "sampled", num_warps=4)
     out, push = args[4].cpu(), args[5].cpu()
     for r in range(rows):
         ranked = sorted((int(cls[r, i]), i) for i in range(u) if pos[r, i] >= 0)  # class asc = mass desc, slot asc

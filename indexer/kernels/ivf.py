@@ -791,105 +791,102 @@ def _rerank_kernel(
 
 
 @triton.jit
-def _chunk_keys(WS_S, WS_POS, WS_ML, row, r, U, c0, n_parts, BITMAP, NW, RHO, G: tl.constexpr, G_PAD: tl.constexpr,
-                BLOCK: tl.constexpr, BLOCK_S: tl.constexpr, PRECISE: tl.constexpr, DEDUP: tl.constexpr = False,
-                PB: tl.constexpr = 1):
-    """Row r's int keys of slots [c0, c0 + BLOCK) -> row[c0 : c0 + BLOCK] (group mass as float bits
-    + 1, 0 = not a candidate: DEDUP, also a CTkvr slot whose position a lower probe rank holds,
-    `_survivors`); returns how many of them are valid. Every program of a row computes the row's lse
-    from the parts itself: the same loads and the same order, so the same bits in each."""
-    ar_g = tl.arange(0, G_PAD)
-    ok_g = (ar_g < G)[None, :]
-    u = c0 + tl.arange(0, BLOCK)
-    inn = u < U
-    pos = tl.load(WS_POS + r * U + u, mask=inn, other=-1)  # in flight while the lse is combined
-    lg = tl.load(WS_S + (r * U + u[:, None]) * G + ar_g[None, :], mask=inn[:, None] & ok_g, other=float("-inf"))
+def _row_keys(WS_S, WS_POS, WS_ML, row, r, U, n_parts, BITMAP, NW, RHO, G: tl.constexpr, G_PAD: tl.constexpr,
+              BLOCK: tl.constexpr, BLOCK_S: tl.constexpr, PRECISE: tl.constexpr, SAMPLE: tl.constexpr = False,
+              DEDUP: tl.constexpr = False, PB: tl.constexpr = 1):
+    """Row r's int keys -> row[0:U] (group mass as float bits + 1, 0 = not a candidate: DEDUP, also
+    a CTkvr slot whose position a lower probe rank holds, `_survivors`), and a lower
+    bound > 0 of the valid keys, their count and an upper bound (exclusive) of all keys. Without
+    SAMPLE, or when the row fits one block, the bounds are the smallest valid key and the max + 1,
+    from a second pass over the stored keys (which every thread reads alike: a thread's own copy of
+    a replicated float result may differ in the last bit, indexer/kernels/psa.py, _select_kernel);
+    with SAMPLE and more keys than a block they are 1 and KEY_INF + 1 (the search's sample bracket
+    finds the range) and the count is taken in the mass pass (validity does not depend on rounding).
+    Counts and extremes accumulate per element over the chunks and reduce once."""
     lse = _lse_parts(WS_ML + r * n_parts * G_PAD * 2, n_parts, G, G_PAD, BLOCK_S, PRECISE)
-    lse_k = tl.where(ar_g < G, lse, 0.0)  # padded heads (-inf): masked after, without inf - inf
-    if DEDUP:
-        pos = tl.where(_survivors(BITMAP, NW, r, pos, u, RHO, PB), pos, -1)
-    mass = tl.sum(tl.where(ok_g, _exp(lg - lse_k[None, :], PRECISE), 0.0), 1)
-    valid = (pos >= 0) & (mass == mass) & inn
-    key = tl.where(valid, tl.minimum(mass.to(tl.int32, bitcast=True) + 1, KEY_INF), 0)
-    tl.store(row + u, key, mask=inn)
-    return tl.sum(valid.to(tl.int32), 0)
-
-
-@triton.jit
-def _row_bounds(row, U, BLOCK: tl.constexpr):
-    """The smallest valid key (> 0), the count of valid keys and the largest key + 1 of row[0:U], from a
-    pass over the stored keys (which every thread reads alike: a thread's own copy of a replicated
-    float result may differ in the last bit, indexer/kernels/psa.py, _select_kernel). Counts and
-    extremes accumulate per element over the chunks and reduce once."""
+    ar_g = tl.arange(0, G_PAD)
     ar = tl.arange(0, BLOCK)
-    k_max = tl.zeros([BLOCK], tl.int32)
-    k_min = tl.full([BLOCK], INT_MAX, tl.int32)
+    pos_row = WS_POS + r * U
     n_ok = tl.zeros([BLOCK], tl.int32)
+    ok_g = (ar_g < G)[None, :]
+    lse_k = tl.where(ar_g < G, lse, 0.0)  # padded heads (-inf): masked after, without inf - inf
+    s_row = WS_S + r * U * G
+    pos_nx = tl.load(pos_row + ar, mask=ar < U, other=-1)
+    lg_nx = tl.load(s_row + ar[:, None] * G + ar_g[None, :], mask=(ar < U)[:, None] & ok_g, other=float("-inf"))
     for c0 in range(0, U, BLOCK):
         u = c0 + ar
-        key = tl.load(row + u, mask=u < U, other=0)
-        k_max = tl.maximum(k_max, key)
-        k_min = tl.minimum(k_min, tl.where(key > 0, key, INT_MAX))
-        n_ok += (key > 0).to(tl.int32)
-    return tl.min(k_min, 0), tl.sum(n_ok, 0), tl.max(k_max, 0) + 1
+        inn = u < U
+        pos = pos_nx
+        lg = lg_nx
+        if DEDUP:  # (its map word's load in flight with the next chunk's and the masses)
+            pos = tl.where(_survivors(BITMAP, NW, r, pos, u, RHO, PB), pos, -1)
+        nx = u + BLOCK  # the next chunk's loads in flight while this one is computed
+        pos_nx = tl.load(pos_row + nx, mask=nx < U, other=-1)
+        lg_nx = tl.load(s_row + nx[:, None] * G + ar_g[None, :], mask=(nx < U)[:, None] & ok_g, other=float("-inf"))
+        mass = tl.sum(tl.where(ok_g, _exp(lg - lse_k[None, :], PRECISE), 0.0), 1)
+        valid = (pos >= 0) & (mass == mass)
+        key = tl.where(valid, tl.minimum(mass.to(tl.int32, bitcast=True) + 1, KEY_INF), 0)
+        tl.store(row + u, key, mask=inn)
+        n_ok += (valid & inn).to(tl.int32)
+    tl.debug_barrier()
+    if SAMPLE & (U > BLOCK):
+        key_min = U * 0 + 1
+        n_valid = tl.sum(n_ok, 0)
+        key_hi = U * 0 + KEY_INF + 1
+    else:
+        k_max = tl.zeros([BLOCK], tl.int32)
+        k_min = tl.full([BLOCK], INT_MAX, tl.int32)
+        n_ok = tl.zeros([BLOCK], tl.int32)
+        for c0 in range(0, U, BLOCK):
+            u = c0 + ar
+            key = tl.load(row + u, mask=u < U, other=0)
+            k_max = tl.maximum(k_max, key)
+            k_min = tl.minimum(k_min, tl.where(key > 0, key, INT_MAX))
+            n_ok += (key > 0).to(tl.int32)
+        key_min = tl.min(k_min, 0)
+        n_valid = tl.sum(n_ok, 0)
+        key_hi = tl.max(k_max, 0) + 1
+    return key_min, n_valid, key_hi
 
 
-@triton.jit(do_not_specialize=["T", "U", "n_parts", "KP", "RHO", "scr_row", "NW", "n_chunks"])
+@triton.jit(do_not_specialize=["T", "U", "n_parts", "KP", "RHO", "scr_row", "NW"])
 def _select_kernel(
-    WS_S, WS_POS, WS_ML, SCR, OUT, PUSH, BITMAP, TICKETS,
-    T, U, n_parts, KP, RHO, scr_row, NW, n_chunks,
-    G: tl.constexpr, G_PAD: tl.constexpr, BLOCK: tl.constexpr, MASS_BLOCK: tl.constexpr, BLOCK_S: tl.constexpr,
+    WS_S, WS_POS, WS_ML, SCR, OUT, PUSH, BITMAP,
+    T, U, n_parts, KP, RHO, scr_row, NW,
+    G: tl.constexpr, G_PAD: tl.constexpr, BLOCK: tl.constexpr, BLOCK_S: tl.constexpr,
     HAS_PUSH: tl.constexpr, PRECISE: tl.constexpr, SAMPLE: tl.constexpr = False,
     DEDUP: tl.constexpr = False, PB: tl.constexpr = 1,
 ):
-    """Grid (rows, 1 + HAS_PUSH, n_chunks = ceil(U / MASS_BLOCK)). A selection is a row's top-KP ->
-    OUT [rows, KP], and on the last token's rows (HAS_PUSH) also its top-RHO -> PUSH [KVH, RHO]: two
-    selections over the same keys, each by its own set of programs (w = 0 the push on such a row,
-    else the plan; w = 1 the plan of a push row, nothing on another row). Program (r, w, c) computes
-    the keys of the selection's chunk c (`_chunk_keys`: lse per head over the parts, mass of each
-    slot = sum over heads of exp(logit - lse), candidate_mass) into the selection's scratch row
-    ([keys U | ping U | pong U]), then takes the selection's ticket (one int64 per selection: chunks
-    done in the low word, valid keys in the high one; acq_rel after a CTA barrier, so every chunk's
-    stores are visible to whoever takes the last ticket). The program that takes the last ticket
-    searches the threshold over the stored keys and writes the selection (`_select_sampled`, or
-    `_top_threshold` + `_emit`), and puts the ticket back to 0 for the next launch. No program waits
-    for another, so no grid size or schedule can deadlock; the selection is a function of the keys,
-    whichever program comes last. The mass pass was one program per selection before (10,240 slots
-    at the 8B shape); split over the chunks it runs in parallel and only the search stays serial."""
+    """Grid (rows, 1 + HAS_PUSH). Per row: lse per head over the parts (candidates + frame), mass of
+    each slot = sum over heads of exp(logit - lse) (candidate_mass) as an int key (float bits + 1;
+    0 = not a candidate), the top-KP -> OUT [rows, KP]; on the last token's rows (HAS_PUSH) also the
+    top-RHO -> PUSH [KVH, RHO]. A push row's two sets are two programs, each over all of the row's
+    keys (program 0 the push, 1 the plan; program 1 of another row has nothing to do): the mass
+    arithmetic twice, in parallel, instead of the smaller set selected inside the larger one after
+    it (52 -> 35 us at the 8B shape, H100; benchmarks/RESULTS.md). SCR row per program: [keys U |
+    ping U | pong U]."""
     r = tl.program_id(0).to(tl.int64)
     w = tl.program_id(1)
-    c = tl.program_id(2)
     h = r // T
     t = r % T
     push_row = False
     if HAS_PUSH:
         push_row = t == T - 1
     if (w == 0) | push_row:
-        sel = r * tl.num_programs(1) + w
-        row = SCR + sel * scr_row
-        n_ok = _chunk_keys(WS_S, WS_POS, WS_ML, row, r, U, c * MASS_BLOCK, n_parts, BITMAP, NW, RHO, G, G_PAD,
-                           MASS_BLOCK, BLOCK_S, PRECISE, DEDUP, PB)
-        tl.debug_barrier()  # every thread's key stores before the ticket (taken by one thread, acq_rel)
-        old = tl.atomic_add(TICKETS + sel, (n_ok.to(tl.int64) << 32) + 1, sem="acq_rel")
-        if (old & 0xFFFFFFFF) == n_chunks - 1:  # the last chunk done: every key of the row is stored
-            tl.store(TICKETS + sel, old * 0)
-            if push_row & (w == 0):
-                k = RHO
-                out = PUSH + h * RHO
-            else:
-                k = KP
-                out = OUT + r * KP
-            if SAMPLE & (U > BLOCK):  # the search's sample bracket finds the range
-                key_min = U * 0 + 1
-                n_valid = ((old >> 32) + n_ok).to(tl.int32)
-                key_hi = U * 0 + KEY_INF + 1
-            else:
-                key_min, n_valid, key_hi = _row_bounds(row, U, BLOCK)
-            if SAMPLE:
-                _select_sampled(row, WS_POS + r * U, U, k, key_min, n_valid, key_hi, out, BLOCK)
-            else:
-                thr, take = _top_threshold(row, U, k, key_min, n_valid, key_hi, BLOCK)
-                _emit(row, WS_POS + r * U, U, thr, take, k, out, BLOCK)
+        row = SCR + (r * tl.num_programs(1) + w) * scr_row
+        key_min, n_valid, key_hi = _row_keys(WS_S, WS_POS, WS_ML, row, r, U, n_parts, BITMAP, NW, RHO, G, G_PAD,
+                                             BLOCK, BLOCK_S, PRECISE, SAMPLE, DEDUP, PB)
+        if push_row & (w == 0):
+            k = RHO
+            out = PUSH + h * RHO
+        else:
+            k = KP
+            out = OUT + r * KP
+        if SAMPLE:
+            _select_sampled(row, WS_POS + r * U, U, k, key_min, n_valid, key_hi, out, BLOCK)
+        else:
+            thr, take = _top_threshold(row, U, k, key_min, n_valid, key_hi, BLOCK)
+            _emit(row, WS_POS + r * U, U, thr, take, k, out, BLOCK)
 
 
 @triton.jit
@@ -1013,8 +1010,7 @@ class IvfConfig:
     block_c: int = 32  # probe: entries per program (64 -> 32: probe 18.2 -> 13.4 us at 128K, H100; RESULTS.md)
     block_u: int = 64  # rerank: candidate slots per chunk
     chunks_per_prog: int = 2  # rerank: chunks per program (1 -> 2: ctkvr's rerank 32.0 -> 27.4 µs, H100; RESULTS.md)
-    select_block: int = 2048  # select: keys per chunk of the threshold search (capped at next_pow2(U))
-    mass_block: int = 1024  # select: keys per program of the mass pass (capped at next_pow2(U))
+    select_block: int = 2048  # select: keys per chunk (capped at next_pow2(U))
     probe_warps: int = 4
     probe_one_load: bool = True  # probe: every head's centroid rows in one load (False: one head at a time;
     # probe 14.1-14.8 -> 9.0-11.4 us at 128K, H200; RESULTS.md)
@@ -1089,10 +1085,6 @@ def _select_block(u: int, cfg: IvfConfig) -> int:
     return max(16, min(cfg.select_block, triton.next_power_of_2(max(u, 1))))
 
 
-def _mass_block(u: int, cfg: IvfConfig) -> int:
-    return max(16, min(cfg.mass_block, triton.next_power_of_2(max(u, 1))))
-
-
 def _parts_block(n_parts: int) -> int:
     """Softmax-state parts combined per step by `_lse_parts` (one step for up to 512 parts)."""
     return max(16, min(512, triton.next_power_of_2(n_parts)))
@@ -1135,30 +1127,15 @@ def _rerank_and_select(q, kv, *, rows: int, u: int, sink: int, window: int, kp: 
         EAGER_ROWS=cfg.eager_rows and dedup, num_warps=cfg.rerank_warps,
         **({"maxnreg": cfg.rerank_maxnreg} if cfg.rerank_maxnreg and q.device.type == "cuda" else {}),
     )
-    select_launch(wf["s"], wi["pos"], wf["ml"], wi["scr"], out, push, bitmap, t=t, u=u, n_parts=n_parts, kp=kp,
-                  rho=rho, g=g, pb=p_pad, cfg=cfg)
-    return out
-
-
-def select_launch(ws_s, ws_pos, ws_ml, scr, out, push, bitmap, *, t: int, u: int, n_parts: int, kp: int, rho: int,
-                  g: int, pb: int, cfg: IvfConfig, block_s: int | None = None) -> None:
-    """Kernel 3 (`_select_kernel`) over the rerank's outputs (logits [rows, U, G], positions [rows, U],
-    softmax parts [rows, n_parts, G_PAD, 2]): the plan -> out [rows, kp], and with `push` the FIFO push
-    of the last token's rows -> push [KVH, rho]. scr: (1 + has push) x 3·U int32 per row; bitmap:
-    CTkvr's dedup map [rows, NW] with pb bits per position (its P_PAD), or None (kivf)."""
-    rows = ws_pos.numel() // u
-    n_sel = 2 if push is not None else 1  # selections per row (program sets)
-    mass_block = _mass_block(u, cfg)
-    n_chunks = _cdiv(u, mass_block)
-    tickets = _workspace(ws_pos.device, torch.int64, rows * n_sel, "select-ticket", zero=True)  # self-resetting
-    dedup = bitmap is not None
-    _select_kernel[(rows, n_sel, n_chunks)](
-        ws_s, ws_pos, ws_ml, scr, out, push if push is not None else out, bitmap if dedup else ws_pos, tickets,
-        t, u, n_parts, kp, rho, 3 * u, bitmap.shape[-1] if dedup else 1, n_chunks,
-        G=g, G_PAD=triton.next_power_of_2(g), BLOCK=_select_block(u, cfg), MASS_BLOCK=mass_block,
-        BLOCK_S=block_s or _parts_block(n_parts), HAS_PUSH=push is not None, PRECISE=_precise(),
-        SAMPLE=cfg.sample_select, DEDUP=dedup, PB=pb if dedup else 1, num_warps=cfg.select_warps,
+    _select_kernel[(rows, n_sel)](
+        wf["s"], wi["pos"], wf["ml"], wi["scr"], out, push if push is not None else out,
+        bitmap if bitmap is not None else placeholder,
+        t, u, n_parts, kp, rho, scr_row, bitmap.shape[-1] if bitmap is not None else 1,
+        G=g, G_PAD=g_pad, BLOCK=_select_block(u, cfg), BLOCK_S=_parts_block(n_parts), HAS_PUSH=push is not None,
+        PRECISE=_precise(), SAMPLE=cfg.sample_select, DEDUP=dedup, PB=p_pad if dedup else 1,
+        num_warps=cfg.select_warps,
     )
+    return out
 
 
 def _src_strides(source: int, src: tuple) -> tuple:
