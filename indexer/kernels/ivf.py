@@ -148,7 +148,6 @@ import triton.language as tl
 from triton.language.extra import libdevice
 
 from indexer.kernels import Workspaces, interpreted  # also makes Triton 3.6's interpreter work with NumPy 2.4
-from indexer.kernels.pdl import pdl_begin, pdl_launch
 
 NEG_BIG: tl.constexpr = tl.constexpr(-1.0e30)  # initial running max: finite, so exp(m_old - m_new) is never nan
 INT_MAX: tl.constexpr = tl.constexpr(2147483647)
@@ -472,9 +471,8 @@ def _ctkvr_probe_kernel(
     T, C, F, n_blocks, NW, words_per_prog,
     G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, BLOCK_C: tl.constexpr, P: tl.constexpr,
     P_PAD: tl.constexpr, HAS_FIFO: tl.constexpr, DEDUP: tl.constexpr, BLOCK_Z: tl.constexpr,
-    ONE_LOAD: tl.constexpr = True, PDL: tl.constexpr = False,
+    ONE_LOAD: tl.constexpr = True,
 ):
-    pdl_begin(PDL)
     s = tl.program_id(0)
     r = tl.program_id(1)
     h = (r // T).to(tl.int64)
@@ -673,11 +671,10 @@ def _rerank_kernel(
     G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, BLOCK_U: tl.constexpr,
     P: tl.constexpr, P_PAD: tl.constexpr, BLOCK_T: tl.constexpr, LOG_P: tl.constexpr,
     SOURCE: tl.constexpr, DEDUP: tl.constexpr, HAS_FIFO: tl.constexpr, PRECISE: tl.constexpr,
-    EAGER_ROWS: tl.constexpr = False, PDL: tl.constexpr = False,
+    EAGER_ROWS: tl.constexpr = False,
 ):
     """SOURCE 0 (CTkvr): SRC_A/B = the probe's block bests (values, ids), SRC_C/D = lists / FIFO
     lists. SOURCE 1 (kivf): SRC_A = order, SRC_B = SEL_START, SRC_C = SEL_CUM."""
-    pdl_begin(PDL)
     s = tl.program_id(0)
     r = tl.program_id(1)
     h = (r // T).to(tl.int64)
@@ -858,7 +855,7 @@ def _select_kernel(
     T, U, n_parts, KP, RHO, scr_row, NW,
     G: tl.constexpr, G_PAD: tl.constexpr, BLOCK: tl.constexpr, BLOCK_S: tl.constexpr,
     HAS_PUSH: tl.constexpr, PRECISE: tl.constexpr, SAMPLE: tl.constexpr = False,
-    DEDUP: tl.constexpr = False, PB: tl.constexpr = 1, PDL: tl.constexpr = False,
+    DEDUP: tl.constexpr = False, PB: tl.constexpr = 1,
 ):
     """Grid (rows, 1 + HAS_PUSH). Per row: lse per head over the parts (candidates + frame), mass of
     each slot = sum over heads of exp(logit - lse) (candidate_mass) as an int key (float bits + 1;
@@ -868,7 +865,6 @@ def _select_kernel(
     arithmetic twice, in parallel, instead of the smaller set selected inside the larger one after
     it (52 -> 35 us at the 8B shape, H100; benchmarks/RESULTS.md). SCR row per program: [keys U |
     ping U | pong U]."""
-    pdl_begin(PDL)
     r = tl.program_id(0).to(tl.int64)
     w = tl.program_id(1)
     h = r // T
@@ -1023,8 +1019,6 @@ class IvfConfig:
     # the 8B shape, 3 programs per SM); 96: 5 per SM, rerank 27.5 -> 24.0 us at 128K (H100; RESULTS.md)
     select_warps: int = 8
     eager_rows: bool = True  # rerank: K rows loaded before the dedup atomic answers (rerank 30.1 -> 27.3 us, 128K)
-    pdl: bool = True  # CTkvr's three plan launches with programmatic dependent launch on Hopper and later
-    # (`indexer/kernels/pdl.py`; kivf's never: measured slower on the H100, session 9)
     sample_select: bool = True  # select: `_select_sampled` (27.6 -> 19.5 us at 128K, H100; RESULTS.md); False: plain
 
 
@@ -1113,7 +1107,6 @@ def _rerank_and_select(q, kv, *, rows: int, u: int, sink: int, window: int, kp: 
     n_parts = n_slot + 1
     scr_row = 3 * u
     n_sel = 2 if push is not None else 1  # select programs per row
-    pdl = pdl_launch(dev, cfg.pdl and source == 0)  # CTkvr only: kivf measured slower with it
     f32 = _Carve({"s": rows * g * u})
     i32 = _Carve({"pos": rows * u, "scr": rows * n_sel * scr_row})
     wf = f32.views(_workspace(dev, torch.float32, f32.total, "rerank"))
@@ -1131,7 +1124,7 @@ def _rerank_and_select(q, kv, *, rows: int, u: int, sink: int, window: int, kp: 
         bitmap.shape[-1] if bitmap is not None else 1, n_slot, cfg.chunks_per_prog, float(d ** -0.5),
         G=g, G_PAD=g_pad, D=d, BLOCK_U=cfg.block_u, P=p, P_PAD=p_pad, BLOCK_T=triton.next_power_of_2(max(n_top, 1)),
         LOG_P=log_p, SOURCE=source, DEDUP=dedup, HAS_FIFO=has_fifo, PRECISE=_precise(),
-        EAGER_ROWS=cfg.eager_rows and dedup, PDL=bool(pdl), **pdl, num_warps=cfg.rerank_warps,
+        EAGER_ROWS=cfg.eager_rows and dedup, num_warps=cfg.rerank_warps,
         **({"maxnreg": cfg.rerank_maxnreg} if cfg.rerank_maxnreg and q.device.type == "cuda" else {}),
     )
     _select_kernel[(rows, n_sel)](
@@ -1140,7 +1133,7 @@ def _rerank_and_select(q, kv, *, rows: int, u: int, sink: int, window: int, kp: 
         t, u, n_parts, kp, rho, scr_row, bitmap.shape[-1] if bitmap is not None else 1,
         G=g, G_PAD=g_pad, BLOCK=_select_block(u, cfg), BLOCK_S=_parts_block(n_parts), HAS_PUSH=push is not None,
         PRECISE=_precise(), SAMPLE=cfg.sample_select, DEDUP=dedup, PB=p_pad if dedup else 1,
-        PDL=bool(pdl), **pdl, num_warps=cfg.select_warps,
+        num_warps=cfg.select_warps,
     )
     return out
 
@@ -1205,7 +1198,6 @@ def ctkvr_plan(q: torch.Tensor, kv, cent: torch.Tensor, lists: torch.Tensor, fif
         push, hits = i_out[: kvh * rho], i_out[kvh * rho:]
     else:
         pend_q = push = hits = None
-    pdl = pdl_launch(dev, cfg.pdl)
     _ctkvr_probe_kernel[(n_blocks, rows)](
         q, cent, fcent, fifo.pushes if has_fifo else wi["topi"], topv, wi["topi"],
         pend_q if has_fifo else topv, bitmap,
@@ -1215,7 +1207,7 @@ def ctkvr_plan(q: torch.Tensor, kv, cent: torch.Tensor, lists: torch.Tensor, fif
         *(pend_q.stride()[:2] if has_fifo else (0, 0)),
         t, c, f, n_blocks, nw, words_per_prog,
         G=g, G_PAD=triton.next_power_of_2(g), D=d, BLOCK_C=cfg.block_c, P=p, P_PAD=p_pad, HAS_FIFO=has_fifo,
-        DEDUP=True, BLOCK_Z=256, ONE_LOAD=cfg.probe_one_load, PDL=bool(pdl), **pdl, num_warps=cfg.probe_warps,
+        DEDUP=True, BLOCK_Z=256, ONE_LOAD=cfg.probe_one_load, num_warps=cfg.probe_warps,
     )
     out = _rerank_and_select(
         q, kv, rows=rows, u=u, sink=sink, window=window, kp=kp, rho=rho, source=0,
