@@ -9,6 +9,7 @@ attention split kernel's measured time followed its static count (1,712 instruct
     python benchmarks/aot_sass.py psa_select --set BLOCK=1024   # psa's select at 32K (nb = 1024)
     python benchmarks/aot_sass.py split --out /tmp/split         # also writes split.sass and split.ttgir
     python benchmarks/aot_sass.py step --methods psa ctkvr --n 131072 --json out.json
+    python benchmarks/aot_sass.py step --methods ctkvr ctkvr:group_dot=1   # a kernel knob, as in gpu_decode.py
 
 `split` / `psa_select` compile one kernel at the 8B layer's decode shape (G 4, D 128, bf16, one
 token) with constexprs overridden by --set. `step` records every Triton launch of one fused decode
@@ -141,11 +142,6 @@ def compile_launch(fn, args: tuple, kwargs: dict) -> dict:
         values["CDT"] = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}.get(values["META"].dtype, tl.float32)
     if "PRECISE" in values and fn.__module__.endswith("lfps"):  # lfps: precise exp / log on a GPU
         values["PRECISE"] = True
-    if fn.__name__ == "_rerank_kernel":  # ivf: its register cap is a CUDA launch option
-        from indexer.kernels.ivf import DEFAULT_CONFIG as ivf_cfg
-
-        if ivf_cfg.rerank_maxnreg:
-            opts["maxnreg"] = ivf_cfg.rerank_maxnreg
     sig, const, attrs = {}, {}, {}
     for i, prm in enumerate(fn.params):
         v = values.get(prm.name, prm.default if prm.has_default else None)
@@ -193,7 +189,7 @@ def step_launches(method: str, n: int) -> list[tuple]:
     from indexer.base import PrefillCapture
 
     gd.DEV = "cpu"
-    name, overrides, _ = method_spec(method)
+    name, overrides, knobs = method_spec(method)
     sp1, sp2 = gd.spec(1), gd.spec(2)
     mix = gd.Mixture(sp2, "cpu", seed=0)
     q_all, k_all, v_all = gd.make_inputs(n, mix, seed=n)
@@ -245,12 +241,18 @@ def step_launches(method: str, n: int) -> list[tuple]:
         select.kernel_enabled = lambda score: True
 
         def record(self, *args, grid, warmup, **kwargs):
-            recorded.append((self, args, dict(kwargs)))
+            kwargs = dict(kwargs)
+            ivf = importlib.import_module("indexer.kernels.ivf")
+            if self.__name__ == "_rerank_kernel" and ivf.DEFAULT_CONFIG.rerank_maxnreg:
+                kwargs["maxnreg"] = ivf.DEFAULT_CONFIG.rerank_maxnreg  # a launch option on CUDA tensors only
+            recorded.append((self, args, kwargs))
 
         JITFunction.run = record
+        restore = gd.plan_knobs(name, knobs)  # "ctkvr:group_dot=1": the kernel config's knobs, as gpu_decode.py
         try:
             req.step()
         finally:
+            restore()
             JITFunction.run = real_run
             for mod, attr, orig in patched:
                 setattr(mod, attr, orig)

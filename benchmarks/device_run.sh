@@ -8,7 +8,7 @@
 #   stages: tests | kerneltests | decode | decodecold | decode512 | before_after | kernels | e2e32 | e2e128 |
 #           e2e128rest | e2eprof | e2elayer | attntests | decodeab | psaab | latency | ncu | psasweep | pdlab | e2enow |
 #           offload | psa32sweep | offloadfit | ivfsweep | ivfcpp | cslfsweep | ivfsel | ivfeager | ivfsample | ncusel | psaemit | psafuse | psastop | rtrip | rerankreg | rerank96 | e2ectkvr | ncuivf | verify | repro | e2eh200 | pushab | decode512h200 | s14ab | s14e2e | s14final | s14frame | s14tests | s14lfpse2e | s15ivf | s15ivf2 | s15dot | s15final | s15rerank | s16ahead | s16overlap | s16more | s16tests | s16early | s17ahead | s17pipe | s17offload | s17reads | s17fuse | s18pages | s18offprof | s18offab | s18numa | s18staged | s18prio | s18stprof | s18frame | s19tests | s19granule | s19cached | s19overlap | s19sweep | s19gen | s20quick | s20cache | s20more | s20staged | s20tests | s21prof | s21l2 | s21split | s21ahead | s21gemv | s21decode | s21wide | saapwide | s22saap | s22wide1 | s22wide8 | s22tests | s22ncu | s22repeat | s22split8 | s23ncu | s23knobs | s23splits | s23onetok | s23ab | s23dense | s23e2e |
-#           s24attend | s24variants | s24regs | s24final | s24tests | s24stop
+#           s24attend | s24variants | s24regs | s24final | s24tests | s24stop | s25ncu | s25sel | s25final512 | s25knobs | s25pdl | s25attnpdl | s25saappdl
 #   (default: tests decode before_after)
 #   .old = the tree before the plan/run redesign (`git archive <commit> decoder indexer storage`), for
 #   the before/after decode comparison.
@@ -759,6 +759,69 @@ for stage in $stages; do
         | tee "$OUT/gpu_decode_s24stop.log" | grep -E "graph|Error|error"
       python3 -m pytest -q -p no:cacheprovider -o addopts="" tests/test_kernels_psa.py 2>&1 \
         | tee "$OUT/gpu_psa_kernel_tests_s24stop.log" | tail -2 ;;
+    s25ncu)  # session 25: where ctkvr's ~73 us go at 128K, B = 1 on the H200 (ncu, full set with source, clocks left
+      # alone; the launches of one graph-replayed step after the eager ones), then today's baseline: ctkvr at 32K,
+      # 128K and 512K, B = 1, with profiles
+      ncu --clock-control none --kernel-name regex:"_(ctkvr_probe|rerank|select|split|merge|fifo_push)_kernel" \
+        --launch-skip 24 --launch-count 6 --set full --import-source yes -o "$OUT/ctkvr_ncu" -f python3 \
+        benchmarks/gpu_decode.py --lengths 131072 --methods ctkvr --backends triton --reps 3 2>&1 | tail -5
+      ncu --import "$OUT/ctkvr_ncu.ncu-rep" --page details > "$OUT/ctkvr_ncu_details.txt" 2>&1
+      ncu --import "$OUT/ctkvr_ncu.ncu-rep" --page source --csv --print-source sass > "$OUT/ctkvr_ncu_sass.csv" 2>&1
+      ncu --import "$OUT/ctkvr_ncu.ncu-rep" --page source --csv --print-source cuda > "$OUT/ctkvr_ncu_src.csv" 2>&1
+      python3 benchmarks/ncu_stalls.py "$OUT/ctkvr_ncu_sass.csv" --json "$OUT/ctkvr_ncu_stalls.json" | cut -c1-200
+      grep -i -E "^  [a-z_]+kernel|duration|registers per|achieved occupancy|executed ipc" "$OUT/ctkvr_ncu_details.txt" \
+        | head -60
+      rm -f "$OUT/ctkvr_ncu_sass.csv"
+      python3 benchmarks/gpu_decode.py --lengths 32768 131072 524288 --batches 1 --profile --backends triton \
+        --methods ctkvr streaming --out "$OUT/s25base" 2>&1 | tee "$OUT/gpu_decode_s25base.log" | grep -E "graph|Error|error" ;;
+    s25sel)  # session 25: ctkvr / kivf's select with its mass pass split over chunk programs (the last ticket searches)
+      # against the tree before (.old/ivf_head.py), alternating twice, 32K and 128K, B = 1 and 8; the chunk size; 512K;
+      # the IVF kernel tests on the GPU. Documents a past run: the chunked select was reverted (commit bfed2d0), so
+      # a rerun compares the tree with itself and its mass_block rows fail (no such knob)
+      old_new s25sel "ctkvr kivf" indexer/kernels/ivf.py
+      python3 benchmarks/gpu_decode.py --lengths 131072 --batches 1 --profile --backends triton --methods ctkvr \
+        ctkvr:mass_block=256 ctkvr:mass_block=512 ctkvr:mass_block=2048 --out "$OUT/s25sel_mass" 2>&1 \
+        | tee "$OUT/gpu_decode_s25sel_mass.log" | grep -E "graph|Error|error"
+      python3 benchmarks/gpu_decode.py --lengths 524288 --batches 1 --profile --backends triton --methods ctkvr \
+        --out "$OUT/s25sel_512k" 2>&1 | tee "$OUT/gpu_decode_s25sel_512k.log" | grep -E "graph|Error|error"
+      python3 -m pytest -q -p no:cacheprovider -o addopts="" tests/test_kernels_ivf.py 2>&1 \
+        | tee "$OUT/gpu_ivf_kernel_tests_s25sel.log" | tail -2 ;;
+    s25final512)  # session 25: the 512K row on the H200 on today's tree, one invocation per method (each keeps its rows
+      # if the call runs out of time; each times SDPA full again), B = 1, graph, cold L2, with profiles
+      for m in ctkvr psa@max_ratio=0.05 saap csattn lfps streaming; do
+        python3 benchmarks/gpu_decode.py --lengths 524288 --batches 1 --profile --backends triton --methods $m \
+          --out "$OUT/s25_512k_${m%%@*}" 2>&1 | tee "$OUT/gpu_decode_s25_512k_${m%%@*}.log" | grep "^| 524288"
+      done ;;
+    s25knobs)  # session 25: ctkvr's probe and rerank knobs on the H200 since the one-load probe (last swept on the H100,
+      # session 10), one at a time, 128K, B = 1 and 8, with profiles
+      C=ctkvr
+      python3 benchmarks/gpu_decode.py --lengths 131072 --batches 1 8 --profile --backends triton --methods $C \
+        $C:block_c=16 $C:block_c=64 $C:block_c=64,probe_warps=8 $C:chunks_per_prog=4 $C:block_u=32,chunks_per_prog=4 \
+        $C:block_u=128,chunks_per_prog=1 $C:rerank_warps=8,rerank_maxnreg=0 $C:select_warps=4 $C \
+        --out "$OUT/s25knobs" 2>&1 | tee "$OUT/gpu_decode_s25knobs.log" | grep -E "graph|Error|error" ;;
+    s25pdl)  # session 25: programmatic dependent launch for CTkvr's three plan kernels (knob IvfConfig.pdl) against
+      # none, in one run, twice in alternating order, 32K and 128K, B = 1 and 8; 512K, B = 1; then the IVF kernel tests
+      # (documents a past run: the knob went with its revert, commit 8db2115, so a rerun fails at "unknown knob")
+      L="$OUT/gpu_decode_s25pdl.log"
+      python3 benchmarks/gpu_decode.py --lengths 32768 131072 --batches 1 8 --profile --backends triton \
+        --methods ctkvr:pdl=0 ctkvr --out "$OUT/s25pdl_1" 2>&1 | tee -a "$L" | grep -E "graph|Error|error"
+      python3 benchmarks/gpu_decode.py --lengths 32768 131072 --batches 1 8 --profile --backends triton \
+        --methods ctkvr ctkvr:pdl=0 --out "$OUT/s25pdl_2" 2>&1 | tee -a "$L" | grep -E "graph|Error|error"
+      python3 benchmarks/gpu_decode.py --lengths 524288 --batches 1 --profile --backends triton \
+        --methods ctkvr:pdl=0 ctkvr --out "$OUT/s25pdl_512k" 2>&1 | tee -a "$L" | grep -E "graph|Error|error"
+      python3 -m pytest -q -p no:cacheprovider -o addopts="" tests/test_kernels_ivf.py 2>&1 | tee -a "$L" | tail -2 ;;
+    s25attnpdl)  # session 25: the attention kernels' programmatic dependent launch (KernelConfig.pdl) behind the
+      # methods whose plan kernels launch without it, against none, same run, 32K and 128K, B = 1
+      python3 benchmarks/gpu_decode.py --lengths 32768 131072 --batches 1 --profile --backends triton triton:pdl=0 \
+        --methods ctkvr saap csattn lfps psa@max_ratio=0.05 streaming --out "$OUT/s25attnpdl" 2>&1 \
+        | tee "$OUT/gpu_decode_s25attnpdl.log" | grep -E "graph|Error|error" ;;
+    s25saappdl)  # session 25: saap behind the attention with and without its PDL (KernelConfig.pdl), both orders,
+      # 32K and 128K, B = 1 and 8 (the s25attnpdl run saw saap 4-6 us faster without it at B = 1)
+      L="$OUT/gpu_decode_s25saappdl.log"
+      python3 benchmarks/gpu_decode.py --lengths 32768 131072 --batches 1 8 --profile --backends triton:pdl=0 triton \
+        --methods saap --out "$OUT/s25saappdl_1" 2>&1 | tee -a "$L" | grep -E "graph|Error|error"
+      python3 benchmarks/gpu_decode.py --lengths 32768 131072 --batches 1 8 --profile --backends triton triton:pdl=0 \
+        --methods saap --out "$OUT/s25saappdl_2" 2>&1 | tee -a "$L" | grep -E "graph|Error|error" ;;
     *) echo "unknown stage $stage" ;;
   esac
 done

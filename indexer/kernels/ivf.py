@@ -104,6 +104,11 @@ sampled bracket and the emit fused into its counting pass; rerank 27, probe 13 (
 blocks): latency, not bytes, on the 8-16 SMs a B = 1 step gives it. Holding the whole row in
 registers (one tile of 8192-16384 keys, 16-32 warps) was slower: 76 us, spills and 10 cycles per
 issued instruction.
+On the H200 (2026-11-29, session 25): the mass pass split over programs of 1,024 slots, the last
+ticket searching, took the select 21.7 -> ~20 us at B = 1 and lost 6% at B = 8 and 10% for kivf
+(reverted): the threshold search over the stored keys, one program per selection, is ~19 us of it.
+Programmatic dependent launch for these kernels made a graph-replayed step 8-10 us slower there (the
+H100 had measured 2-3 us faster), so they launch without it.
 
 kivf at 128K (ratio 0.05: k = 6554; C = 1448 fp32 centroids, nprobe = 290 for scan 4): probe 8 x 1448
 x 128 x 4 B = 5.9 MB; rerank ~4 x k = 26K probed keys per row -> 8 x 26K x 256 B = 54 MB of K rows
