@@ -8,7 +8,7 @@
 #   stages: tests | kerneltests | decode | decodecold | decode512 | before_after | kernels | e2e32 | e2e128 |
 #           e2e128rest | e2eprof | e2elayer | attntests | decodeab | psaab | latency | ncu | psasweep | pdlab | e2enow |
 #           offload | psa32sweep | offloadfit | ivfsweep | ivfcpp | cslfsweep | ivfsel | ivfeager | ivfsample | ncusel | psaemit | psafuse | psastop | rtrip | rerankreg | rerank96 | e2ectkvr | ncuivf | verify | repro | e2eh200 | pushab | decode512h200 | s14ab | s14e2e | s14final | s14frame | s14tests | s14lfpse2e | s15ivf | s15ivf2 | s15dot | s15final | s15rerank | s16ahead | s16overlap | s16more | s16tests | s16early | s17ahead | s17pipe | s17offload | s17reads | s17fuse | s18pages | s18offprof | s18offab | s18numa | s18staged | s18prio | s18stprof | s18frame | s19tests | s19granule | s19cached | s19overlap | s19sweep | s19gen | s20quick | s20cache | s20more | s20staged | s20tests | s21prof | s21l2 | s21split | s21ahead | s21gemv | s21decode | s21wide | saapwide | s22saap | s22wide1 | s22wide8 | s22tests | s22ncu | s22repeat | s22split8 | s23ncu | s23knobs | s23splits | s23onetok | s23ab | s23dense | s23e2e |
-#           s24attend | s24variants | s24regs | s24final | s24tests | s24stop | s25ncu | s25sel | s25final512 | s25knobs | s25pdl | s25attnpdl | s25saappdl
+#           s24attend | s24variants | s24regs | s24final | s24tests | s24stop | s25ncu | s25sel | s25final512 | s25knobs | s25pdl | s25attnpdl | s25saappdl | s25selsrc
 #   (default: tests decode before_after)
 #   .old = the tree before the plan/run redesign (`git archive <commit> decoder indexer storage`), for
 #   the before/after decode comparison.
@@ -822,6 +822,12 @@ for stage in $stages; do
         --methods saap --out "$OUT/s25saappdl_1" 2>&1 | tee -a "$L" | grep -E "graph|Error|error"
       python3 benchmarks/gpu_decode.py --lengths 32768 131072 --batches 1 8 --profile --backends triton triton:pdl=0 \
         --methods saap --out "$OUT/s25saappdl_2" 2>&1 | tee -a "$L" | grep -E "graph|Error|error" ;;
+    s25selsrc)  # session 25: where ctkvr's select spends its instructions, by source line (ncu SourceCounters, one
+      # launch at 128K, B = 1, after the warm-up steps), for the next attempt at its threshold search
+      ncu --clock-control none -k regex:"_select_kernel" --launch-skip 8 --launch-count 1 --section SourceCounters \
+        --page source --print-source cuda,sass --csv python3 benchmarks/gpu_decode.py --lengths 131072 --batches 1 \
+        --methods ctkvr --backends triton --reps 3 --out "$OUT/s25selsrc_run" > "$OUT/ncu_ctkvr_select_source.csv" 2>&1
+      ls -la "$OUT/ncu_ctkvr_select_source.csv"; rm -rf "$OUT/s25selsrc_run" ;;
     *) echo "unknown stage $stage" ;;
   esac
 done
