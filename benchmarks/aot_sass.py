@@ -9,7 +9,7 @@ attention split kernel's measured time followed its static count (1,712 instruct
     python benchmarks/aot_sass.py psa_select --set BLOCK=1024   # psa's select at 32K (nb = 1024)
     python benchmarks/aot_sass.py split --out /tmp/split         # also writes split.sass and split.ttgir
     python benchmarks/aot_sass.py step --methods psa ctkvr --n 131072 --json out.json
-    python benchmarks/aot_sass.py step --methods ctkvr ctkvr:group_dot=1   # a kernel knob, as in gpu_decode.py
+    python benchmarks/aot_sass.py step --methods ctkvr ctkvr:rerank_maxnreg=128   # a kernel knob, as in gpu_decode.py
 
 `split` / `psa_select` compile one kernel at the 8B layer's decode shape (G 4, D 128, bf16, one
 token) with constexprs overridden by --set. `step` records every Triton launch of one fused decode
@@ -248,7 +248,7 @@ def step_launches(method: str, n: int) -> list[tuple]:
             recorded.append((self, args, kwargs))
 
         JITFunction.run = record
-        restore = gd.plan_knobs(name, knobs)  # "ctkvr:group_dot=1": the kernel config's knobs, as gpu_decode.py
+        restore = gd.plan_knobs(name, knobs)  # "ctkvr:rerank_maxnreg=128": the kernel config's knobs
         try:
             req.step()
         finally:

@@ -104,9 +104,11 @@ sampled bracket and the emit fused into its counting pass; rerank 27, probe 13 (
 blocks): latency, not bytes, on the 8-16 SMs a B = 1 step gives it. Holding the whole row in
 registers (one tile of 8192-16384 keys, 16-32 warps) was slower: 76 us, spills and 10 cycles per
 issued instruction.
-On the H200 (2026-11-29, session 25): the mass pass split over programs of 1,024 slots, the last
-ticket searching, took the select 21.7 -> ~20 us at B = 1 and lost 6% at B = 8 and 10% for kivf
-(reverted): the threshold search over the stored keys, one program per selection, is ~19 us of it.
+On the H200 (2026-11-29, session 25): the mass pass's lines hold 35% of the select's warp-stall
+samples, the search's 23%, and the reductions and scans both use 39% (ncu by source line). Split
+over programs of 1,024 slots, the last ticket searching, the mass pass took the select 21.7 -> ~20 us
+at B = 1 and lost 6% at B = 8 and 10% for kivf (reverted): the chunk programs' own chain comes first,
+and the search, one program per selection, is unchanged.
 Programmatic dependent launch for these kernels made a graph-replayed step 8-10 us slower there (the
 H100 had measured 2-3 us faster), so they launch without it.
 
