@@ -240,9 +240,10 @@ def step_launches(method: str, n: int) -> list[tuple]:
         patched.append((select, "kernel_enabled", select.kernel_enabled))
         select.kernel_enabled = lambda score: True
 
+        ivf = importlib.import_module("indexer.kernels.ivf")
+
         def record(self, *args, grid, warmup, **kwargs):
             kwargs = dict(kwargs)
-            ivf = importlib.import_module("indexer.kernels.ivf")
             if self.__name__ == "_rerank_kernel" and ivf.DEFAULT_CONFIG.rerank_maxnreg:
                 kwargs["maxnreg"] = ivf.DEFAULT_CONFIG.rerank_maxnreg  # a launch option on CUDA tensors only
             recorded.append((self, args, kwargs))

@@ -16,7 +16,7 @@
 #   the before/after decode comparison.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-BUNDLE=${OUT:+1}  # $OUT given (the device tool's): pack what it would not return, at the end
+BUNDLE=${OUT:+1}  # $OUT set by the caller (the device tool sets it): pack what it would not return, at the end
 OUT=${OUT:-benchmarks/out}
 mkdir -p "$OUT"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
@@ -813,13 +813,14 @@ for stage in $stages; do
       python3 benchmarks/gpu_decode.py --lengths 524288 --batches 1 --profile --backends triton \
         --methods ctkvr:pdl=0 ctkvr --out "$OUT/s25pdl_512k" 2>&1 | tee -a "$L" | grep -E "graph|Error|error"
       python3 -m pytest -q -p no:cacheprovider -o addopts="" tests/test_kernels_ivf.py 2>&1 | tee -a "$L" | tail -2 ;;
-    s25attnpdl)  # session 25: the attention kernels' programmatic dependent launch (KernelConfig.pdl) behind the
-      # methods whose plan kernels launch without it, against none, same run, 32K and 128K, B = 1
+    s25attnpdl)  # session 25: the attention kernels' programmatic dependent launch (KernelConfig.pdl) against none,
+      # same run, behind every seed method's plan (psa's plan kernels use PDL too; the others do not), 32K and 128K, B = 1
       python3 benchmarks/gpu_decode.py --lengths 32768 131072 --batches 1 --profile --backends triton triton:pdl=0 \
         --methods ctkvr saap csattn lfps psa@max_ratio=0.05 streaming --out "$OUT/s25attnpdl" 2>&1 \
         | tee "$OUT/gpu_decode_s25attnpdl.log" | grep -E "graph|Error|error" ;;
     s25saappdl)  # session 25: saap behind the attention with and without its PDL (KernelConfig.pdl), both orders,
-      # 32K and 128K, B = 1 and 8 (the s25attnpdl run saw saap 4-6 us faster without it at B = 1)
+      # 32K and 128K, B = 1 and 8 (the s25attnpdl run saw saap 4-6 us faster without it at B = 1: it was the run order,
+      # the backend timed second is the faster one)
       L="$OUT/gpu_decode_s25saappdl.log"
       python3 benchmarks/gpu_decode.py --lengths 32768 131072 --batches 1 8 --profile --backends triton:pdl=0 triton \
         --methods saap --out "$OUT/s25saappdl_1" 2>&1 | tee -a "$L" | grep -E "graph|Error|error"
