@@ -8,7 +8,8 @@
 #   stages: tests | kerneltests | decode | decodecold | decode512 | before_after | kernels | e2e32 | e2e128 |
 #           e2e128rest | e2eprof | e2elayer | attntests | decodeab | psaab | latency | ncu | psasweep | pdlab | e2enow |
 #           offload | psa32sweep | offloadfit | ivfsweep | ivfcpp | cslfsweep | ivfsel | ivfeager | ivfsample | ncusel | psaemit | psafuse | psastop | rtrip | rerankreg | rerank96 | e2ectkvr | ncuivf | verify | repro | e2eh200 | pushab | decode512h200 | s14ab | s14e2e | s14final | s14frame | s14tests | s14lfpse2e | s15ivf | s15ivf2 | s15dot | s15final | s15rerank | s16ahead | s16overlap | s16more | s16tests | s16early | s17ahead | s17pipe | s17offload | s17reads | s17fuse | s18pages | s18offprof | s18offab | s18numa | s18staged | s18prio | s18stprof | s18frame | s19tests | s19granule | s19cached | s19overlap | s19sweep | s19gen | s20quick | s20cache | s20more | s20staged | s20tests | s21prof | s21l2 | s21split | s21ahead | s21gemv | s21decode | s21wide | saapwide | s22saap | s22wide1 | s22wide8 | s22tests | s22ncu | s22repeat | s22split8 | s23ncu | s23knobs | s23splits | s23onetok | s23ab | s23dense | s23e2e |
-#           s24attend | s24variants | s24regs | s24final | s24tests | s24stop | s25ncu | s25sel | s25final512 | s25knobs | s25pdl | s25attnpdl | s25saappdl | s25selsrc
+#           s24attend | s24variants | s24regs | s24final | s24tests | s24stop | s25ncu | s25sel | s25final512 | s25knobs | s25pdl | s25attnpdl | s25saappdl | s25selsrc |
+#           s26ab | s26mask | s26probe
 #   (default: tests decode before_after)
 #   The device tool returns at most 8 files: past that, the run's JSON files come back as $OUT/json.tar.gz
 #   (and everything as $OUT/all.tar.gz if that is not enough).
@@ -832,6 +833,35 @@ for stage in $stages; do
         --page source --print-source cuda,sass --csv python3 benchmarks/gpu_decode.py --lengths 131072 --batches 1 \
         --methods ctkvr --backends triton --reps 3 --out "$OUT/s25selsrc_run" > "$OUT/ncu_ctkvr_select_source.csv" 2>&1
       ls -la "$OUT/ncu_ctkvr_select_source.csv"; rm -rf "$OUT/s25selsrc_run" ;;
+    s26ab)  # session 26: ctkvr's probe rank by compares (not u // RHO) in the rerank and the select, and the rerank's
+      # logits masked once per chunk (14 layout conversions instead of 24; kivf's too in this run, which s26mask found
+      # slower for kivf: it keeps its per-head masks), against the tree before (.old/ivf_head.py), alternating twice, 32K and 128K, B = 1 and 8; 512K, B = 1; the IVF kernel tests
+      old_new s26ab "ctkvr kivf" indexer/kernels/ivf.py
+      python3 benchmarks/gpu_decode.py --lengths 524288 --batches 1 --profile --backends triton --methods ctkvr \
+        --out "$OUT/s26ab_512k" 2>&1 | tee "$OUT/gpu_decode_s26ab_512k.log" | grep -E "graph|Error|error"
+      python3 -m pytest -q -p no:cacheprovider -o addopts="" tests/test_kernels_ivf.py 2>&1 \
+        | tee "$OUT/gpu_ivf_kernel_tests_s26ab.log" | tail -2 ;;
+    s26mask)  # session 26: which of s26ab's two changes moved which method: the rerank's one mask per chunk on
+      # (default) and off (knob IvfConfig.one_mask), ctkvr and kivf, both orders, 128K, B = 1 and 8. Documents a past
+      # run: the knob went after it (CTkvr masks once, kivf per head: `_group_logits`), so a rerun fails at "unknown knob"
+      L="$OUT/gpu_decode_s26mask.log"
+      python3 benchmarks/gpu_decode.py --lengths 131072 --batches 1 8 --profile --backends triton \
+        --methods ctkvr ctkvr:one_mask=0 kivf kivf:one_mask=0 --out "$OUT/s26mask_1" 2>&1 | tee -a "$L" | grep -E "graph|Error|error"
+      python3 benchmarks/gpu_decode.py --lengths 131072 --batches 1 8 --profile --backends triton \
+        --methods ctkvr:one_mask=0 ctkvr kivf:one_mask=0 kivf --out "$OUT/s26mask_2" 2>&1 | tee -a "$L" | grep -E "graph|Error|error" ;;
+    s26probe)  # session 26: CTkvr's probe cosines on tensor cores (IvfConfig.probe_dot, the default) against the
+      # CUDA-core one-load probe, both orders, 32K and 128K, B = 1 and 8 (the first run with the torch planner's
+      # agreement); 512K, B = 1; the IVF kernel tests on the GPU. Documents a past run: the tensor-core probe was
+      # no faster and went with its revert, so a rerun fails at "unknown knob"
+      L="$OUT/gpu_decode_s26probe.log"
+      python3 benchmarks/gpu_decode.py --lengths 32768 131072 --batches 1 8 --profile --backends triton --torch-plans \
+        --methods ctkvr ctkvr:probe_dot=0 --out "$OUT/s26probe_1" 2>&1 | tee -a "$L" | grep -E "graph|Error|error"
+      python3 benchmarks/gpu_decode.py --lengths 32768 131072 --batches 1 8 --profile --backends triton \
+        --methods ctkvr:probe_dot=0 ctkvr --out "$OUT/s26probe_2" 2>&1 | tee -a "$L" | grep -E "graph|Error|error"
+      python3 benchmarks/gpu_decode.py --lengths 524288 --batches 1 --profile --backends triton \
+        --methods ctkvr ctkvr:probe_dot=0 --out "$OUT/s26probe_512k" 2>&1 | tee -a "$L" | grep -E "graph|Error|error"
+      python3 -m pytest -q -p no:cacheprovider -o addopts="" tests/test_kernels_ivf.py 2>&1 \
+        | tee "$OUT/gpu_ivf_kernel_tests_s26probe.log" | tail -2 ;;
     *) echo "unknown stage $stage" ;;
   esac
 done

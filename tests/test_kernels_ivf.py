@@ -92,6 +92,9 @@ CTKVR_CASES = {
     "group_of_3_d64": ((2, 3, 64, 800), dict(n_centroids=40, list_size=48, probe=2, k=40, fifo=4), [1, 2, 1]),
     "frame_covers_everything": ((1, 4, 32, 300), dict(n_centroids=20, list_size=40, probe=2, k=30, fifo=4, sink=8,
                                                        window=400), [1, 1, 1]),
+    # a probe rank from compares (probe <= 8: 7 of them here) and from the division (probe > 8), `_rank_of`
+    "probe_7": ((2, 4, 32, 1000), dict(n_centroids=48, list_size=40, probe=7, k=100, fifo=4), [1, 1]),
+    "probe_12": ((2, 4, 32, 1000), dict(n_centroids=48, list_size=32, probe=12, k=100, fifo=4), [1, 1]),
     # run with TINY blocks only
     "tiny_push_inside_plan": ((2, 4, 32, 400), dict(n_centroids=24, list_size=32, probe=3, k=20, fifo=2), [1, 2, 1, 1]),
     "tiny_plan_inside_push": ((2, 4, 32, 400), dict(n_centroids=24, list_size=32, probe=3, k=60, fifo=2), [1, 1, 1]),

@@ -654,6 +654,19 @@ def _position_bits(pos, PB: tl.constexpr):
 
 
 @triton.jit
+def _rank_of(u, RHO, P: tl.constexpr):
+    """u // RHO for slots u < P * RHO (a probe rank): P - 1 compares for a small P instead of an
+    integer division by a runtime value (~20 instructions: 6% of the select's before)."""
+    if P <= 8:
+        rank = (u >= RHO).to(tl.int32)
+        for j in tl.static_range(2, P):
+            rank += (u >= j * RHO).to(tl.int32)
+    else:
+        rank = u // RHO
+    return rank
+
+
+@triton.jit
 def _survivors(BITMAP, NW, r, pos, u, RHO, PB: tl.constexpr):
     """CTkvr's dedup, decided: slot u (probe rank u // RHO) keeps position pos >= 0 when no lower
     rank set the position's bit in the row's map (the rerank's atomics are all done: this runs in
@@ -662,9 +675,36 @@ def _survivors(BITMAP, NW, r, pos, u, RHO, PB: tl.constexpr):
     ok = pos >= 0
     at = pos * PB
     word = tl.load(BITMAP + r * NW + (at >> 5), mask=ok, other=0)
-    rank = u // RHO
+    rank = _rank_of(u, RHO, PB)
     lower = ((1 << rank) - 1).to(tl.int32) << (at & 31)  # rank < PB <= 32 bits below this one's
     return ok & ((word & lower) == 0)
+
+
+@triton.jit
+def _group_logits(kt, ok, QROW, sq_g, qk_scale, G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr,
+                  BLOCK_U: tl.constexpr, ONE_MASK: tl.constexpr):
+    """The GQA group's logits q_g . k / sqrt(D) of a chunk's K rows kt [BLOCK_U, D] (fp32) -> [BLOCK_U,
+    G_PAD], -inf where not `ok` and in the padded heads. QROW: the group's first query head at this
+    token. ONE_MASK: the heads' dot products first, then one [BLOCK_U, G_PAD] mask; else each head's
+    [BLOCK_U] vector masked on its own. The same values either way; the layouts differ: one mask is
+    14 layout conversions in the rerank instead of 24 and CTkvr's rerank 23.3 -> 21.4 us at 128K, B = 1,
+    on the H200, but kivf's 86.8 -> 91.5 (its SOURCE path under the same register cap), so kivf keeps
+    the per-head masks (benchmarks/RESULTS.md, session 26)."""
+    offs_d = tl.arange(0, D)
+    ar_g = tl.arange(0, G_PAD)
+    if ONE_MASK:
+        lg = tl.zeros([BLOCK_U, G_PAD], tl.float32)
+        for g in tl.static_range(G):
+            qv = tl.load(QROW + g * sq_g + offs_d).to(tl.float32)
+            lg = tl.where(ar_g[None, :] == g, (tl.sum(kt * qv[None, :], 1) * qk_scale)[:, None], lg)
+        lg = tl.where(ok[:, None] & (ar_g < G)[None, :], lg, float("-inf"))
+    else:
+        lg = tl.full([BLOCK_U, G_PAD], float("-inf"), tl.float32)
+        for g in tl.static_range(G):
+            qv = tl.load(QROW + g * sq_g + offs_d).to(tl.float32)
+            sg = tl.where(ok, tl.sum(kt * qv[None, :], 1) * qk_scale, float("-inf"))
+            lg = tl.where(ar_g[None, :] == g, sg[:, None], lg)
+    return lg
 
 
 @triton.jit(do_not_specialize=["T", "n_ctx", "n_loc", "s_end", "window", "U", "C", "RHO", "n_top", "NW",
@@ -678,7 +718,7 @@ def _rerank_kernel(
     G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, BLOCK_U: tl.constexpr,
     P: tl.constexpr, P_PAD: tl.constexpr, BLOCK_T: tl.constexpr, LOG_P: tl.constexpr,
     SOURCE: tl.constexpr, DEDUP: tl.constexpr, HAS_FIFO: tl.constexpr, PRECISE: tl.constexpr,
-    EAGER_ROWS: tl.constexpr = False,
+    EAGER_ROWS: tl.constexpr = False, ONE_MASK: tl.constexpr = True,
 ):
     """SOURCE 0 (CTkvr): SRC_A/B = the probe's block bests (values, ids), SRC_C/D = lists / FIFO
     lists. SOURCE 1 (kivf): SRC_A = order, SRC_B = SEL_START, SRC_C = SEL_CUM."""
@@ -711,11 +751,7 @@ def _rerank_kernel(
             ptr = tl.where(ctx_ok[:, None], CK + h * sck_h + row[:, None].to(tl.int64) * sck_n + offs_d[None, :],
                            LK + h * slk_h + slot[:, None].to(tl.int64) * slk_n + offs_d[None, :])
             kt = tl.load(ptr, mask=ok[:, None], other=0.0).to(tl.float32)
-            lg = tl.full([BLOCK_U, G_PAD], float("-inf"), tl.float32)
-            for g in tl.static_range(G):
-                qv = tl.load(Q + h * sq_h + g * sq_g + t * sq_t + offs_d).to(tl.float32)
-                sg = tl.where(ok, tl.sum(kt * qv[None, :], 1) * qk_scale, float("-inf"))
-                lg = tl.where(ar_g[None, :] == g, sg[:, None], lg)
+            lg = _group_logits(kt, ok, Q + h * sq_h + t * sq_t, sq_g, qk_scale, G, G_PAD, D, BLOCK_U, ONE_MASK)
             m_new = tl.maximum(m_v, tl.max(lg, 0))
             l_v = (l_v * _exp(m_v - m_new, PRECISE).to(tl.float64)
                    + tl.sum(_exp(lg - m_new[None, :], PRECISE).to(tl.float64), 0))
@@ -730,7 +766,7 @@ def _rerank_kernel(
             u = (s * chunks_per_prog + ci) * BLOCK_U + ar_u
             in_u = u < U
             if SOURCE == 0:
-                p_idx = u // RHO
+                p_idx = _rank_of(u, RHO, P_PAD)
                 item = u - p_idx * RHO
                 entry = tl.sum(tl.where(p_idx[:, None] == tl.arange(0, P_PAD)[None, :], sel[None, :], 0), 1)
                 if HAS_FIFO:
@@ -775,11 +811,7 @@ def _rerank_kernel(
                 ok = ok & ((old & bit) == 0)  # a list that held a position twice: one slot of it
             if not EAGER_ROWS:
                 kt = tl.load(k_ptr, mask=ok[:, None], other=0.0).to(tl.float32)
-            lg = tl.full([BLOCK_U, G_PAD], float("-inf"), tl.float32)
-            for g in tl.static_range(G):
-                qv = tl.load(Q + h * sq_h + g * sq_g + t * sq_t + offs_d).to(tl.float32)
-                sg = tl.where(ok, tl.sum(kt * qv[None, :], 1) * qk_scale, float("-inf"))
-                lg = tl.where(ar_g[None, :] == g, sg[:, None], lg)
+            lg = _group_logits(kt, ok, Q + h * sq_h + t * sq_t, sq_g, qk_scale, G, G_PAD, D, BLOCK_U, ONE_MASK)
             tl.store(WS_S + (r64 * U + u[:, None]) * G + ar_g[None, :], lg, mask=in_u[:, None] & (ar_g < G)[None, :])
             tl.store(WS_POS + r64 * U + u, tl.where(ok, pos, -1), mask=in_u)
             if DEDUP:
@@ -1131,7 +1163,7 @@ def _rerank_and_select(q, kv, *, rows: int, u: int, sink: int, window: int, kp: 
         bitmap.shape[-1] if bitmap is not None else 1, n_slot, cfg.chunks_per_prog, float(d ** -0.5),
         G=g, G_PAD=g_pad, D=d, BLOCK_U=cfg.block_u, P=p, P_PAD=p_pad, BLOCK_T=triton.next_power_of_2(max(n_top, 1)),
         LOG_P=log_p, SOURCE=source, DEDUP=dedup, HAS_FIFO=has_fifo, PRECISE=_precise(),
-        EAGER_ROWS=cfg.eager_rows and dedup, num_warps=cfg.rerank_warps,
+        EAGER_ROWS=cfg.eager_rows and dedup, ONE_MASK=source == 0, num_warps=cfg.rerank_warps,
         **({"maxnreg": cfg.rerank_maxnreg} if cfg.rerank_maxnreg and q.device.type == "cuda" else {}),
     )
     _select_kernel[(rows, n_sel)](
