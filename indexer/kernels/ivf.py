@@ -478,7 +478,7 @@ def _ctkvr_probe_kernel(
     T, C, F, n_blocks, NW, words_per_prog,
     G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, BLOCK_C: tl.constexpr, P: tl.constexpr,
     P_PAD: tl.constexpr, HAS_FIFO: tl.constexpr, DEDUP: tl.constexpr, BLOCK_Z: tl.constexpr,
-    ONE_LOAD: tl.constexpr = True, DOT: tl.constexpr = False, DOT_FP32: tl.constexpr = False,
+    ONE_LOAD: tl.constexpr = True,
 ):
     s = tl.program_id(0)
     r = tl.program_id(1)
@@ -495,40 +495,7 @@ def _ctkvr_probe_kernel(
         is_f = e < 0
         alive = is_p
     write_q = (s == 0) & (t == T - 1)
-    if DOT:
-        # the cosines on tensor cores: the block's rows i = e * G + g as one [BLOCK_C * G, D] tile (an
-        # entry's G x D values are contiguous) times the group's queries as the columns of [D, 16];
-        # row i keeps column i % G. Products of two bf16 values are exact in fp32, as in the
-        # CUDA-core path; only the summation order differs (G == G_PAD, 16-bit centroids)
-        NR: tl.constexpr = BLOCK_C * G
-        NQ: tl.constexpr = 16
-        ri = tl.arange(0, NR)
-        er = s * BLOCK_C + ri // G
-        gr = ri % G
-        ar_q = tl.arange(0, NQ)
-        qv = tl.load(Q + h * sq_h + ar_q[:, None] * sq_g + t * sq_t + offs_d[None, :], mask=(ar_q < G)[:, None],
-                     other=0.0).to(tl.float32)
-        qn = tl.div_rn(qv, tl.maximum(tl.sqrt_rn(tl.sum(qv * qv, 1)), 1e-12)[:, None])  # F.normalize(q.float())
-        qf = _round_as(qn, CENT.dtype.element_ty)  # ... .to(centroid dtype), as the torch path
-        if HAS_FIFO:
-            tl.store(PQ + h * spq_h + ar_q[:, None] * spq_g + offs_d[None, :], qf.to(PQ.dtype.element_ty),
-                     mask=write_q & (ar_q < G)[:, None])
-            is_fr = (er >= C) & (er < C + F)
-        else:
-            is_fr = er < 0
-        ptr = CENT + h * sc_h + er[:, None].to(tl.int64) * sc_c + gr[:, None] * sc_g + offs_d[None, :]
-        if HAS_FIFO:
-            ptr = tl.where(is_fr[:, None], FCENT + h * sf_h + (er - C)[:, None].to(tl.int64) * sf_c
-                           + gr[:, None] * sf_g + offs_d[None, :], ptr)
-        a = tl.load(ptr, mask=((er < C) | is_fr)[:, None], other=0.0)
-        if DOT_FP32:  # the interpreter (its bf16 dot is wrong): fp32 operands holding the same values
-            c = tl.dot(a.to(tl.float32), tl.trans(qf), input_precision="ieee")
-        else:
-            c = tl.dot(a, tl.trans(qf.to(CENT.dtype.element_ty)))
-        cos = tl.sum(tl.where(ar_q[None, :] == gr[:, None], c, 0.0), 1)
-        cos = _round_as(cos, CENT.dtype.element_ty)  # the einsum's output dtype
-        best = tl.max(tl.reshape(cos, [BLOCK_C, G]), 1)
-    elif ONE_LOAD:
+    if ONE_LOAD:
         # every head's rows of the block in one load ([BLOCK_C, G_PAD, D]: an entry's G x D values are
         # contiguous), so the program waits on memory once, not once per head in turn
         ar_g = tl.arange(0, G_PAD)
@@ -1086,7 +1053,6 @@ class IvfConfig:
     probe_warps: int = 4
     probe_one_load: bool = True  # probe: every head's centroid rows in one load (False: one head at a time;
     # probe 14.1-14.8 -> 9.0-11.4 us at 128K, H200; RESULTS.md)
-    probe_dot: bool = True  # probe: the cosines of 16-bit centroids on tensor cores (session 26 A/B)
     rerank_warps: int = 4
     rerank_maxnreg: int | None = 96  # rerank: register cap per thread on CUDA (0 / None: the compiler's, 159 at
     # the 8B shape, 3 programs per SM); 96: 5 per SM, rerank 27.5 -> 24.0 us at 128K (H100; RESULTS.md)
@@ -1271,8 +1237,6 @@ def ctkvr_plan(q: torch.Tensor, kv, cent: torch.Tensor, lists: torch.Tensor, fif
         push, hits = i_out[: kvh * rho], i_out[kvh * rho:]
     else:
         pend_q = push = hits = None
-    probe_dot = (cfg.probe_dot and cent.dtype in (torch.bfloat16, torch.float16) and g == triton.next_power_of_2(g)
-                 and cfg.block_c * g >= 16 and d >= 16)
     _ctkvr_probe_kernel[(n_blocks, rows)](
         q, cent, fcent, fifo.pushes if has_fifo else wi["topi"], topv, wi["topi"],
         pend_q if has_fifo else topv, bitmap,
@@ -1282,7 +1246,7 @@ def ctkvr_plan(q: torch.Tensor, kv, cent: torch.Tensor, lists: torch.Tensor, fif
         *(pend_q.stride()[:2] if has_fifo else (0, 0)),
         t, c, f, n_blocks, nw, words_per_prog,
         G=g, G_PAD=triton.next_power_of_2(g), D=d, BLOCK_C=cfg.block_c, P=p, P_PAD=p_pad, HAS_FIFO=has_fifo,
-        DEDUP=True, BLOCK_Z=256, ONE_LOAD=cfg.probe_one_load, DOT=probe_dot, DOT_FP32=interpreted(), num_warps=cfg.probe_warps,
+        DEDUP=True, BLOCK_Z=256, ONE_LOAD=cfg.probe_one_load, num_warps=cfg.probe_warps,
     )
     out = _rerank_and_select(
         q, kv, rows=rows, u=u, sink=sink, window=window, kp=kp, rho=rho, source=0,
