@@ -9,7 +9,7 @@
 #           e2e128rest | e2eprof | e2elayer | attntests | decodeab | psaab | latency | ncu | psasweep | pdlab | e2enow |
 #           offload | psa32sweep | offloadfit | ivfsweep | ivfcpp | cslfsweep | ivfsel | ivfeager | ivfsample | ncusel | psaemit | psafuse | psastop | rtrip | rerankreg | rerank96 | e2ectkvr | ncuivf | verify | repro | e2eh200 | pushab | decode512h200 | s14ab | s14e2e | s14final | s14frame | s14tests | s14lfpse2e | s15ivf | s15ivf2 | s15dot | s15final | s15rerank | s16ahead | s16overlap | s16more | s16tests | s16early | s17ahead | s17pipe | s17offload | s17reads | s17fuse | s18pages | s18offprof | s18offab | s18numa | s18staged | s18prio | s18stprof | s18frame | s19tests | s19granule | s19cached | s19overlap | s19sweep | s19gen | s20quick | s20cache | s20more | s20staged | s20tests | s21prof | s21l2 | s21split | s21ahead | s21gemv | s21decode | s21wide | saapwide | s22saap | s22wide1 | s22wide8 | s22tests | s22ncu | s22repeat | s22split8 | s23ncu | s23knobs | s23splits | s23onetok | s23ab | s23dense | s23e2e |
 #           s24attend | s24variants | s24regs | s24final | s24tests | s24stop | s25ncu | s25sel | s25final512 | s25knobs | s25pdl | s25attnpdl | s25saappdl | s25selsrc |
-#           s26ab | s26mask | s26probe
+#           s26ab | s26mask | s26probe | s26selw | s26push | s26final
 #   (default: tests decode before_after)
 #   The device tool returns at most 8 files: past that, the run's JSON files come back as $OUT/json.tar.gz
 #   (and everything as $OUT/all.tar.gz if that is not enough).
@@ -862,6 +862,24 @@ for stage in $stages; do
         --methods ctkvr ctkvr:probe_dot=0 --out "$OUT/s26probe_512k" 2>&1 | tee -a "$L" | grep -E "graph|Error|error"
       python3 -m pytest -q -p no:cacheprovider -o addopts="" tests/test_kernels_ivf.py 2>&1 \
         | tee "$OUT/gpu_ivf_kernel_tests_s26probe.log" | tail -2 ;;
+    s26selw)  # session 26: the select's warps and block again on the H200 after its rank-by-compares change (16 warps
+      # were slower on the H100 in session 10, 4 were 10 us slower here in session 25), 128K, B = 1 and 8
+      python3 benchmarks/gpu_decode.py --lengths 131072 --batches 1 8 --profile --backends triton --methods ctkvr \
+        ctkvr:select_warps=16 ctkvr:select_warps=16,select_block=4096 ctkvr:select_block=4096 ctkvr kivf \
+        kivf:select_warps=16 --out "$OUT/s26selw" 2>&1 | tee "$OUT/gpu_decode_s26selw.log" | grep -E "graph|Error|error" ;;
+    s26push)  # session 26: how much of ctkvr's select is the FIFO push's selection (the second program of each push
+      # row, top-rho of the same keys): ctkvr without its FIFO (fifo=0: no push, one program per row) against the
+      # default, both orders, 128K, B = 1
+      python3 benchmarks/gpu_decode.py --lengths 131072 --batches 1 --profile --backends triton --methods ctkvr \
+        ctkvr@fifo=0 ctkvr@fifo=0 ctkvr --out "$OUT/s26push" 2>&1 | tee "$OUT/gpu_decode_s26push.log" | grep -E "graph|Error|error" ;;
+    s26final)  # session 26: the final tree: the IVF kernel tests on the GPU, then ctkvr and kivf at 32K and 128K, B = 1
+      # and 8 (with the torch planner's agreement), and ctkvr at 512K, B = 1, with profiles
+      python3 -m pytest -q -p no:cacheprovider -o addopts="" tests/test_kernels_ivf.py 2>&1 \
+        | tee "$OUT/gpu_ivf_kernel_tests_s26final.log" | tail -2
+      python3 benchmarks/gpu_decode.py --lengths 32768 131072 --batches 1 8 --profile --backends triton --torch-plans \
+        --methods ctkvr kivf --out "$OUT/s26final" 2>&1 | tee "$OUT/gpu_decode_s26final.log" | grep -E "graph|Error|error"
+      python3 benchmarks/gpu_decode.py --lengths 524288 --batches 1 --profile --backends triton --methods ctkvr \
+        --out "$OUT/s26final_512k" 2>&1 | tee "$OUT/gpu_decode_s26final_512k.log" | grep -E "graph|Error|error" ;;
     *) echo "unknown stage $stage" ;;
   esac
 done

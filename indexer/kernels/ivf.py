@@ -111,6 +111,11 @@ at B = 1 and lost 6% at B = 8 and 10% for kivf (reverted): the chunk programs' o
 and the search, one program per selection, is unchanged.
 Programmatic dependent launch for these kernels made a graph-replayed step 8-10 us slower there (the
 H100 had measured 2-3 us faster), so they launch without it.
+On the H200 (session 26): a slot's probe rank by compares (`_rank_of`) took the select 21.8 -> 21.1 us;
+CTkvr's logits masked once per chunk (`_group_logits`) the rerank 23.5 -> 21.3 (kivf's 87 -> 92, so it
+keeps the per-head masks); the step 72 -> 69 us at 32K-512K, B = 1. The probe's cosines on tensor cores
+(181 -> 68 registers) were no faster (reverted), nor were 16 select warps (benchmarks/RESULTS.md,
+"ctkvr 72 -> 69 us").
 
 kivf at 128K (ratio 0.05: k = 6554; C = 1448 fp32 centroids, nprobe = 290 for scan 4): probe 8 x 1448
 x 128 x 4 B = 5.9 MB; rerank ~4 x k = 26K probed keys per row -> 8 x 26K x 256 B = 54 MB of K rows
