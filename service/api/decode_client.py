@@ -190,9 +190,12 @@ class DecodeClient:
                 watcher.cancel()
             with anyio.CancelScope(shield=True):  # runs also when the waiting task is being cancelled
                 with contextlib.suppress(Exception):  # Redis down: the request's keys expire on their own
+                    # the stream before the cancel: a worker that sees the cancel writes its last events
+                    # (a cancelled request's `done`) after this delete, into a key that expires on its own,
+                    # never into one deleted under it
+                    await self.r.delete(self.streams.k_out(sub.rid))
                     if not finished:
                         await self.cancel(sub)
-                    await self.r.delete(self.streams.k_out(sub.rid))
 
     async def _retry(self, sub: Submission, can_restart: bool) -> Event | None:
         """The worker holding `sub` died: submit it again (None) or the event that ends it."""
