@@ -9,7 +9,7 @@
 #           e2e128rest | e2eprof | e2elayer | attntests | decodeab | psaab | latency | ncu | psasweep | pdlab | e2enow |
 #           offload | psa32sweep | offloadfit | ivfsweep | ivfcpp | cslfsweep | ivfsel | ivfeager | ivfsample | ncusel | psaemit | psafuse | psastop | rtrip | rerankreg | rerank96 | e2ectkvr | ncuivf | verify | repro | e2eh200 | pushab | decode512h200 | s14ab | s14e2e | s14final | s14frame | s14tests | s14lfpse2e | s15ivf | s15ivf2 | s15dot | s15final | s15rerank | s16ahead | s16overlap | s16more | s16tests | s16early | s17ahead | s17pipe | s17offload | s17reads | s17fuse | s18pages | s18offprof | s18offab | s18numa | s18staged | s18prio | s18stprof | s18frame | s19tests | s19granule | s19cached | s19overlap | s19sweep | s19gen | s20quick | s20cache | s20more | s20staged | s20tests | s21prof | s21l2 | s21split | s21ahead | s21gemv | s21decode | s21wide | saapwide | s22saap | s22wide1 | s22wide8 | s22tests | s22ncu | s22repeat | s22split8 | s23ncu | s23knobs | s23splits | s23onetok | s23ab | s23dense | s23e2e |
 #           s24attend | s24variants | s24regs | s24final | s24tests | s24stop | s25ncu | s25sel | s25final512 | s25knobs | s25pdl | s25attnpdl | s25saappdl | s25selsrc |
-#           s26ab | s26mask | s26probe | s26selw | s26push | s26final
+#           s26ab | s26mask | s26probe | s26selw | s26push | s26final | s27ab | s27kivf
 #   (default: tests decode before_after)
 #   The device tool returns at most 8 files: past that, the run's JSON files come back as $OUT/json.tar.gz
 #   (and everything as $OUT/all.tar.gz if that is not enough).
@@ -880,6 +880,36 @@ for stage in $stages; do
         --methods ctkvr kivf --out "$OUT/s26final" 2>&1 | tee "$OUT/gpu_decode_s26final.log" | grep -E "graph|Error|error"
       python3 benchmarks/gpu_decode.py --lengths 524288 --batches 1 --profile --backends triton --methods ctkvr \
         --out "$OUT/s26final_512k" 2>&1 | tee "$OUT/gpu_decode_s26final_512k.log" | grep -E "graph|Error|error" ;;
+    s27ab)  # session 27: CTkvr's probe picks as one int64 max each (value and id packed; was a max and a min), and the
+      # probe's last program per row merging the blocks' bests (IvfConfig.probe_merge, the default; 0: every rerank
+      # program merges them, with the packed picks too), against the tree before (.old/ivf_head.py), alternating
+      # twice (old, new, new:probe_merge=0; then the reverse), 32K and 128K, B = 1 and 8; 512K, B = 1; the IVF kernel tests.
+      # Documents a past run: the merge in the probe was slower (probe +3 us, rerank -1.5) and went with its knob, so
+      # a rerun fails at "unknown knob"
+      L="$OUT/gpu_decode_s27ab.log"
+      rm -rf /tmp/old && mkdir -p /tmp/old && cp -r benchmarks decoder indexer storage tests /tmp/old/ \
+        && cp .old/ivf_head.py /tmp/old/indexer/kernels/ivf.py
+      for i in 1 2; do
+        [ $i = 1 ] && (cd /tmp/old && python3 benchmarks/gpu_decode.py --lengths 32768 131072 --batches 1 8 --profile \
+          --backends triton --methods ctkvr --out "$OUT/s27ab_old$i" 2>&1 | tee -a "$L" | grep -E "graph|Error|error")
+        python3 benchmarks/gpu_decode.py --lengths 32768 131072 --batches 1 8 --profile --backends triton \
+          --methods $([ $i = 1 ] && echo "ctkvr ctkvr:probe_merge=0" || echo "ctkvr:probe_merge=0 ctkvr") \
+          $([ $i = 1 ] && echo --torch-plans) --out "$OUT/s27ab_new$i" 2>&1 | tee -a "$L" | grep -E "graph|Error|error"
+        [ $i = 2 ] && (cd /tmp/old && python3 benchmarks/gpu_decode.py --lengths 32768 131072 --batches 1 8 --profile \
+          --backends triton --methods ctkvr --out "$OUT/s27ab_old$i" 2>&1 | tee -a "$L" | grep -E "graph|Error|error")
+      done
+      (cd /tmp/old && python3 benchmarks/gpu_decode.py --lengths 524288 --batches 1 --profile --backends triton \
+        --methods ctkvr --out "$OUT/s27ab_old_512k" 2>&1 | tee -a "$L" | grep -E "graph|Error|error")
+      python3 benchmarks/gpu_decode.py --lengths 524288 --batches 1 --profile --backends triton --methods ctkvr \
+        ctkvr:probe_merge=0 --out "$OUT/s27ab_new_512k" 2>&1 | tee -a "$L" | grep -E "graph|Error|error"
+      python3 -m pytest -q -p no:cacheprovider -o addopts="" tests/test_kernels_ivf.py 2>&1 \
+        | tee "$OUT/gpu_ivf_kernel_tests_s27ab.log" | tail -2 ;;
+    s27kivf)  # session 27: kivf's rerank and select stop at the row's probed keys (SEL_CUM[r, P], read on the device)
+      # instead of running over the static width's padding, against the tree before it (.old/ivf_head.py: the packed
+      # probe picks already in), alternating twice, 32K and 128K, B = 1 and 8; the IVF kernel tests
+      old_new s27kivf "kivf" indexer/kernels/ivf.py 2>&1 | tee "$OUT/gpu_decode_s27kivf.log"
+      python3 -m pytest -q -p no:cacheprovider -o addopts="" tests/test_kernels_ivf.py 2>&1 \
+        | tee "$OUT/gpu_ivf_kernel_tests_s27kivf.log" | tail -2 ;;
     *) echo "unknown stage $stage" ;;
   esac
 done

@@ -280,14 +280,18 @@ def test_kivf_fused_plan_with_tiny_blocks(monkeypatch):
     _run_kivf("question", seed=7, cfg=TINY, monkeypatch=monkeypatch)
 
 
+@pytest.mark.parametrize("live", [False, True], ids=["all_slots", "live_prefix"])
 @pytest.mark.parametrize("search", ["bisection", "sampled"])
 @pytest.mark.parametrize("kp, rho", [(10, 24), (24, 10), (40, 5)])
-def test_select_kernel_ties_take_the_lowest_slots(kp, rho, search):
+def test_select_kernel_ties_take_the_lowest_slots(kp, rho, search, live):
     """The group-mass top-K on its own (kernel 3), with exact ties: every slot's logits come from 4
     classes (the same in both heads), so masses tie within a class. The plan row is the kp best
     valid slots, ties taken lowest slot first; the last token's row also gets the rho best (by a
     program of its own); -1 fills what the valid slots cannot. The plain search lists them in slot
-    order; the sampled search (`ivf._select_sampled`) may list the same set in another order."""
+    order; the sampled search (`ivf._select_sampled`) may list the same set in another order.
+    live_prefix (kivf's N_ROW): a row's live slots are a prefix of its U (64, 37, 50 here); the slots
+    past it hold what an earlier step left (valid positions, logits above every live one), which
+    neither the mass pass nor the search nor the emit may read."""
     rows, g, u, block = 3, 2, 64, 16
     gen = torch.Generator().manual_seed(kp * 100 + rho)
     cls = torch.randint(0, 4, (rows, u), generator=gen)
@@ -296,9 +300,14 @@ def test_select_kernel_ties_take_the_lowest_slots(kp, rho, search):
     pos[torch.rand(rows, u, generator=gen) < 0.3] = -1
     pos[2, :] = torch.where(torch.arange(u) < 6, pos[2, :], -1)  # a row with fewer valid slots than kp
     logits = logits.masked_fill((pos < 0)[:, None, :], float("-inf"))
-    m = logits.amax(-1)  # [rows, G]: one part holds the whole softmax state
-    lsum = torch.exp(logits - m[..., None]).sum(-1)
+    n_row = torch.tensor([u, 37, 50] if live else [u] * rows, dtype=torch.int32)
+    is_live = torch.arange(u)[None, :] < n_row[:, None]  # [rows, U]
+    m = logits.masked_fill(~is_live[:, None, :], float("-inf")).amax(-1)  # [rows, G]: one part, the live slots'
+    lsum = torch.exp(logits - m[..., None]).masked_fill(~is_live[:, None, :], 0.0).sum(-1)
     ml = torch.stack([m, lsum], -1)[:, None].contiguous()  # [rows, 1, G, 2]
+    stale = torch.randperm(1000, generator=gen)[: rows * u].view(rows, u).to(torch.int32) + 1000
+    pos = torch.where(is_live, pos, stale)  # past the live prefix: valid-looking positions ...
+    logits = torch.where(is_live[:, None, :], logits, torch.full_like(logits, 5.0))  # ... with the largest logits
     logits = logits.transpose(1, 2).contiguous()  # the rerank's layout: [rows, U, G]
     scr = torch.empty(rows, 2, 3 * u, dtype=torch.int32)
     out = torch.empty(rows, kp, dtype=torch.int32)
@@ -306,11 +315,12 @@ def test_select_kernel_ties_take_the_lowest_slots(kp, rho, search):
     d = lambda x: x.to(DEVICE)  # noqa: E731
     t = 1  # every row is a last token's row (T = 1: one row per KV head)
     args = [d(logits), d(pos), d(ml), d(scr), d(out), d(push)]
-    ivf._select_kernel[(rows, 2)](*args, args[1], t, u, 1, kp, rho, 3 * u, 1, G=g, G_PAD=g, BLOCK=block, BLOCK_S=32,
-                                  HAS_PUSH=True, PRECISE=DEVICE == "cuda", SAMPLE=search == "sampled", num_warps=4)
+    ivf._select_kernel[(rows, 2)](*args, args[1], d(n_row), t, u, 1, kp, rho, 3 * u, 1, 1, G=g, G_PAD=g, BLOCK=block,
+                                  BLOCK_S=32, HAS_PUSH=True, PRECISE=DEVICE == "cuda", SAMPLE=search == "sampled",
+                                  HAS_N_ROW=live, num_warps=4)
     out, push = args[4].cpu(), args[5].cpu()
     for r in range(rows):
-        ranked = sorted((int(cls[r, i]), i) for i in range(u) if pos[r, i] >= 0)  # class asc = mass desc, slot asc
+        ranked = sorted((int(cls[r, i]), i) for i in range(int(n_row[r])) if pos[r, i] >= 0)  # class asc = mass desc
         for got, k in ((out[r], kp), (push[r], rho)):
             want = [int(pos[r, i]) for _, i in ranked[:k]]
             if search == "sampled":
@@ -383,6 +393,59 @@ def _check_thresholds(keys, got, k):
         chosen = {i for i, x in enumerate(row) if x > thr and x > 0} | {i for i in eq[:take] if row[i] > 0}  # 0: empty
         ranked = sorted((-x, i) for i, x in enumerate(row) if x > 0)[:k]
         assert chosen == {i for _, i in ranked}, (r, thr, take)
+
+
+@triton.jit
+def _picks_probe(V, I, OUT_V, OUT_I, n, P: tl.constexpr, BLOCK: tl.constexpr):
+    """Row r: P picks (`ivf._entry_key`, `ivf._pick_next`) over (V[r, :n], I[r, :n]) -> OUT_V/OUT_I[r, :P]."""
+    r = tl.program_id(0)
+    ar = tl.arange(0, BLOCK)
+    v = tl.load(V + r * n + ar, mask=ar < n, other=float("-inf"))
+    i = tl.load(I + r * n + ar, mask=ar < n, other=2147483647)
+    key = ivf._entry_key(v, i)
+    prev = tl.full([], 9223372036854775807, tl.int64)
+    for j in tl.static_range(P):
+        prev, pv, pi = ivf._pick_next(key, prev)
+        tl.store(OUT_V + r * P + j, pv)
+        tl.store(OUT_I + r * P + j, pi)
+
+
+def _picks_reference(vals, ids, p):
+    """The picks' order, as the probe's float compares define it: value desc, then id asc; a NaN is
+    never picked; -0.0 equals 0.0; (-inf, INT_MAX) once nothing is left."""
+    order = sorted(((v, i) for v, i in zip(vals, ids) if v == v), key=lambda e: (-e[0], e[1]))
+    order += [(float("-inf"), 2147483647)] * p
+    return order[:p]
+
+
+def test_probe_picks_order_value_then_lowest_id():
+    """A pick is one int64 max over (value, id) packed in one key: the same picks as comparing the
+    floats and then the ids. Rows: ties (the lowest id first), -0.0 tied with 0.0, -inf entries (an
+    evicted FIFO entry: picked after every finite one, lowest id first), NaN (never picked), fewer
+    entries than picks, negative values, ids up to INT_MAX - 1, +inf."""
+    n, p = 8, 6
+    inf, nan = float("inf"), float("nan")
+    rows = [
+        ([0.5, 0.25, 0.5, -0.125, 0.5, 0.25, -1.0, 0.0], [7, 3, 2, 9, 5, 1, 4, 0]),
+        ([0.0, -0.0, -0.0, 0.0, -0.5, -0.25, -0.5, -1.0], [6, 2, 5, 4, 1, 0, 3, 7]),
+        ([-inf, 0.125, -inf, -inf, 0.125, -2.0, -inf, -inf], [5, 8, 1, 3, 2, 0, 9, 4]),
+        ([nan, 0.75, nan, -inf, 0.75, nan, 0.5, nan], [0, 6, 1, 2, 3, 4, 5, 7]),
+        ([nan, nan, 0.5, nan, -inf, nan, nan, nan], [0, 1, 2, 3, 4, 5, 6, 7]),
+        ([inf, 3.0e38, -3.0e38, 1e-45, -1e-45, inf, 0.0, 2.0], [2147483646, 0, 1, 2, 3, 5, 6, 2147483000]),
+    ]
+    vals = torch.tensor([r[0] for r in rows], dtype=torch.float32)
+    ids = torch.tensor([r[1] for r in rows], dtype=torch.int32)
+    out_v = torch.zeros(len(rows), p, dtype=torch.float32)
+    out_i = torch.zeros(len(rows), p, dtype=torch.int32)
+    d = lambda x: x.to(DEVICE)  # noqa: E731
+    args = [d(vals), d(ids), d(out_v), d(out_i)]
+    _picks_probe[(len(rows),)](*args, n, P=p, BLOCK=n)
+    got_v, got_i = args[2].cpu(), args[3].cpu()
+    for r, (v, i) in enumerate(rows):
+        want = _picks_reference(vals[r].tolist(), i, p)  # the float32 values the kernel saw
+        got = list(zip(got_v[r].tolist(), got_i[r].tolist()))
+        assert [e[1] for e in got] == [e[1] for e in want], r
+        assert [e[0] for e in got] == [e[0] for e in want], r  # -0.0 == 0.0 here: the rows agree as floats
 
 
 @triton.jit

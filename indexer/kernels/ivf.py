@@ -49,8 +49,11 @@ kivf: `_kivf_probe_kernel` (logits of the query heads against the C centroids + 
 state), `_kivf_clusters_kernel` (per row: the group-summed softmax, its top-nprobe by the same
 threshold search, the CSR slices of the chosen clusters with their running sizes), then
 `_rerank_kernel` with the CSR source (slot u -> the cluster holding u by binary search over the
-running sizes -> order[...]; no dedup: each key is in one cluster; slots past the probed keys load
-nothing) and `_select_kernel` as for CTkvr.
+running sizes -> order[...]; no dedup: each key is in one cluster; the chunks past the probed keys
+are skipped) and `_select_kernel` as for CTkvr, over the row's probed keys only (the static width U,
+the sum of the nprobe largest clusters, is 1.5-1.9x what a probe holds on real layers: the select
+reads the row's count from SEL_CUM on the device and stops there; 128K, B = 1 on the H200 218 -> 151
+us, benchmarks/RESULTS.md, session 27).
 
 Results against the torch path. Positions: the same *set* per row. Order: the torch path returns
 best first; a fused row lists its positions in candidate-slot order (probe rank, then list order),
@@ -113,14 +116,18 @@ Programmatic dependent launch for these kernels made a graph-replayed step 8-10 
 H100 had measured 2-3 us faster), so they launch without it.
 On the H200 (session 26): a slot's probe rank by compares (`_rank_of`) took the select 21.8 -> 21.1 us;
 CTkvr's logits masked once per chunk (`_group_logits`) the rerank 23.5 -> 21.3 (kivf's 87 -> 92, so it
-keeps the per-head masks); the step 72 -> 69 us at 32K-512K, B = 1. The probe's cosines on tensor cores
+keeps the per-head masks); the step 72 -> 69 us at 32K-512K, B = 1. Session 27: a probe pick as one
+int64 max of packed (value, id) keys (`_entry_key`) instead of a max and a min, the probe 10.4 -> 9.8
+us; the blocks' bests merged once per row by the probe's last program (a ticket) instead of in every
+rerank program cost the probe 3 us for 1.5 saved in the rerank (dropped). The probe's cosines on tensor cores
 (181 -> 68 registers) were no faster (reverted), nor were 16 select warps (benchmarks/RESULTS.md,
 "ctkvr 72 -> 69 us").
 
 kivf at 128K (ratio 0.05: k = 6554; C = 1448 fp32 centroids, nprobe = 290 for scan 4): probe 8 x 1448
 x 128 x 4 B = 5.9 MB; rerank ~4 x k = 26K probed keys per row -> 8 x 26K x 256 B = 54 MB of K rows
-(18 us at 3 TB/s) plus W-wide logits (W = the 290 largest clusters, static); the select runs over W
-slots per row, so it is slower than CTkvr's (its working set shrinks to the valid band quickly).
+(18 us at 3 TB/s); the rerank and the select stop at the row's ~26K probed keys, not the static W
+(the 290 largest clusters); the select still runs over 2.5x CTkvr's slots per row, so it is slower
+(H200, session 27: select 59 us, rerank 54, step 151 against SDPA's 154).
 
 `CTXCACHE_FUSED_IVF=0` in the environment keeps both planners on their torch path (A/B runs of whole
 decode benchmarks); `planner.fused = False` does it for one planner.
@@ -163,6 +170,8 @@ from indexer.kernels import Workspaces, interpreted  # also makes Triton 3.6's i
 
 NEG_BIG: tl.constexpr = tl.constexpr(-1.0e30)  # initial running max: finite, so exp(m_old - m_new) is never nan
 INT_MAX: tl.constexpr = tl.constexpr(2147483647)
+INT64_MAX: tl.constexpr = tl.constexpr(9223372036854775807)
+INT64_MIN: tl.constexpr = tl.constexpr(-9223372036854775808)
 KEY_INF: tl.constexpr = tl.constexpr(0x7F800001)  # key of mass +inf (bits + 1)
 MAX_PROBE = 32  # CTkvr entries probed per row (the merge is unrolled per pick, and a position's probe-rank bits
 # fill one 32-bit word of the dedup map at most); more: torch. kivf: any nprobe
@@ -442,13 +451,27 @@ def _emit(KEYS, POS, n, thr, take, K, OUT, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _pick_next(v, i, pv, pi):
-    """The best (value desc, id asc) of (v, i) strictly after (pv, pi) in that order ->
-    (value, id); (-inf, INT_MAX) when none is left."""
-    elig = (v < pv) | ((v == pv) & (i > pi))
-    m = tl.max(tl.where(elig, v, float("-inf")), 0)
-    pick = tl.min(tl.where(elig & (v == m), i, INT_MAX), 0)
-    return m, pick
+def _entry_key(v, i):
+    """(value, id) -> one int64 whose order is the picks' order (value desc, then id asc): the value's
+    order-preserving int32 bits (+0.0 for -0.0, which compares equal to it) above INT_MAX - id (ids in
+    [0, INT_MAX]); a NaN value -> INT64_MIN, never picked (a NaN compares false, as in the float
+    form). A pick is then one int64 max instead of a max and a min (two block reductions)."""
+    v = tl.where(v == 0.0, 0.0, v)
+    b = v.to(tl.int32, bitcast=True)
+    k = tl.where(b >= 0, b, b ^ INT_MAX)
+    packed = (k.to(tl.int64) << 32) | (-i + INT_MAX).to(tl.int64)  # (the constexpr on the right: the interpreter)
+    return tl.where(v == v, packed, INT64_MIN)
+
+
+@triton.jit
+def _pick_next(key, prev):
+    """The best `_entry_key` below prev -> (key, value, id); (INT64_MIN, -inf, INT_MAX) when none is left."""
+    best = tl.max(tl.where(key < prev, key, INT64_MIN), 0)
+    none = best == INT64_MIN
+    k = (best >> 32).to(tl.int32)
+    v = tl.where(none, float("-inf"), tl.where(k >= 0, k, k ^ INT_MAX).to(tl.float32, bitcast=True))
+    i = tl.where(none, INT_MAX, -(best & INT_MAX).to(tl.int32) + INT_MAX)
+    return best, v, i
 
 
 @triton.jit
@@ -460,11 +483,11 @@ def _merge_probe(TOPV, TOPI, base, n_top, P: tl.constexpr, P_PAD: tl.constexpr, 
     v = tl.load(TOPV + base + o, mask=ok, other=float("-inf"))
     i = tl.load(TOPI + base + o, mask=ok, other=INT_MAX)
     ar = tl.arange(0, P_PAD)
+    key = _entry_key(v, i)
     sel = tl.full([P_PAD], INT_MAX, tl.int32)
-    pv = float("inf")
-    pi = -1
+    prev = tl.full([], INT64_MAX, tl.int64)
     for j in tl.static_range(P):
-        pv, pi = _pick_next(v, i, pv, pi)
+        prev, pv, pi = _pick_next(key, prev)
         sel = tl.where(ar == j, pi, sel)
     return sel
 
@@ -536,12 +559,11 @@ def _ctkvr_probe_kernel(
             cos = tl.sum(ce * qf[None, :], 1)
             cos = _round_as(cos, CENT.dtype.element_ty)  # the einsum's output dtype (bf16 rounds)
             best = tl.maximum(best, cos)
-    v = tl.where(alive, best, float("-inf"))
+    key = _entry_key(tl.where(alive, best, float("-inf")), e)
     base = (r * n_blocks + s) * P_PAD
-    pv = float("inf")
-    pi = -1
+    prev = tl.full([], INT64_MAX, tl.int64)
     for j in tl.static_range(P):
-        pv, pi = _pick_next(v, e, pv, pi)
+        prev, pv, pi = _pick_next(key, prev)
         tl.store(TOPV + base + j, pv)
         tl.store(TOPI + base + j, pi)
     if DEDUP:  # zero this block's share of the row's bitmap (kernel 2 sets bits)
@@ -767,7 +789,12 @@ def _rerank_kernel(
             if HAS_FIFO:
                 if s == 0:  # the probe-share statistic: probed entries that came from the FIFO
                     tl.store(HITS + r, tl.sum(((sel >= C) & (tl.arange(0, P_PAD) < P)).to(tl.int32), 0))
-        for ci in range(0, chunks_per_prog):
+        n_ci = chunks_per_prog
+        if SOURCE == 1:  # kivf: the chunks past the probed clusters' keys (the static width's padding) are skipped:
+            # the select reads no slot past them (`_select_kernel`, N_ROW)
+            live_end = tl.load(SRC_C + r64 * (P_PAD + 1) + P) - s * chunks_per_prog * BLOCK_U
+            n_ci = tl.minimum(tl.maximum((live_end + BLOCK_U - 1) // BLOCK_U, 0), chunks_per_prog)
+        for ci in range(0, n_ci):
             u = (s * chunks_per_prog + ci) * BLOCK_U + ar_u
             in_u = u < U
             if SOURCE == 0:
@@ -835,11 +862,12 @@ def _rerank_kernel(
 
 
 @triton.jit
-def _row_keys(WS_S, WS_POS, WS_ML, row, r, U, n_parts, BITMAP, NW, RHO, G: tl.constexpr, G_PAD: tl.constexpr,
+def _row_keys(WS_S, WS_POS, WS_ML, row, r, U, n, n_parts, BITMAP, NW, RHO, G: tl.constexpr, G_PAD: tl.constexpr,
               BLOCK: tl.constexpr, BLOCK_S: tl.constexpr, PRECISE: tl.constexpr, SAMPLE: tl.constexpr = False,
               DEDUP: tl.constexpr = False, PB: tl.constexpr = 1):
-    """Row r's int keys -> row[0:U] (group mass as float bits + 1, 0 = not a candidate: DEDUP, also
-    a CTkvr slot whose position a lower probe rank holds, `_survivors`), and a lower
+    """Row r's int keys -> row[0:n] (group mass as float bits + 1, 0 = not a candidate: DEDUP, also
+    a CTkvr slot whose position a lower probe rank holds, `_survivors`; the row's first n slots of the
+    rerank's U, the rest padding that nothing reads: `_select_kernel`'s N_ROW), and a lower
     bound > 0 of the valid keys, their count and an upper bound (exclusive) of all keys. Without
     SAMPLE, or when the row fits one block, the bounds are the smallest valid key and the max + 1,
     from a second pass over the stored keys (which every thread reads alike: a thread's own copy of
@@ -855,35 +883,35 @@ def _row_keys(WS_S, WS_POS, WS_ML, row, r, U, n_parts, BITMAP, NW, RHO, G: tl.co
     ok_g = (ar_g < G)[None, :]
     lse_k = tl.where(ar_g < G, lse, 0.0)  # padded heads (-inf): masked after, without inf - inf
     s_row = WS_S + r * U * G
-    pos_nx = tl.load(pos_row + ar, mask=ar < U, other=-1)
-    lg_nx = tl.load(s_row + ar[:, None] * G + ar_g[None, :], mask=(ar < U)[:, None] & ok_g, other=float("-inf"))
-    for c0 in range(0, U, BLOCK):
+    pos_nx = tl.load(pos_row + ar, mask=ar < n, other=-1)
+    lg_nx = tl.load(s_row + ar[:, None] * G + ar_g[None, :], mask=(ar < n)[:, None] & ok_g, other=float("-inf"))
+    for c0 in range(0, n, BLOCK):
         u = c0 + ar
-        inn = u < U
+        inn = u < n
         pos = pos_nx
         lg = lg_nx
         if DEDUP:  # (its map word's load in flight with the next chunk's and the masses)
             pos = tl.where(_survivors(BITMAP, NW, r, pos, u, RHO, PB), pos, -1)
         nx = u + BLOCK  # the next chunk's loads in flight while this one is computed
-        pos_nx = tl.load(pos_row + nx, mask=nx < U, other=-1)
-        lg_nx = tl.load(s_row + nx[:, None] * G + ar_g[None, :], mask=(nx < U)[:, None] & ok_g, other=float("-inf"))
+        pos_nx = tl.load(pos_row + nx, mask=nx < n, other=-1)
+        lg_nx = tl.load(s_row + nx[:, None] * G + ar_g[None, :], mask=(nx < n)[:, None] & ok_g, other=float("-inf"))
         mass = tl.sum(tl.where(ok_g, _exp(lg - lse_k[None, :], PRECISE), 0.0), 1)
         valid = (pos >= 0) & (mass == mass)
         key = tl.where(valid, tl.minimum(mass.to(tl.int32, bitcast=True) + 1, KEY_INF), 0)
         tl.store(row + u, key, mask=inn)
         n_ok += (valid & inn).to(tl.int32)
     tl.debug_barrier()
-    if SAMPLE & (U > BLOCK):
-        key_min = U * 0 + 1
+    if SAMPLE & (n > BLOCK):
+        key_min = n * 0 + 1
         n_valid = tl.sum(n_ok, 0)
-        key_hi = U * 0 + KEY_INF + 1
+        key_hi = n * 0 + KEY_INF + 1
     else:
         k_max = tl.zeros([BLOCK], tl.int32)
         k_min = tl.full([BLOCK], INT_MAX, tl.int32)
         n_ok = tl.zeros([BLOCK], tl.int32)
-        for c0 in range(0, U, BLOCK):
+        for c0 in range(0, n, BLOCK):
             u = c0 + ar
-            key = tl.load(row + u, mask=u < U, other=0)
+            key = tl.load(row + u, mask=u < n, other=0)
             k_max = tl.maximum(k_max, key)
             k_min = tl.minimum(k_min, tl.where(key > 0, key, INT_MAX))
             n_ok += (key > 0).to(tl.int32)
@@ -893,13 +921,13 @@ def _row_keys(WS_S, WS_POS, WS_ML, row, r, U, n_parts, BITMAP, NW, RHO, G: tl.co
     return key_min, n_valid, key_hi
 
 
-@triton.jit(do_not_specialize=["T", "U", "n_parts", "KP", "RHO", "scr_row", "NW"])
+@triton.jit(do_not_specialize=["T", "U", "n_parts", "KP", "RHO", "scr_row", "NW", "sn_r"])
 def _select_kernel(
-    WS_S, WS_POS, WS_ML, SCR, OUT, PUSH, BITMAP,
-    T, U, n_parts, KP, RHO, scr_row, NW,
+    WS_S, WS_POS, WS_ML, SCR, OUT, PUSH, BITMAP, N_ROW,
+    T, U, n_parts, KP, RHO, scr_row, NW, sn_r,
     G: tl.constexpr, G_PAD: tl.constexpr, BLOCK: tl.constexpr, BLOCK_S: tl.constexpr,
     HAS_PUSH: tl.constexpr, PRECISE: tl.constexpr, SAMPLE: tl.constexpr = False,
-    DEDUP: tl.constexpr = False, PB: tl.constexpr = 1,
+    DEDUP: tl.constexpr = False, PB: tl.constexpr = 1, HAS_N_ROW: tl.constexpr = False,
 ):
     """Grid (rows, 1 + HAS_PUSH). Per row: lse per head over the parts (candidates + frame), mass of
     each slot = sum over heads of exp(logit - lse) (candidate_mass) as an int key (float bits + 1;
@@ -908,7 +936,9 @@ def _select_kernel(
     keys (program 0 the push, 1 the plan; program 1 of another row has nothing to do): the mass
     arithmetic twice, in parallel, instead of the smaller set selected inside the larger one after
     it (52 -> 35 us at the 8B shape, H100; benchmarks/RESULTS.md). SCR row per program: [keys U |
-    ping U | pong U]."""
+    ping U | pong U]. HAS_N_ROW (kivf): row r's live slots are its first min(U, N_ROW[r * sn_r]), the
+    probed clusters' keys (U is the static width, the most any probe can hold: 1.5-1.9x on real
+    layers); the mass pass, the search and the emit stop there (the rerank skips the rest)."""
     r = tl.program_id(0).to(tl.int64)
     w = tl.program_id(1)
     h = r // T
@@ -918,7 +948,10 @@ def _select_kernel(
         push_row = t == T - 1
     if (w == 0) | push_row:
         row = SCR + (r * tl.num_programs(1) + w) * scr_row
-        key_min, n_valid, key_hi = _row_keys(WS_S, WS_POS, WS_ML, row, r, U, n_parts, BITMAP, NW, RHO, G, G_PAD,
+        n = U
+        if HAS_N_ROW:
+            n = tl.minimum(tl.load(N_ROW + r * sn_r), U)
+        key_min, n_valid, key_hi = _row_keys(WS_S, WS_POS, WS_ML, row, r, U, n, n_parts, BITMAP, NW, RHO, G, G_PAD,
                                              BLOCK, BLOCK_S, PRECISE, SAMPLE, DEDUP, PB)
         if push_row & (w == 0):
             k = RHO
@@ -927,10 +960,10 @@ def _select_kernel(
             k = KP
             out = OUT + r * KP
         if SAMPLE:
-            _select_sampled(row, WS_POS + r * U, U, k, key_min, n_valid, key_hi, out, BLOCK)
+            _select_sampled(row, WS_POS + r * U, n, k, key_min, n_valid, key_hi, out, BLOCK)
         else:
-            thr, take = _top_threshold(row, U, k, key_min, n_valid, key_hi, BLOCK)
-            _emit(row, WS_POS + r * U, U, thr, take, k, out, BLOCK)
+            thr, take = _top_threshold(row, n, k, key_min, n_valid, key_hi, BLOCK)
+            _emit(row, WS_POS + r * U, n, thr, take, k, out, BLOCK)
 
 
 @triton.jit
@@ -1171,12 +1204,13 @@ def _rerank_and_select(q, kv, *, rows: int, u: int, sink: int, window: int, kp: 
         EAGER_ROWS=cfg.eager_rows and dedup, ONE_MASK=source == 0, num_warps=cfg.rerank_warps,
         **({"maxnreg": cfg.rerank_maxnreg} if cfg.rerank_maxnreg and q.device.type == "cuda" else {}),
     )
+    has_n_row = source == 1  # kivf: the row's probed keys, SEL_CUM[r, P]
     _select_kernel[(rows, n_sel)](
         wf["s"], wi["pos"], wf["ml"], wi["scr"], out, push if push is not None else out,
-        bitmap if bitmap is not None else placeholder,
-        t, u, n_parts, kp, rho, scr_row, bitmap.shape[-1] if bitmap is not None else 1,
+        bitmap if bitmap is not None else placeholder, src[2][p:] if has_n_row else placeholder,
+        t, u, n_parts, kp, rho, scr_row, bitmap.shape[-1] if bitmap is not None else 1, p_pad + 1,
         G=g, G_PAD=g_pad, BLOCK=_select_block(u, cfg), BLOCK_S=_parts_block(n_parts), HAS_PUSH=push is not None,
-        PRECISE=_precise(), SAMPLE=cfg.sample_select, DEDUP=dedup, PB=p_pad if dedup else 1,
+        PRECISE=_precise(), SAMPLE=cfg.sample_select, DEDUP=dedup, PB=p_pad if dedup else 1, HAS_N_ROW=has_n_row,
         num_warps=cfg.select_warps,
     )
     return out
