@@ -9,7 +9,7 @@
 #           e2e128rest | e2eprof | e2elayer | attntests | decodeab | psaab | latency | ncu | psasweep | pdlab | e2enow |
 #           offload | psa32sweep | offloadfit | ivfsweep | ivfcpp | cslfsweep | ivfsel | ivfeager | ivfsample | ncusel | psaemit | psafuse | psastop | rtrip | rerankreg | rerank96 | e2ectkvr | ncuivf | verify | repro | e2eh200 | pushab | decode512h200 | s14ab | s14e2e | s14final | s14frame | s14tests | s14lfpse2e | s15ivf | s15ivf2 | s15dot | s15final | s15rerank | s16ahead | s16overlap | s16more | s16tests | s16early | s17ahead | s17pipe | s17offload | s17reads | s17fuse | s18pages | s18offprof | s18offab | s18numa | s18staged | s18prio | s18stprof | s18frame | s19tests | s19granule | s19cached | s19overlap | s19sweep | s19gen | s20quick | s20cache | s20more | s20staged | s20tests | s21prof | s21l2 | s21split | s21ahead | s21gemv | s21decode | s21wide | saapwide | s22saap | s22wide1 | s22wide8 | s22tests | s22ncu | s22repeat | s22split8 | s23ncu | s23knobs | s23splits | s23onetok | s23ab | s23dense | s23e2e |
 #           s24attend | s24variants | s24regs | s24final | s24tests | s24stop | s25ncu | s25sel | s25final512 | s25knobs | s25pdl | s25attnpdl | s25saappdl | s25selsrc |
-#           s26ab | s26mask | s26probe | s26selw | s26push | s26final | s27ab | s27kivf
+#           s26ab | s26mask | s26probe | s26selw | s26push | s26final | s27ab | s27kivf | s27tests | s27kivfknobs | s27kivfsel
 #   (default: tests decode before_after)
 #   The device tool returns at most 8 files: past that, the run's JSON files come back as $OUT/json.tar.gz
 #   (and everything as $OUT/all.tar.gz if that is not enough).
@@ -659,7 +659,7 @@ for stage in $stages; do
         --offload-batches 8 --offload-methods ctkvr csattn --offload-contexts copies \
         --offload-plan-ahead off-cached staged --plan-overlap 0.69 0 --eager-tokens 0 --hf-tokens 0 --tokens 8 \
         --budget-s 420 --check-prefill 0 --out "$OUT/staged" 2>&1 | tee "$OUT/gpu_e2e_staged.log" | grep "^| \|rror" ;;
-    s20tests|s22tests|s23tests|s24tests)  # sessions 20-24, the final tree: every GPU-marked test, then the kernel
+    s20tests|s22tests|s23tests|s24tests|s27tests)  # sessions 20-24 and 27, the final tree: every GPU-marked test, then the kernel
       # files' CPU-shaped tests compiled
       python3 -m pytest -q -p no:cacheprovider -m gpu -o addopts="" \
         tests/test_gpu_decode.py tests/test_triton_attention.py tests/test_backends.py tests/test_pipeline.py \
@@ -910,6 +910,20 @@ for stage in $stages; do
       old_new s27kivf "kivf" indexer/kernels/ivf.py 2>&1 | tee "$OUT/gpu_decode_s27kivf.log"
       python3 -m pytest -q -p no:cacheprovider -o addopts="" tests/test_kernels_ivf.py 2>&1 \
         | tee "$OUT/gpu_ivf_kernel_tests_s27kivf.log" | tail -2 ;;
+    s27kivfknobs)  # session 27: kivf's select and rerank knobs again now that they stop at the probed keys (~26K live
+      # slots per row at 128K: a sampled band may pass a 2,048-key block), 128K, B = 1 and 8, the default first and last
+      python3 benchmarks/gpu_decode.py --lengths 131072 --batches 1 8 --profile --backends triton --methods kivf \
+        kivf:select_block=4096,select_warps=16 kivf:select_warps=16 kivf:chunks_per_prog=4 kivf:block_u=32,chunks_per_prog=4 \
+        kivf --out "$OUT/s27kivfknobs" 2>&1 | tee "$OUT/gpu_decode_s27kivfknobs.log" | grep -E "graph|Error|error" ;;
+    s27kivfsel)  # session 27: kivf's select at 4,096-key blocks and 16 warps against 2,048 / 8, both orders, 32K and 128K,
+      # B = 1 and 8; the IVF kernel tests. The run itself made 4,096 / 16 kivf's default at every width (knobs
+      # kivf_select_block / _warps); it won at 128K and lost at 32K, so now rows of at least wide_select_from slots
+      # take it, whatever the method: this stage compares the default with the wide select switched off
+      python3 benchmarks/gpu_decode.py --lengths 32768 131072 --batches 1 8 --profile --backends triton --methods kivf \
+        kivf:wide_select_from=1000000000 kivf --out "$OUT/s27kivfsel" 2>&1 \
+        | tee "$OUT/gpu_decode_s27kivfsel.log" | grep -E "graph|Error|error"
+      python3 -m pytest -q -p no:cacheprovider -o addopts="" tests/test_kernels_ivf.py 2>&1 \
+        | tee "$OUT/gpu_ivf_kernel_tests_s27kivfsel.log" | tail -2 ;;
     *) echo "unknown stage $stage" ;;
   esac
 done

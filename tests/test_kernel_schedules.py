@@ -38,7 +38,8 @@ def _tiny_config(name: str):
 
     return {
         "ctkvr": (ivf, ivf.IvfConfig(block_c=16, block_u=32, chunks_per_prog=1, select_block=32, select_warps=4)),
-        "kivf": (ivf, ivf.IvfConfig(block_c=16, block_u=32, chunks_per_prog=1, select_block=32, select_warps=4)),
+        "kivf": (ivf, ivf.IvfConfig(block_c=16, block_u=32, chunks_per_prog=1, select_block=32, select_warps=4,
+                                    wide_select_block=32, wide_select_warps=4)),
         "psa": (psa, psa.PsaConfig(block_b=16, tile_tokens=16, pos_block=64)),
         "csattn": (csattn, csattn.CsattnConfig(block=32, block_n=64)),
         "lfps": (lfps, lfps.LfpsConfig(block=32, block_score=16, block_moments=64, block_k=32, block_decay=128)),

@@ -33,8 +33,8 @@ ivf = pytest.importorskip("indexer.kernels.ivf", reason="triton is not installed
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-TINY = ivf.IvfConfig(block_c=16, block_u=16, chunks_per_prog=2, select_block=16, select_warps=4,
-                     eager_rows=False, probe_one_load=False)
+TINY = ivf.IvfConfig(block_c=16, block_u=16, chunks_per_prog=2, select_block=16, select_warps=4, wide_select_block=16,
+                     wide_select_warps=4, eager_rows=False, probe_one_load=False)
 # the default loads K rows before the dedup answers, TINY after; the default probe loads every head's
 # centroid rows at once, TINY one head at a time
 
@@ -511,6 +511,20 @@ def test_sampled_select_writes_the_top_k_positions_on_every_path():
     assert path[8] == 2  # ... but more keys than a block
     assert path[1] == path[2] == 3  # a misleading sample, refuted
     assert path[5] == path[6] == 0  # no search needed
+
+
+def test_wide_rows_take_the_wide_select():
+    """The select's block and warps follow the row's width (shapes only): rows of at least
+    `wide_select_from` candidate slots take the wide block (kivf at 128K), narrower ones the default
+    (CTkvr's 10,240; kivf at 32K), and a block is never wider than the row's next power of two."""
+    cfg = ivf.IvfConfig()
+    assert ivf._select_shape(10_240, cfg) == (cfg.select_block, cfg.select_warps)
+    assert ivf._select_shape(cfg.wide_select_from - 1, cfg) == (cfg.select_block, cfg.select_warps)
+    assert ivf._select_shape(cfg.wide_select_from, cfg) == (cfg.wide_select_block, cfg.wide_select_warps)
+    assert ivf._select_shape(40_000, cfg) == (4096, 16)
+    assert ivf._select_shape(100, cfg) == (128, cfg.select_warps)
+    small = ivf.IvfConfig(wide_select_from=64, wide_select_block=1 << 20, wide_select_warps=2)
+    assert ivf._select_shape(100, small) == (128, 2)
 
 
 def test_unsupported_configurations_keep_the_torch_path():

@@ -53,7 +53,8 @@ running sizes -> order[...]; no dedup: each key is in one cluster; the chunks pa
 are skipped) and `_select_kernel` as for CTkvr, over the row's probed keys only (the static width U,
 the sum of the nprobe largest clusters, is 1.5-1.9x what a probe holds on real layers: the select
 reads the row's count from SEL_CUM on the device and stops there; 128K, B = 1 on the H200 218 -> 151
-us, benchmarks/RESULTS.md, session 27).
+us, and 138 with the wide select that rows of >= `wide_select_from` slots take; benchmarks/RESULTS.md,
+session 27).
 
 Results against the torch path. Positions: the same *set* per row. Order: the torch path returns
 best first; a fused row lists its positions in candidate-slot order (probe rank, then list order),
@@ -127,7 +128,7 @@ kivf at 128K (ratio 0.05: k = 6554; C = 1448 fp32 centroids, nprobe = 290 for sc
 x 128 x 4 B = 5.9 MB; rerank ~4 x k = 26K probed keys per row -> 8 x 26K x 256 B = 54 MB of K rows
 (18 us at 3 TB/s); the rerank and the select stop at the row's ~26K probed keys, not the static W
 (the 290 largest clusters); the select still runs over 2.5x CTkvr's slots per row, so it is slower
-(H200, session 27: select 59 us, rerank 54, step 151 against SDPA's 154).
+(H200, session 27: select 44 us with 4,096-key blocks over 16 warps, rerank 54, step 138 against SDPA's 152).
 
 `CTXCACHE_FUSED_IVF=0` in the environment keeps both planners on their torch path (A/B runs of whole
 decode benchmarks); `planner.fused = False` does it for one planner.
@@ -1095,6 +1096,10 @@ class IvfConfig:
     rerank_maxnreg: int | None = 96  # rerank: register cap per thread on CUDA (0 / None: the compiler's, 159 at
     # the 8B shape, 3 programs per SM); 96: 5 per SM, rerank 27.5 -> 24.0 us at 128K (H100; RESULTS.md)
     select_warps: int = 8
+    wide_select_from: int = 16384  # select: rows of at least this many candidate slots (U, from shapes) use the
+    wide_select_block: int = 4096  # wide block and warps. kivf at 128K (U ~40K, ~26K of them probed keys):
+    wide_select_warps: int = 16  # select 58.9 -> 44 us, step 153 -> 138; at 32K (U ~10K) 17.2 -> 21.7, and
+    # CTkvr's U = 10,240 was slower too (H200, sessions 26-27; benchmarks/RESULTS.md)
     eager_rows: bool = True  # rerank: K rows loaded before the dedup atomic answers (rerank 30.1 -> 27.3 us, 128K)
     sample_select: bool = True  # select: `_select_sampled` (27.6 -> 19.5 us at 128K, H100; RESULTS.md); False: plain
 
@@ -1158,8 +1163,11 @@ def _cdiv(a: int, b: int) -> int:
 
 
 @functools.lru_cache(maxsize=256)
-def _select_block(u: int, cfg: IvfConfig) -> int:
-    return max(16, min(cfg.select_block, triton.next_power_of_2(max(u, 1))))
+def _select_shape(u: int, cfg: IvfConfig) -> tuple[int, int]:
+    """(keys per chunk, warps) of the select over rows of u candidate slots."""
+    block, warps = ((cfg.wide_select_block, cfg.wide_select_warps) if u >= cfg.wide_select_from
+                    else (cfg.select_block, cfg.select_warps))
+    return max(16, min(block, triton.next_power_of_2(max(u, 1)))), warps
 
 
 def _parts_block(n_parts: int) -> int:
@@ -1205,13 +1213,14 @@ def _rerank_and_select(q, kv, *, rows: int, u: int, sink: int, window: int, kp: 
         **({"maxnreg": cfg.rerank_maxnreg} if cfg.rerank_maxnreg and q.device.type == "cuda" else {}),
     )
     has_n_row = source == 1  # kivf: the row's probed keys, SEL_CUM[r, P]
+    sel_block, sel_warps = _select_shape(u, cfg)
     _select_kernel[(rows, n_sel)](
         wf["s"], wi["pos"], wf["ml"], wi["scr"], out, push if push is not None else out,
         bitmap if bitmap is not None else placeholder, src[2][p:] if has_n_row else placeholder,
         t, u, n_parts, kp, rho, scr_row, bitmap.shape[-1] if bitmap is not None else 1, p_pad + 1,
-        G=g, G_PAD=g_pad, BLOCK=_select_block(u, cfg), BLOCK_S=_parts_block(n_parts), HAS_PUSH=push is not None,
+        G=g, G_PAD=g_pad, BLOCK=sel_block, BLOCK_S=_parts_block(n_parts), HAS_PUSH=push is not None,
         PRECISE=_precise(), SAMPLE=cfg.sample_select, DEDUP=dedup, PB=p_pad if dedup else 1, HAS_N_ROW=has_n_row,
-        num_warps=cfg.select_warps,
+        num_warps=sel_warps,
     )
     return out
 
