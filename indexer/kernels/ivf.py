@@ -1097,8 +1097,8 @@ class IvfConfig:
     # the 8B shape, 3 programs per SM); 96: 5 per SM, rerank 27.5 -> 24.0 us at 128K (H100; RESULTS.md)
     select_warps: int = 8
     wide_select_from: int = 16384  # select: rows of at least this many candidate slots (U, from shapes) use the
-    wide_select_block: int = 4096  # wide block and warps. kivf at 128K (U ~40K, ~26K of them probed keys):
-    wide_select_warps: int = 16  # select 58.9 -> 44 us, step 153 -> 138; at 32K (U ~10K) 17.2 -> 21.7, and
+    wide_select_block: int = 4096  # wide block and warps. kivf at 128K (U 45,615, ~26K of them probed keys):
+    wide_select_warps: int = 16  # select 58.9 -> 44 us, step 153 -> 138; at 32K (U 12,485) 17.2 -> 21.7, and
     # CTkvr's U = 10,240 was slower too (H200, sessions 26-27; benchmarks/RESULTS.md)
     eager_rows: bool = True  # rerank: K rows loaded before the dedup atomic answers (rerank 30.1 -> 27.3 us, 128K)
     sample_select: bool = True  # select: `_select_sampled` (27.6 -> 19.5 us at 128K, H100; RESULTS.md); False: plain
