@@ -174,7 +174,8 @@ def compile_launch(fn, args: tuple, kwargs: dict) -> dict:
                        options=options)
     lines = sass_lines(k)
     return {"kernel": fn.__name__, "instructions": len(lines), "num_warps": opts.get("num_warps", 4),
-            "layout_conversions": k.asm["ttgir"].count("ttg.convert_layout"), **resources(k)}
+            "layout_conversions": k.asm["ttgir"].count("ttg.convert_layout"), **resources(k),
+            "sass": "\n".join(lines), "ttgir": k.asm["ttgir"]}
 
 
 def step_launches(method: str, n: int) -> list[tuple]:
@@ -279,7 +280,7 @@ def main() -> None:
     ap.add_argument("--json", type=Path, default=None, help="step: the rows as JSON")
     ap.add_argument("--set", nargs="*", default=[], help="constexpr overrides NAME=VALUE (0/1 for flags)")
     ap.add_argument("--warps", type=int, default=None, help="num_warps (default: the launch's at this shape)")
-    ap.add_argument("--out", type=Path, default=None, help="a path prefix for the .sass and .ttgir files")
+    ap.add_argument("--out", type=Path, default=None, help="a path prefix for the .sass and .ttgir files (step: one pair per kernel)")
     a = ap.parse_args()
     if a.kernel == "step":
         import json
@@ -288,6 +289,11 @@ def main() -> None:
         for method in a.methods:
             for fn, args, kwargs in step_launches(method, a.n):
                 row = {"method": method, "n": a.n, **compile_launch(fn, args, kwargs)}
+                sass, ttgir = row.pop("sass"), row.pop("ttgir")
+                if a.out:
+                    stem = f"{a.out}_{method.replace(':', '_').replace('@', '_')}_{row['kernel']}"
+                    Path(stem + ".sass").write_text(sass)
+                    Path(stem + ".ttgir").write_text(ttgir)
                 rows.append(row)
                 print(f"{method:22s} {row['kernel']:28s} {row['num_warps']} warps: {row['instructions']:5d} static "
                       f"instructions, {row['layout_conversions']:2d} layout conversions, {row.get('registers')} "

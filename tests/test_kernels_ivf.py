@@ -183,6 +183,9 @@ def test_ctkvr_bf16_with_probe_ties(monkeypatch):
     from synthetic import model_spec, structured_capture
 
     monkeypatch.setattr(torch, "topk", _topk_lowest_index_first)
+    dots = []  # the rerank's choice of tensor-core logits (bf16 q and K: yes)
+    real_dot = ivf._dot_logits
+    monkeypatch.setattr(ivf, "_dot_logits", lambda *a: dots.append(real_dot(*a)) or dots[-1])
     kvh, g, d, n, steps = 2, 4, 64, 1000, 4
     spec = model_spec(1, kvh * g, kvh, d, 10000.0, "tiny")
     full = structured_capture(spec, n + steps, "cpu", seed=3, dtype=torch.bfloat16)
@@ -210,6 +213,7 @@ def test_ctkvr_bf16_with_probe_ties(monkeypatch):
         fused.update(0, None, None, kv.q_pos)
         _assert_same_fifo(ref, fused, f"step {s}")
     assert ties > 0, "no probe tie in this data: the test no longer checks the tie rule"
+    assert dots and all(dots), "the bf16 plans no longer take the rerank's tensor-core logits"
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -117,7 +117,10 @@ Programmatic dependent launch for these kernels made a graph-replayed step 8-10 
 H100 had measured 2-3 us faster), so they launch without it.
 On the H200 (session 26): a slot's probe rank by compares (`_rank_of`) took the select 21.8 -> 21.1 us;
 CTkvr's logits masked once per chunk (`_group_logits`) the rerank 23.5 -> 21.3 (kivf's 87 -> 92, so it
-keeps the per-head masks); the step 72 -> 69 us at 32K-512K, B = 1. Session 27: a probe pick as one
+keeps the per-head masks); the step 72 -> 69 us at 32K-512K, B = 1. Session 28: the rerank's logits on
+tensor cores (`_group_logits`' DOT, 16-bit K; 4,504 -> 2,216 static instructions) took CTkvr's rerank
+21.4 -> 14.2 us and its step 68-69 -> 61-63 us at 32K-512K, B = 1 (512K: 9.0x SDPA), B = 8 at 128K
+243 -> 199; kivf's rerank 54 -> 40 us at 128K. The select is now CTkvr's longest kernel (~21 us). Session 27: a probe pick as one
 int64 max of packed (value, id) keys (`_entry_key`) instead of a max and a min, the probe 10.4 -> 9.8
 us; the blocks' bests merged once per row by the probe's last program (a ticket) instead of in every
 rerank program cost the probe 3 us for 1.5 saved in the rerank (dropped). The probe's cosines on tensor cores
@@ -128,7 +131,8 @@ kivf at 128K (ratio 0.05: k = 6554; C = 1448 fp32 centroids, nprobe = 290 for sc
 x 128 x 4 B = 5.9 MB; rerank ~4 x k = 26K probed keys per row -> 8 x 26K x 256 B = 54 MB of K rows
 (18 us at 3 TB/s); the rerank and the select stop at the row's ~26K probed keys, not the static W
 (the 290 largest clusters); the select still runs over 2.5x CTkvr's slots per row, so it is slower
-(H200, session 27: select 44 us with 4,096-key blocks over 16 warps, rerank 54, step 138 against SDPA's 152).
+(H200, session 27: select 44 us with 4,096-key blocks over 16 warps, rerank 54, step 138 against SDPA's 152;
+session 28, the rerank on tensor cores: rerank 40, step 123).
 
 `CTXCACHE_FUSED_IVF=0` in the environment keeps both planners on their torch path (A/B runs of whole
 decode benchmarks); `planner.fused = False` does it for one planner.
@@ -710,17 +714,33 @@ def _survivors(BITMAP, NW, r, pos, u, RHO, PB: tl.constexpr):
 
 @triton.jit
 def _group_logits(kt, ok, QROW, sq_g, qk_scale, G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr,
-                  BLOCK_U: tl.constexpr, ONE_MASK: tl.constexpr):
-    """The GQA group's logits q_g . k / sqrt(D) of a chunk's K rows kt [BLOCK_U, D] (fp32) -> [BLOCK_U,
-    G_PAD], -inf where not `ok` and in the padded heads. QROW: the group's first query head at this
-    token. ONE_MASK: the heads' dot products first, then one [BLOCK_U, G_PAD] mask; else each head's
+                  BLOCK_U: tl.constexpr, ONE_MASK: tl.constexpr, DOT: tl.constexpr = False,
+                  DOT_FP32: tl.constexpr = False):
+    """The GQA group's logits q_g . k / sqrt(D) of a chunk's K rows kt [BLOCK_U, D] (fp32; DOT: as
+    loaded, 16-bit) -> [BLOCK_U, G_PAD], -inf where not `ok` and in the padded heads. QROW: the group's
+    first query head at this token. DOT: one tensor-core product [BLOCK_U, D] x [D, max(16, G_PAD)]
+    (the heads' q as columns, zero past G; one wgmma per 16 of D on Hopper) instead of G row-wise
+    FMA dot products and their shuffle reductions: CTkvr's rerank 21.4 -> 14.2 us at 128K, B = 1, kivf's
+    54 -> 40 (H200, session 28; benchmarks/RESULTS.md). bf16 x bf16 products are exact in fp32, so
+    the logits differ from the FMAs' (and torch's fp32 einsum) only by the summation order. ONE_MASK: the heads' dot products first, then one [BLOCK_U, G_PAD] mask; else each head's
     [BLOCK_U] vector masked on its own. The same values either way; the layouts differ: one mask is
     14 layout conversions in the rerank instead of 24 and CTkvr's rerank 23.3 -> 21.4 us at 128K, B = 1,
     on the H200, but kivf's 86.8 -> 91.5 (its SOURCE path under the same register cap), so kivf keeps
     the per-head masks (benchmarks/RESULTS.md, session 26)."""
     offs_d = tl.arange(0, D)
     ar_g = tl.arange(0, G_PAD)
-    if ONE_MASK:
+    if DOT:
+        G_DOT: tl.constexpr = 16 if G_PAD < 16 else G_PAD
+        ar_q = tl.arange(0, G_DOT)
+        qm = tl.load(QROW + ar_q[None, :] * sq_g + offs_d[:, None], mask=(ar_q < G)[None, :], other=0.0)
+        if DOT_FP32:  # the interpreter's bf16 dot is wrong: fp32 operands holding the same values
+            acc = tl.dot(kt.to(tl.float32), qm.to(tl.float32), input_precision="ieee")
+        else:  # 16-bit products are exact in fp32: the same sum as the FMAs', in another order
+            acc = tl.dot(kt, qm.to(kt.dtype))  # [BLOCK_U, G_DOT] fp32
+        if G_DOT > G_PAD:  # columns >= G are exact zeros: the sum over the reshape keeps the first G_PAD exactly
+            acc = tl.sum(tl.reshape(acc, [BLOCK_U, G_DOT // G_PAD, G_PAD]), 1)
+        lg = tl.where(ok[:, None] & (ar_g < G)[None, :], acc * qk_scale, float("-inf"))
+    elif ONE_MASK:
         lg = tl.zeros([BLOCK_U, G_PAD], tl.float32)
         for g in tl.static_range(G):
             qv = tl.load(QROW + g * sq_g + offs_d).to(tl.float32)
@@ -746,7 +766,8 @@ def _rerank_kernel(
     G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, BLOCK_U: tl.constexpr,
     P: tl.constexpr, P_PAD: tl.constexpr, BLOCK_T: tl.constexpr, LOG_P: tl.constexpr,
     SOURCE: tl.constexpr, DEDUP: tl.constexpr, HAS_FIFO: tl.constexpr, PRECISE: tl.constexpr,
-    EAGER_ROWS: tl.constexpr = False, ONE_MASK: tl.constexpr = True,
+    EAGER_ROWS: tl.constexpr = False, ONE_MASK: tl.constexpr = True, DOT: tl.constexpr = False,
+    DOT_FP32: tl.constexpr = False,
 ):
     """SOURCE 0 (CTkvr): SRC_A/B = the probe's block bests (values, ids), SRC_C/D = lists / FIFO
     lists. SOURCE 1 (kivf): SRC_A = order, SRC_B = SEL_START, SRC_C = SEL_CUM."""
@@ -778,8 +799,11 @@ def _rerank_kernel(
             ok = ctx_ok | loc_ok
             ptr = tl.where(ctx_ok[:, None], CK + h * sck_h + row[:, None].to(tl.int64) * sck_n + offs_d[None, :],
                            LK + h * slk_h + slot[:, None].to(tl.int64) * slk_n + offs_d[None, :])
-            kt = tl.load(ptr, mask=ok[:, None], other=0.0).to(tl.float32)
-            lg = _group_logits(kt, ok, Q + h * sq_h + t * sq_t, sq_g, qk_scale, G, G_PAD, D, BLOCK_U, ONE_MASK)
+            kt = tl.load(ptr, mask=ok[:, None], other=0.0)
+            if not DOT:
+                kt = kt.to(tl.float32)
+            lg = _group_logits(kt, ok, Q + h * sq_h + t * sq_t, sq_g, qk_scale, G, G_PAD, D, BLOCK_U, ONE_MASK, DOT,
+                               DOT_FP32)
             m_new = tl.maximum(m_v, tl.max(lg, 0))
             l_v = (l_v * _exp(m_v - m_new, PRECISE).to(tl.float64)
                    + tl.sum(_exp(lg - m_new[None, :], PRECISE).to(tl.float64), 0))
@@ -830,7 +854,7 @@ def _rerank_kernel(
             ok = in_u & (pos >= s_end) & (pos < w_lo)  # selectable: outside the sink and the window
             k_ptr = CK + h * sck_h + pos[:, None].to(tl.int64) * sck_n + offs_d[None, :]
             if EAGER_ROWS:  # load every selectable row before the dedup's atomic answers: the two overlap
-                kt = tl.load(k_ptr, mask=ok[:, None], other=0.0).to(tl.float32)
+                kt = tl.load(k_ptr, mask=ok[:, None], other=0.0)
             first = ok
             if DEDUP:
                 # bit p_idx of the position's P_PAD bits: which probe ranks hold it. The slot of the
@@ -843,8 +867,11 @@ def _rerank_kernel(
                 first = ok & ((old & _position_bits(pos, P_PAD)) == 0)
                 ok = ok & ((old & bit) == 0)  # a list that held a position twice: one slot of it
             if not EAGER_ROWS:
-                kt = tl.load(k_ptr, mask=ok[:, None], other=0.0).to(tl.float32)
-            lg = _group_logits(kt, ok, Q + h * sq_h + t * sq_t, sq_g, qk_scale, G, G_PAD, D, BLOCK_U, ONE_MASK)
+                kt = tl.load(k_ptr, mask=ok[:, None], other=0.0)
+            if not DOT:
+                kt = kt.to(tl.float32)
+            lg = _group_logits(kt, ok, Q + h * sq_h + t * sq_t, sq_g, qk_scale, G, G_PAD, D, BLOCK_U, ONE_MASK, DOT,
+                               DOT_FP32)
             tl.store(WS_S + (r64 * U + u[:, None]) * G + ar_g[None, :], lg, mask=in_u[:, None] & (ar_g < G)[None, :])
             tl.store(WS_POS + r64 * U + u, tl.where(ok, pos, -1), mask=in_u)
             if DEDUP:
@@ -1101,6 +1128,8 @@ class IvfConfig:
     wide_select_warps: int = 16  # select 58.9 -> 44 us, step 153 -> 138; at 32K (U 12,485) 17.2 -> 21.7, and
     # CTkvr's U = 10,240 was slower too (H200, sessions 26-27; benchmarks/RESULTS.md)
     eager_rows: bool = True  # rerank: K rows loaded before the dedup atomic answers (rerank 30.1 -> 27.3 us, 128K)
+    rerank_dot: bool = True  # rerank: q.k of 16-bit K rows on tensor cores (tl.dot), not row-wise FMAs
+    rerank_stages: int = 1  # rerank: software pipelining of its chunk loop (Triton's num_stages)
     sample_select: bool = True  # select: `_select_sampled` (27.6 -> 19.5 us at 128K, H100; RESULTS.md); False: plain
 
 
@@ -1158,6 +1187,11 @@ def unsupported(q: torch.Tensor, *, ctkvr_probe: int | None = None, entries: int
     return reasons
 
 
+def _dot_logits(q: torch.Tensor, ctx_k: torch.Tensor, loc_k: torch.Tensor, cfg: IvfConfig) -> bool:
+    """The rerank's logits on tensor cores (`_group_logits`' DOT): 16-bit K and q of one dtype."""
+    return cfg.rerank_dot and q.dtype == ctx_k.dtype == loc_k.dtype and q.dtype in (torch.bfloat16, torch.float16)
+
+
 def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
@@ -1209,7 +1243,8 @@ def _rerank_and_select(q, kv, *, rows: int, u: int, sink: int, window: int, kp: 
         bitmap.shape[-1] if bitmap is not None else 1, n_slot, cfg.chunks_per_prog, float(d ** -0.5),
         G=g, G_PAD=g_pad, D=d, BLOCK_U=cfg.block_u, P=p, P_PAD=p_pad, BLOCK_T=triton.next_power_of_2(max(n_top, 1)),
         LOG_P=log_p, SOURCE=source, DEDUP=dedup, HAS_FIFO=has_fifo, PRECISE=_precise(),
-        EAGER_ROWS=cfg.eager_rows and dedup, ONE_MASK=source == 0, num_warps=cfg.rerank_warps,
+        EAGER_ROWS=cfg.eager_rows and dedup, ONE_MASK=source == 0, DOT=_dot_logits(q, ctx_k, loc_k, cfg),
+        DOT_FP32=interpreted(), num_warps=cfg.rerank_warps, num_stages=cfg.rerank_stages,
         **({"maxnreg": cfg.rerank_maxnreg} if cfg.rerank_maxnreg and q.device.type == "cuda" else {}),
     )
     has_n_row = source == 1  # kivf: the row's probed keys, SEL_CUM[r, P]
