@@ -10,6 +10,7 @@ attention split kernel's measured time followed its static count (1,712 instruct
     python benchmarks/aot_sass.py split --out /tmp/split         # also writes split.sass and split.ttgir
     python benchmarks/aot_sass.py step --methods psa ctkvr --n 131072 --json out.json
     python benchmarks/aot_sass.py step --methods ctkvr ctkvr:rerank_maxnreg=128   # a kernel knob, as in gpu_decode.py
+    python benchmarks/aot_sass.py step --methods ctkvr --out /tmp/sass/s  # also /tmp/sass/s_ctkvr_<kernel>.sass, .ttgir
 
 `split` / `psa_select` compile one kernel at the 8B layer's decode shape (G 4, D 128, bf16, one
 token) with constexprs overridden by --set. `step` records every Triton launch of one fused decode

@@ -10,7 +10,7 @@
 #           offload | psa32sweep | offloadfit | ivfsweep | ivfcpp | cslfsweep | ivfsel | ivfeager | ivfsample | ncusel | psaemit | psafuse | psastop | rtrip | rerankreg | rerank96 | e2ectkvr | ncuivf | verify | repro | e2eh200 | pushab | decode512h200 | s14ab | s14e2e | s14final | s14frame | s14tests | s14lfpse2e | s15ivf | s15ivf2 | s15dot | s15final | s15rerank | s16ahead | s16overlap | s16more | s16tests | s16early | s17ahead | s17pipe | s17offload | s17reads | s17fuse | s18pages | s18offprof | s18offab | s18numa | s18staged | s18prio | s18stprof | s18frame | s19tests | s19granule | s19cached | s19overlap | s19sweep | s19gen | s20quick | s20cache | s20more | s20staged | s20tests | s21prof | s21l2 | s21split | s21ahead | s21gemv | s21decode | s21wide | saapwide | s22saap | s22wide1 | s22wide8 | s22tests | s22ncu | s22repeat | s22split8 | s23ncu | s23knobs | s23splits | s23onetok | s23ab | s23dense | s23e2e |
 #           s24attend | s24variants | s24regs | s24final | s24tests | s24stop | s25ncu | s25sel | s25final512 | s25knobs | s25pdl | s25attnpdl | s25saappdl | s25selsrc |
 #           s26ab | s26mask | s26probe | s26selw | s26push | s26final | s27ab | s27kivf | s27tests | s27kivfknobs | s27kivfsel |
-#           s28dot | s28kivf | s28knobs | s28exp | s28tests
+#           s28dot | s28kivf | s28knobs | s28exp | s28piv | s28tests
 #   (default: tests decode before_after)
 #   The device tool returns at most 8 files: past that, the run's JSON files come back as $OUT/json.tar.gz
 #   (and everything as $OUT/all.tar.gz if that is not enough).
@@ -945,13 +945,28 @@ for stage in $stages; do
         --methods ctkvr ctkvr:rerank_maxnreg=64 ctkvr:rerank_maxnreg=80 ctkvr:chunks_per_prog=1 \
         ctkvr:chunks_per_prog=4 ctkvr:rerank_warps=8,rerank_maxnreg=0 ctkvr:eager_rows=0 ctkvr \
         --out "$OUT/s28knobs" 2>&1 | tee "$OUT/gpu_decode_s28knobs.log" | grep -E "graph|Error|error" ;;
-    s28exp)  # session 28: the select's masses as multiplies of the rerank's exponentials (IvfConfig.exp_mass)
-      # against its exponentials, both orders, CTkvr and kivf; the rerank's 80-register cap; the IVF kernel tests
+    s28exp)  # session 28: the select's masses as multiplies of the rerank's exponentials (IvfConfig.exp_mass, removed
+      # after this run: select -0.9 us, step unchanged, kivf slower) against its exponentials, both orders, CTkvr and
+      # kivf; the rerank's 80-register cap; the IVF kernel tests
       python3 -m pytest -q -p no:cacheprovider -o addopts="" tests/test_kernels_ivf.py 2>&1 \
         | tee "$OUT/gpu_ivf_kernel_tests_s28exp.log" | tail -2
       python3 benchmarks/gpu_decode.py --lengths 32768 131072 --batches 1 8 --profile --backends triton --torch-plans \
         --methods ctkvr:exp_mass=0 ctkvr ctkvr:rerank_maxnreg=80 ctkvr:exp_mass=0 kivf:exp_mass=0 kivf \
         --out "$OUT/s28exp" 2>&1 | tee "$OUT/gpu_decode_s28exp.log" | grep -E "graph|Error|error" ;;
+    s28piv)  # session 28: the select's search in registers with 5 split points per step (IvfConfig.select_pivots,
+      # removed after this run: no faster) against the bisection, both orders; kivf at 128K; ctkvr at 512K; the IVF
+      # kernel tests first
+      python3 -m pytest -q -p no:cacheprovider -o addopts="" tests/test_kernels_ivf.py 2>&1 \
+        | tee "$OUT/gpu_ivf_kernel_tests_s28piv.log" | tail -2
+      python3 benchmarks/gpu_decode.py --lengths 32768 131072 --batches 1 8 --profile --backends triton --torch-plans \
+        --methods ctkvr:select_pivots=0 ctkvr ctkvr:select_pivots=3 ctkvr:select_pivots=0 ctkvr --out "$OUT/s28piv" 2>&1 \
+        | tee "$OUT/gpu_decode_s28piv.log" | grep -E "graph|Error|error"
+      python3 benchmarks/gpu_decode.py --lengths 131072 --batches 1 8 --profile --backends triton \
+        --methods kivf:select_pivots=0 kivf --out "$OUT/s28piv_kivf" 2>&1 | tee "$OUT/gpu_decode_s28piv_kivf.log" \
+        | grep -E "graph|Error|error"
+      python3 benchmarks/gpu_decode.py --lengths 524288 --batches 1 --profile --backends triton \
+        --methods ctkvr ctkvr:select_pivots=0 ctkvr --out "$OUT/s28piv_512k" 2>&1 | tee "$OUT/gpu_decode_s28piv_512k.log" \
+        | grep -E "graph|Error|error" ;;
     *) echo "unknown stage $stage" ;;
   esac
 done

@@ -117,15 +117,19 @@ Programmatic dependent launch for these kernels made a graph-replayed step 8-10 
 H100 had measured 2-3 us faster), so they launch without it.
 On the H200 (session 26): a slot's probe rank by compares (`_rank_of`) took the select 21.8 -> 21.1 us;
 CTkvr's logits masked once per chunk (`_group_logits`) the rerank 23.5 -> 21.3 (kivf's 87 -> 92, so it
-keeps the per-head masks); the step 72 -> 69 us at 32K-512K, B = 1. Session 28: the rerank's logits on
-tensor cores (`_group_logits`' DOT, 16-bit K; 4,504 -> 2,216 static instructions) took CTkvr's rerank
-21.4 -> 14.2 us and its step 68-69 -> 61-63 us at 32K-512K, B = 1 (512K: 9.0x SDPA), B = 8 at 128K
-243 -> 199; kivf's rerank 54 -> 40 us at 128K. The select is now CTkvr's longest kernel (~21 us). Session 27: a probe pick as one
+keeps the per-head masks); the step 72 -> 69 us at 32K-512K, B = 1. Session 27: a probe pick as one
 int64 max of packed (value, id) keys (`_entry_key`) instead of a max and a min, the probe 10.4 -> 9.8
 us; the blocks' bests merged once per row by the probe's last program (a ticket) instead of in every
 rerank program cost the probe 3 us for 1.5 saved in the rerank (dropped). The probe's cosines on tensor cores
 (181 -> 68 registers) were no faster (reverted), nor were 16 select warps (benchmarks/RESULTS.md,
 "ctkvr 72 -> 69 us").
+On the H200 (session 28): the rerank's logits on tensor cores (`_group_logits`' DOT, 16-bit K; 4,504 ->
+2,216 static instructions) took CTkvr's rerank 21.4 -> 14.2 us and its step 68-69 -> 61-63 us at 32K-512K,
+B = 1 (512K: 9.0x SDPA), B = 8 at 128K 243 -> 199; kivf's rerank 54 -> 40 us at 128K. The select is now
+CTkvr's longest kernel (~21 us). Measured and dropped the same day: the select's masses as multiplies of
+exponentials the rerank stored (exp(logit - c_h), c_h context row 0's logit; select 21.0 -> 20.1 us, the
+step within its spread, kivf's rerank +6 us) and five split points per step of its register search, packed
+in one int64 reduction (no faster): its time is neither in its exponentials nor in its search's step count.
 
 kivf at 128K (ratio 0.05: k = 6554; C = 1448 fp32 centroids, nprobe = 290 for scan 4): probe 8 x 1448
 x 128 x 4 B = 5.9 MB; rerank ~4 x k = 26K probed keys per row -> 8 x 26K x 256 B = 54 MB of K rows
