@@ -726,7 +726,8 @@ def _group_logits(kt, ok, QROW, sq_g, qk_scale, G: tl.constexpr, G_PAD: tl.const
     (the heads' q as columns, zero past G; one wgmma per 16 of D on Hopper) instead of G row-wise
     FMA dot products and their shuffle reductions: CTkvr's rerank 21.4 -> 14.2 us at 128K, B = 1, kivf's
     54 -> 40 (H200, session 28; benchmarks/RESULTS.md). bf16 x bf16 products are exact in fp32, so
-    the logits differ from the FMAs' (and torch's fp32 einsum) only by the summation order. ONE_MASK: the heads' dot products first, then one [BLOCK_U, G_PAD] mask; else each head's
+    the logits differ from the FMAs' (and torch's fp32 einsum) only by the summation order. ONE_MASK
+    (the FMAs): the heads' dot products first, then one [BLOCK_U, G_PAD] mask; else each head's
     [BLOCK_U] vector masked on its own. The same values either way; the layouts differ: one mask is
     14 layout conversions in the rerank instead of 24 and CTkvr's rerank 23.3 -> 21.4 us at 128K, B = 1,
     on the H200, but kivf's 86.8 -> 91.5 (its SOURCE path under the same register cap), so kivf keeps
@@ -1132,8 +1133,9 @@ class IvfConfig:
     wide_select_warps: int = 16  # select 58.9 -> 44 us, step 153 -> 138; at 32K (U 12,485) 17.2 -> 21.7, and
     # CTkvr's U = 10,240 was slower too (H200, sessions 26-27; benchmarks/RESULTS.md)
     eager_rows: bool = True  # rerank: K rows loaded before the dedup atomic answers (rerank 30.1 -> 27.3 us, 128K)
-    rerank_dot: bool = True  # rerank: q.k of 16-bit K rows on tensor cores (tl.dot), not row-wise FMAs
-    rerank_stages: int = 1  # rerank: software pipelining of its chunk loop (Triton's num_stages)
+    rerank_dot: bool = True  # rerank: q.k of 16-bit K rows on tensor cores (tl.dot), not row-wise FMAs (CTkvr's
+    # rerank 21.4 -> 14.2 us at 128K, H200; RESULTS.md session 28)
+    rerank_stages: int = 1  # rerank: Triton's num_stages for its chunk loop (2: rerank 14.2 -> 16.0 us with the dot)
     sample_select: bool = True  # select: `_select_sampled` (27.6 -> 19.5 us at 128K, H100; RESULTS.md); False: plain
 
 
