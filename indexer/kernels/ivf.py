@@ -128,8 +128,9 @@ On the H200 (session 28): the rerank's logits on tensor cores (`_group_logits`' 
 B = 1 (512K: 9.0x SDPA), B = 8 at 128K 243 -> 199; kivf's rerank 54 -> 40 us at 128K. The select is now
 CTkvr's longest kernel (~21 us). Measured and dropped the same day: the select's masses as multiplies of
 exponentials the rerank stored (exp(logit - c_h), c_h context row 0's logit; select 21.0 -> 20.1 us, the
-step within its spread, kivf's rerank +6 us) and five split points per step of its register search, packed
-in one int64 reduction (no faster): its time is neither in its exponentials nor in its search's step count.
+step within its spread, kivf's rerank +6 us), five split points per step of its register search, packed
+in one int64 reduction (no faster), and the counting pass's next chunk loaded during this one's count (0.6
+us slower): its time is neither in its exponentials, nor in its search's step count, nor in that pass's loads.
 
 kivf at 128K (ratio 0.05: k = 6554; C = 1448 fp32 centroids, nprobe = 290 for scan 4): probe 8 x 1448
 x 128 x 4 B = 5.9 MB; rerank ~4 x k = 26K probed keys per row -> 8 x 26K x 256 B = 54 MB of K rows
