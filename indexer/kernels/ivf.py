@@ -721,8 +721,8 @@ def _survivors(BITMAP, NW, r, pos, u, RHO, PB: tl.constexpr):
 def _group_logits(kt, ok, QROW, sq_g, qk_scale, G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr,
                   BLOCK_U: tl.constexpr, ONE_MASK: tl.constexpr, DOT: tl.constexpr = False,
                   DOT_FP32: tl.constexpr = False):
-    """The GQA group's logits q_g . k / sqrt(D) of a chunk's K rows kt [BLOCK_U, D] (fp32; DOT: as
-    loaded, 16-bit) -> [BLOCK_U, G_PAD], -inf where not `ok` and in the padded heads. QROW: the group's
+    """The GQA group's logits q_g . k / sqrt(D) of a chunk's K rows kt [BLOCK_U, D] (as loaded) ->
+    [BLOCK_U, G_PAD], -inf where not `ok` and in the padded heads. QROW: the group's
     first query head at this token. DOT: one tensor-core product [BLOCK_U, D] x [D, max(16, G_PAD)]
     (the heads' q as columns, zero past G; one wgmma per 16 of D on Hopper) instead of G row-wise
     FMA dot products and their shuffle reductions: CTkvr's rerank 21.4 -> 14.2 us at 128K, B = 1, kivf's
@@ -747,12 +747,14 @@ def _group_logits(kt, ok, QROW, sq_g, qk_scale, G: tl.constexpr, G_PAD: tl.const
             acc = tl.sum(tl.reshape(acc, [BLOCK_U, G_DOT // G_PAD, G_PAD]), 1)
         lg = tl.where(ok[:, None] & (ar_g < G)[None, :], acc * qk_scale, float("-inf"))
     elif ONE_MASK:
+        kt = kt.to(tl.float32)
         lg = tl.zeros([BLOCK_U, G_PAD], tl.float32)
         for g in tl.static_range(G):
             qv = tl.load(QROW + g * sq_g + offs_d).to(tl.float32)
             lg = tl.where(ar_g[None, :] == g, (tl.sum(kt * qv[None, :], 1) * qk_scale)[:, None], lg)
         lg = tl.where(ok[:, None] & (ar_g < G)[None, :], lg, float("-inf"))
     else:
+        kt = kt.to(tl.float32)
         lg = tl.full([BLOCK_U, G_PAD], float("-inf"), tl.float32)
         for g in tl.static_range(G):
             qv = tl.load(QROW + g * sq_g + offs_d).to(tl.float32)
@@ -806,8 +808,6 @@ def _rerank_kernel(
             ptr = tl.where(ctx_ok[:, None], CK + h * sck_h + row[:, None].to(tl.int64) * sck_n + offs_d[None, :],
                            LK + h * slk_h + slot[:, None].to(tl.int64) * slk_n + offs_d[None, :])
             kt = tl.load(ptr, mask=ok[:, None], other=0.0)
-            if not DOT:
-                kt = kt.to(tl.float32)
             lg = _group_logits(kt, ok, Q + h * sq_h + t * sq_t, sq_g, qk_scale, G, G_PAD, D, BLOCK_U, ONE_MASK, DOT,
                                DOT_FP32)
             m_new = tl.maximum(m_v, tl.max(lg, 0))
@@ -874,8 +874,6 @@ def _rerank_kernel(
                 ok = ok & ((old & bit) == 0)  # a list that held a position twice: one slot of it
             if not EAGER_ROWS:
                 kt = tl.load(k_ptr, mask=ok[:, None], other=0.0)
-            if not DOT:
-                kt = kt.to(tl.float32)
             lg = _group_logits(kt, ok, Q + h * sq_h + t * sq_t, sq_g, qk_scale, G, G_PAD, D, BLOCK_U, ONE_MASK, DOT,
                                DOT_FP32)
             tl.store(WS_S + (r64 * U + u[:, None]) * G + ar_g[None, :], lg, mask=in_u[:, None] & (ar_g < G)[None, :])
@@ -1194,9 +1192,10 @@ def unsupported(q: torch.Tensor, *, ctkvr_probe: int | None = None, entries: int
     return reasons
 
 
-def _dot_logits(q: torch.Tensor, ctx_k: torch.Tensor, loc_k: torch.Tensor, cfg: IvfConfig) -> bool:
-    """The rerank's logits on tensor cores (`_group_logits`' DOT): 16-bit K and q of one dtype."""
-    return cfg.rerank_dot and q.dtype == ctx_k.dtype == loc_k.dtype and q.dtype in (torch.bfloat16, torch.float16)
+def _dot_logits(q: torch.Tensor, ctx_k: torch.Tensor, cfg: IvfConfig) -> bool:
+    """The rerank's logits on tensor cores (`_group_logits`' DOT): 16-bit K and q of one dtype (the
+    local rows are cast to the context's dtype before the launch)."""
+    return cfg.rerank_dot and q.dtype == ctx_k.dtype and q.dtype in (torch.bfloat16, torch.float16)
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -1250,7 +1249,7 @@ def _rerank_and_select(q, kv, *, rows: int, u: int, sink: int, window: int, kp: 
         bitmap.shape[-1] if bitmap is not None else 1, n_slot, cfg.chunks_per_prog, float(d ** -0.5),
         G=g, G_PAD=g_pad, D=d, BLOCK_U=cfg.block_u, P=p, P_PAD=p_pad, BLOCK_T=triton.next_power_of_2(max(n_top, 1)),
         LOG_P=log_p, SOURCE=source, DEDUP=dedup, HAS_FIFO=has_fifo, PRECISE=_precise(),
-        EAGER_ROWS=cfg.eager_rows and dedup, ONE_MASK=source == 0, DOT=_dot_logits(q, ctx_k, loc_k, cfg),
+        EAGER_ROWS=cfg.eager_rows and dedup, ONE_MASK=source == 0, DOT=_dot_logits(q, ctx_k, cfg),
         DOT_FP32=interpreted(), num_warps=cfg.rerank_warps, num_stages=cfg.rerank_stages,
         **({"maxnreg": cfg.rerank_maxnreg} if cfg.rerank_maxnreg and q.device.type == "cuda" else {}),
     )
