@@ -82,20 +82,26 @@ class Timing:
         if self.device != "cuda":
             return None, "no CUDA device"
         try:
-            s = torch.cuda.Stream()
-            s.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(s):
-                for _ in range(3):
-                    fn()
-            torch.cuda.current_stream().wait_stream(s)
-            g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g):
-                fn()
-            torch.cuda.synchronize()
-            return self.cuda_ms(g.replay, reps=reps), "ok"
+            return self.cuda_ms(capture_graph(fn).replay, reps=reps), "ok"
         except Exception as e:  # report, do not hide: the table says which path could not be captured
             torch.cuda.synchronize()
             return None, f"{type(e).__name__}: {str(e)[:160]}"
+
+
+def capture_graph(fn, warmup: int = 3) -> torch.cuda.CUDAGraph:
+    """fn captured in a CUDA graph, after `warmup` calls on the capture's side stream (compiles and
+    workspaces happen there, outside the graph)."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(warmup):
+            fn()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    torch.cuda.synchronize()
+    return g
 
 
 def kernel_profile(fn, reps: int = 5, sync=None) -> dict:

@@ -293,6 +293,7 @@ def main() -> None:
                 sass, ttgir = row.pop("sass"), row.pop("ttgir")
                 if a.out:
                     stem = f"{a.out}_{method.replace(':', '_').replace('@', '_')}_{row['kernel']}"
+                    Path(stem).parent.mkdir(parents=True, exist_ok=True)
                     Path(stem + ".sass").write_text(sass)
                     Path(stem + ".ttgir").write_text(ttgir)
                 rows.append(row)

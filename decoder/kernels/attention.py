@@ -73,6 +73,7 @@ import triton.language as tl
 from decoder.kernels.stage import RowCache
 from indexer.kernels import Workspaces, interpreted  # also makes Triton 3.6's interpreter work with NumPy 2.4
 from indexer.kernels.pdl import pdl_begin, pdl_launch
+from indexer.kernels.stamps import stamp, stamp_args
 
 LOG2E = 1.4426950408889634
 # initial running max: finite, so exp2(m_old - m_new) never computes inf - inf
@@ -108,7 +109,7 @@ def _split_kernel(
     HAS_PLAN: tl.constexpr, HAS_LEN: tl.constexpr, HAS_BYPASS: tl.constexpr, HAS_REST: tl.constexpr, DIRECT: tl.constexpr,
     ONE_TOKEN: tl.constexpr,
     DOT_PRECISION: tl.constexpr, DOT_FP32: tl.constexpr, NUM_STAGES: tl.constexpr, PDL: tl.constexpr = False,
-    CACHE: tl.constexpr = 0, CACHE_STAGED: tl.constexpr = False,
+    CACHE: tl.constexpr = 0, CACHE_STAGED: tl.constexpr = False, TS=None, STAMP: tl.constexpr = False,
 ):
     pdl_begin(PDL)
     split = tl.program_id(0)
@@ -116,6 +117,7 @@ def _split_kernel(
     h = tl.program_id(2).to(tl.int64)
     n_splits = tl.num_programs(0)
     n_qb = tl.num_programs(1)
+    stamp(TS, (h * n_qb + qb) * n_splits + split, 0, STAMP)
 
     # --- the block's query rows: row i = (token qb·TB + i // G, head i % G)
     offs_m = tl.arange(0, BLOCK_M)
@@ -271,6 +273,7 @@ def _split_kernel(
         tl.store(PACC + part * (BLOCK_M * D) + offs_m[:, None] * D + offs_d[None, :], acc)
         tl.store(PML + part * (2 * BLOCK_M) + offs_m, m_i)
         tl.store(PML + part * (2 * BLOCK_M) + BLOCK_M + offs_m, l_i)
+    stamp(TS, (h * n_qb + qb) * n_splits + split, 1, STAMP)
 
 
 @triton.jit(do_not_specialize=["n_splits", "n_qb"])
@@ -280,12 +283,13 @@ def _merge_kernel(
     so_h, so_g, so_t,  # out [KVH, G, T, D]
     n_splits, n_qb,
     G: tl.constexpr, TB: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_S: tl.constexpr,
-    HAS_REST: tl.constexpr, PDL: tl.constexpr = False,
+    HAS_REST: tl.constexpr, PDL: tl.constexpr = False, TS=None, STAMP: tl.constexpr = False,
 ):
     pdl_begin(PDL)
     t = tl.program_id(0)
     g = tl.program_id(1)
     h = tl.program_id(2).to(tl.int64)
+    stamp(TS, (h * tl.num_programs(1) + g) * tl.num_programs(0) + t, 0, STAMP)
     qb = t // TB
     row = (t % TB) * G + g  # row of the query block
     base = (h * n_qb + qb) * n_splits
@@ -328,6 +332,7 @@ def _merge_kernel(
         acc = acc * keep + w_rest * rv
     out = tl.where(l_tot > 0, acc / tl.where(l_tot > 0, l_tot, 1.0), 0.0)
     tl.store(OUT + h * so_h + g * so_g + t * so_t + offs_d, out.to(OUT.dtype.element_ty))
+    stamp(TS, (h * tl.num_programs(1) + g) * tl.num_programs(0) + t, 1, STAMP)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -530,7 +535,7 @@ def frame_attention(
         ONE_TOKEN=one_token and cfg.one_token and not has_plan,
         DOT_PRECISION="ieee" if dtype == torch.float32 else "tf32",
         DOT_FP32=interpreted() and dtype == torch.bfloat16, NUM_STAGES=lp.num_stages, PDL=bool(pdl), **pdl,
-        CACHE=0 if c is None else c.plans + 1, CACHE_STAGED=v_staged, num_warps=lp.num_warps,
+        CACHE=0 if c is None else c.plans + 1, CACHE_STAGED=v_staged, **stamp_args("split"), num_warps=lp.num_warps,
     )
     if not direct:
         _merge_kernel[(t, g, kvh)](
@@ -539,7 +544,7 @@ def frame_attention(
             out.stride(0), out.stride(1), out.stride(2),
             lp.splits, lp.n_qb,
             G=g, TB=lp.tokens_per_block, D=d, BLOCK_M=lp.block_m, BLOCK_S=MERGE_BLOCK_S,
-            HAS_REST=has_rest, PDL=bool(pdl), **pdl,
+            HAS_REST=has_rest, PDL=bool(pdl), **pdl, **stamp_args("merge"),
             num_warps=4,
         )
     return out

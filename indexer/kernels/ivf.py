@@ -131,6 +131,15 @@ exponentials the rerank stored (exp(logit - c_h), c_h context row 0's logit; sel
 step within its spread, kivf's rerank +6 us), five split points per step of its register search, packed
 in one int64 reduction (no faster), and the counting pass's next chunk loaded during this one's count (0.6
 us slower): its time is neither in its exponentials, nor in its search's step count, nor in that pass's loads.
+Session 29 timed each program's phases from the kernels' own timestamps (`indexer/kernels/stamps.py`,
+benchmarks/gpu_timeline.py; the probe, rerank and select take `TS` / `STAMP`, compiled out without a
+timeline). At 128K on the H200: probe 10.8 us (two waves of 264 programs; one wave at a 128-register cap
+is no faster), rerank programs ~14 us each (the probe bests' merge 2.7, each 64-slot chunk ~5), select
+programs 19.7 (lse 1.3, mass pass 5.9, sample bracket 2.5, counting pass 6.5, the band's bisection 2.6,
+its emit 0.9), 1.0-1.3 us between kernels. Dropped after measuring: the mass pass's loads a chunk further
+ahead (keys 5.9 -> 7.5 us), PDL between these kernels (shorter gaps, slower select programs beside early
+attention programs: how session 25 lost 8-10 us) and the counting pass over chunks of 4,096-16,384 keys
+(6.5 -> 7.3-23.4 us: its cost is per key).
 
 kivf at 128K (ratio 0.05: k = 6554; C = 1448 fp32 centroids, nprobe = 290 for scan 4): probe 8 x 1448
 x 128 x 4 B = 5.9 MB; rerank ~4 x k = 26K probed keys per row -> 8 x 26K x 256 B = 54 MB of K rows
@@ -177,6 +186,7 @@ import triton.language as tl
 from triton.language.extra import libdevice
 
 from indexer.kernels import Workspaces, interpreted  # also makes Triton 3.6's interpreter work with NumPy 2.4
+from indexer.kernels.stamps import stamp, stamp_args
 
 NEG_BIG: tl.constexpr = tl.constexpr(-1.0e30)  # initial running max: finite, so exp(m_old - m_new) is never nan
 INT_MAX: tl.constexpr = tl.constexpr(2147483647)
@@ -516,10 +526,11 @@ def _ctkvr_probe_kernel(
     T, C, F, n_blocks, NW, words_per_prog,
     G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, BLOCK_C: tl.constexpr, P: tl.constexpr,
     P_PAD: tl.constexpr, HAS_FIFO: tl.constexpr, DEDUP: tl.constexpr, BLOCK_Z: tl.constexpr,
-    ONE_LOAD: tl.constexpr = True,
+    ONE_LOAD: tl.constexpr = True, TS=None, STAMP: tl.constexpr = False,
 ):
     s = tl.program_id(0)
     r = tl.program_id(1)
+    stamp(TS, r * tl.num_programs(0) + s, 0, STAMP)
     h = (r // T).to(tl.int64)
     t = r % T
     offs_d = tl.arange(0, D)
@@ -582,6 +593,7 @@ def _ctkvr_probe_kernel(
             o = w0 + c0 + tl.arange(0, BLOCK_Z)
             tl.store(BITMAP + r.to(tl.int64) * NW + o, tl.zeros([BLOCK_Z], tl.int32),
                      mask=(o < NW) & (o < w0 + words_per_prog))
+    stamp(TS, r * tl.num_programs(0) + s, 1, STAMP)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -775,12 +787,13 @@ def _rerank_kernel(
     P: tl.constexpr, P_PAD: tl.constexpr, BLOCK_T: tl.constexpr, LOG_P: tl.constexpr,
     SOURCE: tl.constexpr, DEDUP: tl.constexpr, HAS_FIFO: tl.constexpr, PRECISE: tl.constexpr,
     EAGER_ROWS: tl.constexpr = False, ONE_MASK: tl.constexpr = True, DOT: tl.constexpr = False,
-    DOT_FP32: tl.constexpr = False,
+    DOT_FP32: tl.constexpr = False, TS=None, STAMP: tl.constexpr = False,
 ):
     """SOURCE 0 (CTkvr): SRC_A/B = the probe's block bests (values, ids), SRC_C/D = lists / FIFO
     lists. SOURCE 1 (kivf): SRC_A = order, SRC_B = SEL_START, SRC_C = SEL_CUM."""
     s = tl.program_id(0)
     r = tl.program_id(1)
+    stamp(TS, r * tl.num_programs(0) + s, 0, STAMP)
     h = (r // T).to(tl.int64)
     t = r % T
     r64 = r.to(tl.int64)
@@ -817,6 +830,7 @@ def _rerank_kernel(
     else:
         if SOURCE == 0:
             sel = _merge_probe(SRC_A, SRC_B, r64 * n_top, n_top, P, P_PAD, BLOCK_T)  # [P_PAD] entry ids
+            stamp(TS, r * tl.num_programs(0) + s, 2, STAMP)  # (timeline: 2 the merge, 3.. each chunk, 1 end)
             if HAS_FIFO:
                 if s == 0:  # the probe-share statistic: probed entries that came from the FIFO
                     tl.store(HITS + r, tl.sum(((sel >= C) & (tl.arange(0, P_PAD) < P)).to(tl.int32), 0))
@@ -880,6 +894,7 @@ def _rerank_kernel(
             tl.store(WS_POS + r64 * U + u, tl.where(ok, pos, -1), mask=in_u)
             if DEDUP:
                 lg = tl.where(first[:, None], lg, float("-inf"))
+            stamp(TS, r * tl.num_programs(0) + s, tl.minimum(3 + ci, 6), STAMP)
             m_new = tl.maximum(m_v, tl.max(lg, 0))
             l_v = (l_v * _exp(m_v - m_new, PRECISE).to(tl.float64)
                    + tl.sum(_exp(lg - m_new[None, :], PRECISE).to(tl.float64), 0))
@@ -887,6 +902,7 @@ def _rerank_kernel(
     at = ((r64 * (n_slot_progs + 1) + s) * G_PAD + ar_g) * 2
     tl.store(WS_ML + at, m_v.to(tl.float64))
     tl.store(WS_ML + at + 1, l_v)
+    stamp(TS, r * tl.num_programs(0) + s, 1, STAMP)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -896,7 +912,7 @@ def _rerank_kernel(
 @triton.jit
 def _row_keys(WS_S, WS_POS, WS_ML, row, r, U, n, n_parts, BITMAP, NW, RHO, G: tl.constexpr, G_PAD: tl.constexpr,
               BLOCK: tl.constexpr, BLOCK_S: tl.constexpr, PRECISE: tl.constexpr, SAMPLE: tl.constexpr = False,
-              DEDUP: tl.constexpr = False, PB: tl.constexpr = 1):
+              DEDUP: tl.constexpr = False, PB: tl.constexpr = 1, TS=None, prog=0, STAMP: tl.constexpr = False):
     """Row r's int keys -> row[0:n] (group mass as float bits + 1, 0 = not a candidate: DEDUP, also
     a CTkvr slot whose position a lower probe rank holds, `_survivors`; the row's first n slots of the
     rerank's U, the rest padding that nothing reads: `_select_kernel`'s N_ROW), and a lower
@@ -908,6 +924,7 @@ def _row_keys(WS_S, WS_POS, WS_ML, row, r, U, n, n_parts, BITMAP, NW, RHO, G: tl
     finds the range) and the count is taken in the mass pass (validity does not depend on rounding).
     Counts and extremes accumulate per element over the chunks and reduce once."""
     lse = _lse_parts(WS_ML + r * n_parts * G_PAD * 2, n_parts, G, G_PAD, BLOCK_S, PRECISE)
+    stamp(TS, prog, 1, STAMP)
     ar_g = tl.arange(0, G_PAD)
     ar = tl.arange(0, BLOCK)
     pos_row = WS_POS + r * U
@@ -960,6 +977,7 @@ def _select_kernel(
     G: tl.constexpr, G_PAD: tl.constexpr, BLOCK: tl.constexpr, BLOCK_S: tl.constexpr,
     HAS_PUSH: tl.constexpr, PRECISE: tl.constexpr, SAMPLE: tl.constexpr = False,
     DEDUP: tl.constexpr = False, PB: tl.constexpr = 1, HAS_N_ROW: tl.constexpr = False,
+    TS=None, STAMP: tl.constexpr = False,
 ):
     """Grid (rows, 1 + HAS_PUSH). Per row: lse per head over the parts (candidates + frame), mass of
     each slot = sum over heads of exp(logit - lse) (candidate_mass) as an int key (float bits + 1;
@@ -973,6 +991,8 @@ def _select_kernel(
     layers); the mass pass, the search and the emit stop there (the rerank skips the rest)."""
     r = tl.program_id(0).to(tl.int64)
     w = tl.program_id(1)
+    prog = r * tl.num_programs(1) + w  # (timeline stamps: slots 0 start, 1 lse, 2 keys, 3-6 search, 7 end)
+    stamp(TS, prog, 0, STAMP)
     h = r // T
     t = r % T
     push_row = False
@@ -984,7 +1004,8 @@ def _select_kernel(
         if HAS_N_ROW:
             n = tl.minimum(tl.load(N_ROW + r * sn_r), U)
         key_min, n_valid, key_hi = _row_keys(WS_S, WS_POS, WS_ML, row, r, U, n, n_parts, BITMAP, NW, RHO, G, G_PAD,
-                                             BLOCK, BLOCK_S, PRECISE, SAMPLE, DEDUP, PB)
+                                             BLOCK, BLOCK_S, PRECISE, SAMPLE, DEDUP, PB, TS, prog, STAMP)
+        stamp(TS, prog, 2, STAMP)
         if push_row & (w == 0):
             k = RHO
             out = PUSH + h * RHO
@@ -992,14 +1013,16 @@ def _select_kernel(
             k = KP
             out = OUT + r * KP
         if SAMPLE:
-            _select_sampled(row, WS_POS + r * U, n, k, key_min, n_valid, key_hi, out, BLOCK)
+            _select_sampled(row, WS_POS + r * U, n, k, key_min, n_valid, key_hi, out, BLOCK, TS, prog, STAMP)
         else:
             thr, take = _top_threshold(row, n, k, key_min, n_valid, key_hi, BLOCK)
             _emit(row, WS_POS + r * U, n, thr, take, k, out, BLOCK)
+        stamp(TS, prog, 7, STAMP)
 
 
 @triton.jit
-def _select_sampled(ROW, POS, n, K, key_lo, n_valid, key_hi, OUT, BLOCK: tl.constexpr):
+def _select_sampled(ROW, POS, n, K, key_lo, n_valid, key_hi, OUT, BLOCK: tl.constexpr, TS=None, prog=0,
+                    STAMP: tl.constexpr = False):
     """The top-K of the keys ROW[0:n] (0 = empty; key_lo a lower bound > 0 of the valid ones, n_valid
     their count, key_hi an upper bound of all) written as their positions POS[0:n] into OUT[0:K] (the
     set `_top_threshold` + `_emit` write: valid keys first, -1 after), the search bracketed from a
@@ -1022,6 +1045,7 @@ def _select_sampled(ROW, POS, n, K, key_lo, n_valid, key_hi, OUT, BLOCK: tl.cons
     take = n * 0
     if (n_valid > K) & (n > BLOCK):
         a, b = _sample_bracket(ROW, 0, n, K, key_lo, key_hi, BLOCK)
+        stamp(TS, prog, 3, STAMP)
         n_ge = n * 0
         n_bd = n * 0
         for c0 in range(0, n, BLOCK):
@@ -1042,13 +1066,16 @@ def _select_sampled(ROW, POS, n, K, key_lo, n_valid, key_hi, OUT, BLOCK: tl.cons
             n_ge += tot & 0xFFFF
             n_bd += tot >> 16
         tl.debug_barrier()  # the band's stores (and OUT's) before other threads read (or rewrite) them
+        stamp(TS, prog, 4, STAMP)
         if (n_ge < K) & (n_ge + n_bd >= K):
             if n_bd <= BLOCK:
                 path = n * 0 + 1
                 band = tl.load(ROW + n + ar, mask=ar < n_bd, other=-1)
                 bpos = tl.load(ROW + 2 * n + ar, mask=ar < n_bd, other=-1)
                 thr, take = _bisect_regs(band, n, K, a, b, n_ge, (n_ge + n_bd == K).to(tl.int32))
+                stamp(TS, prog, 5, STAMP)
                 _emit_slots(band, bpos, thr, take, n_ge, n * 0, OUT)
+                stamp(TS, prog, 6, STAMP)
             else:  # the search goes on over the band in ping (its positions in pong are not needed)
                 path = n * 0 + 2
                 thr, take = _kth_search(ROW, n, n_bd, n, 2 * n, n, K, a, b, n_ge, n_bd,
@@ -1250,7 +1277,7 @@ def _rerank_and_select(q, kv, *, rows: int, u: int, sink: int, window: int, kp: 
         G=g, G_PAD=g_pad, D=d, BLOCK_U=cfg.block_u, P=p, P_PAD=p_pad, BLOCK_T=triton.next_power_of_2(max(n_top, 1)),
         LOG_P=log_p, SOURCE=source, DEDUP=dedup, HAS_FIFO=has_fifo, PRECISE=_precise(),
         EAGER_ROWS=cfg.eager_rows and dedup, ONE_MASK=source == 0, DOT=_dot_logits(q, ctx_k, cfg),
-        DOT_FP32=interpreted(), num_warps=cfg.rerank_warps, num_stages=cfg.rerank_stages,
+        DOT_FP32=interpreted(), **stamp_args("rerank"), num_warps=cfg.rerank_warps, num_stages=cfg.rerank_stages,
         **({"maxnreg": cfg.rerank_maxnreg} if cfg.rerank_maxnreg and q.device.type == "cuda" else {}),
     )
     has_n_row = source == 1  # kivf: the row's probed keys, SEL_CUM[r, P]
@@ -1261,7 +1288,7 @@ def _rerank_and_select(q, kv, *, rows: int, u: int, sink: int, window: int, kp: 
         t, u, n_parts, kp, rho, scr_row, bitmap.shape[-1] if bitmap is not None else 1, p_pad + 1,
         G=g, G_PAD=g_pad, BLOCK=sel_block, BLOCK_S=_parts_block(n_parts), HAS_PUSH=push is not None,
         PRECISE=_precise(), SAMPLE=cfg.sample_select, DEDUP=dedup, PB=p_pad if dedup else 1, HAS_N_ROW=has_n_row,
-        num_warps=sel_warps,
+        **stamp_args("select"), num_warps=sel_warps,
     )
     return out
 
@@ -1335,7 +1362,7 @@ def ctkvr_plan(q: torch.Tensor, kv, cent: torch.Tensor, lists: torch.Tensor, fif
         *(pend_q.stride()[:2] if has_fifo else (0, 0)),
         t, c, f, n_blocks, nw, words_per_prog,
         G=g, G_PAD=triton.next_power_of_2(g), D=d, BLOCK_C=cfg.block_c, P=p, P_PAD=p_pad, HAS_FIFO=has_fifo,
-        DEDUP=True, BLOCK_Z=256, ONE_LOAD=cfg.probe_one_load, num_warps=cfg.probe_warps,
+        DEDUP=True, BLOCK_Z=256, ONE_LOAD=cfg.probe_one_load, **stamp_args("probe"), num_warps=cfg.probe_warps,
     )
     out = _rerank_and_select(
         q, kv, rows=rows, u=u, sink=sink, window=window, kp=kp, rho=rho, source=0,
