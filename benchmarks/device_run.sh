@@ -10,7 +10,7 @@
 #           offload | psa32sweep | offloadfit | ivfsweep | ivfcpp | cslfsweep | ivfsel | ivfeager | ivfsample | ncusel | psaemit | psafuse | psastop | rtrip | rerankreg | rerank96 | e2ectkvr | ncuivf | verify | repro | e2eh200 | pushab | decode512h200 | s14ab | s14e2e | s14final | s14frame | s14tests | s14lfpse2e | s15ivf | s15ivf2 | s15dot | s15final | s15rerank | s16ahead | s16overlap | s16more | s16tests | s16early | s17ahead | s17pipe | s17offload | s17reads | s17fuse | s18pages | s18offprof | s18offab | s18numa | s18staged | s18prio | s18stprof | s18frame | s19tests | s19granule | s19cached | s19overlap | s19sweep | s19gen | s20quick | s20cache | s20more | s20staged | s20tests | s21prof | s21l2 | s21split | s21ahead | s21gemv | s21decode | s21wide | saapwide | s22saap | s22wide1 | s22wide8 | s22tests | s22ncu | s22repeat | s22split8 | s23ncu | s23knobs | s23splits | s23onetok | s23ab | s23dense | s23e2e |
 #           s24attend | s24variants | s24regs | s24final | s24tests | s24stop | s25ncu | s25sel | s25final512 | s25knobs | s25pdl | s25attnpdl | s25saappdl | s25selsrc |
 #           s26ab | s26mask | s26probe | s26selw | s26push | s26final | s27ab | s27kivf | s27tests | s27kivfknobs | s27kivfsel |
-#           s28dot | s28kivf | s28knobs | s28exp | s28piv | s28tests | s28pf
+#           s28dot | s28kivf | s28knobs | s28exp | s28piv | s28tests | s28pf | s29tl | s29probe | s29keys | s29pdl | s29final | s29cb
 #   (default: tests decode before_after)
 #   The device tool returns at most 8 files: past that, the run's JSON files come back as $OUT/json.tar.gz
 #   (and everything as $OUT/all.tar.gz if that is not enough).
@@ -975,6 +975,52 @@ for stage in $stages; do
         | tee "$OUT/gpu_decode_s28pf.log" | grep -E "graph|Error|error"
       python3 -m pytest -q -p no:cacheprovider -o addopts="" tests/test_kernels_ivf.py 2>&1 \
         | tee "$OUT/gpu_ivf_kernel_tests_s28pf.log" | tail -2 ;;
+    s29tl)  # session 29: the timeline of one ctkvr / kivf step from the kernels' own timestamps (gpu_timeline.py)
+      python3 benchmarks/gpu_timeline.py --lengths 131072 524288 --methods ctkvr --tag _s29tl 2>&1 \
+        | tee "$OUT/gpu_timeline_s29tl.log" | grep -v "^ *$"
+      python3 benchmarks/gpu_timeline.py --lengths 131072 --methods kivf --tag _s29tl_kivf 2>&1 \
+        | tee -a "$OUT/gpu_timeline_s29tl.log" | grep -v "^ *$" ;;
+    s29probe)  # session 29: the probe in one wave? (528 programs at 181 registers run as two waves of 264); timelines.
+      # Documents a run: its knob (IvfConfig.probe_maxnreg) was removed after it (no faster, RESULTS.md)
+      python3 benchmarks/gpu_timeline.py --lengths 131072 --methods ctkvr ctkvr:probe_maxnreg=128 ctkvr:block_c=64 \
+        ctkvr:probe_one_load=0 ctkvr:probe_maxnreg=128,block_c=16 ctkvr:probe_warps=8 ctkvr --tag _s29probe 2>&1 \
+        | tee "$OUT/gpu_timeline_s29probe.log" | grep -v "^ *$" ;;
+    s29keys)  # session 29: the select's mass pass with its loads a chunk ahead (the dedup words included) and the
+      # first chunk's before the parts' lse, against the tree before (.old/ivf_head.py): timelines alternating twice,
+      # then gpu_decode's A/B (old_new), then the IVF kernel tests. Here .old/ivf_head.py was the tree and ivf.py the
+      # change (slower, not kept: RESULTS.md, session 29); the run reached the 600 s limit during the tests
+      rm -rf /tmp/old && mkdir -p /tmp/old && cp -r benchmarks decoder indexer storage tests /tmp/old/ \
+        && cp .old/ivf_head.py /tmp/old/indexer/kernels/ivf.py
+      for i in 1 2; do
+        (cd /tmp/old && python3 benchmarks/gpu_timeline.py --lengths 131072 --methods ctkvr kivf --out "$OUT" \
+          --tag _s29keys_old$i) 2>&1 | tee -a "$OUT/gpu_timeline_s29keys.log" | grep -E "graph|phases"
+        python3 benchmarks/gpu_timeline.py --lengths 131072 --methods ctkvr kivf --out "$OUT" --tag _s29keys_new$i 2>&1 \
+          | tee -a "$OUT/gpu_timeline_s29keys.log" | grep -E "graph|phases"
+      done
+      old_new s29keys "ctkvr kivf" indexer/kernels/ivf.py 2>&1 | tee "$OUT/gpu_decode_s29keys.log"
+      python3 -m pytest -q -p no:cacheprovider -o addopts="" tests/test_kernels_ivf.py 2>&1 \
+        | tee "$OUT/gpu_ivf_kernel_tests_s29keys.log" | tail -2 ;;
+    s29pdl)  # session 29: programmatic dependent launch between CTkvr's kernels again, now with the timeline: rerank ->
+      # select (-> attention), probe -> rerank (the probe's two waves with the rerank's programs launched early; and capped
+      # at 128 registers, one wave); timelines at 128K, then gpu_decode at 128K, B = 1 and 8. Documents a run: its
+      # knobs (IvfConfig.pdl_select, pdl_rerank, probe_maxnreg) were removed after it (RESULTS.md, session 29)
+      python3 benchmarks/gpu_timeline.py --lengths 131072 --methods ctkvr ctkvr:pdl_select=1 ctkvr:pdl_rerank=1 \
+        ctkvr:pdl_rerank=1,probe_maxnreg=128 ctkvr:pdl_select=1,pdl_rerank=1,probe_maxnreg=128 ctkvr --tag _s29pdl 2>&1 \
+        | tee "$OUT/gpu_timeline_s29pdl.log" | grep -v "^ *$"
+      python3 benchmarks/gpu_decode.py --lengths 131072 --batches 1 8 --profile --backends triton --methods ctkvr \
+        ctkvr:pdl_select=1 ctkvr:pdl_select=1,pdl_rerank=1,probe_maxnreg=128 ctkvr --out "$OUT/s29pdl" 2>&1 \
+        | tee "$OUT/gpu_decode_s29pdl.log" | grep -E "graph|Error|error" ;;
+    s29final)  # session 29, the final tree: ctkvr's timeline at 128K and 512K, then the stamps' GPU test, the IVF
+      # kernel tests and the attention kernel tests on the GPU
+      python3 benchmarks/gpu_timeline.py --lengths 131072 524288 --methods ctkvr --tag _s29final 2>&1 \
+        | tee "$OUT/gpu_timeline_s29final.log" | grep -v "^ *$"
+      python3 -m pytest -q -p no:cacheprovider -o addopts="" tests/test_stamps.py tests/test_kernels_ivf.py \
+        tests/test_triton_attention.py 2>&1 | tee "$OUT/gpu_tests_s29final.log" | tail -4 ;;
+    s29cb)  # session 29, the last device minutes: the select's counting pass over chunks of 4,096, 8,192 and 16,384 keys
+      # (IvfConfig.count_block; one chunk for CTkvr's 10,240 slots) against the select block's 2,048; timelines at 128K.
+      # Documents a run: the knob was removed after it (slower with every size, RESULTS.md session 29)
+      python3 benchmarks/gpu_timeline.py --lengths 131072 --methods ctkvr ctkvr:count_block=4096 ctkvr:count_block=8192 \
+        ctkvr:count_block=16384 ctkvr --tag _s29cb 2>&1 | tee "$OUT/gpu_timeline_s29cb.log" | grep -E "graph|select plan" ;;
     *) echo "unknown stage $stage" ;;
   esac
 done
