@@ -75,8 +75,10 @@ def build_request(n: int, spec_name: str):
     return req, restore
 
 
-def analyse(stamps: dict[str, torch.Tensor]) -> dict:
-    """One replay's stamps -> kernel spans and select phases (µs, relative to the first start)."""
+def analyse(stamps: dict[str, torch.Tensor], push: bool) -> dict:
+    """One replay's stamps -> kernel spans and select phases (µs, relative to the first start). push:
+    the select runs two programs per row, (row, 0) the FIFO push's and (row, 1) the plan's (CTkvr's
+    one-token steps); else one, the plan's."""
     t0 = min(int(b[:, 0, 0][b[:, 0, 0] > 0].min()) for b in stamps.values() if len(b))
     out, phases, res = {}, {"plan": {}, "push": {}, "rerank": {}}, []
     for name in ORDER:
@@ -99,8 +101,7 @@ def analyse(stamps: dict[str, torch.Tensor]) -> dict:
             for i in ran.nonzero().flatten().tolist():
                 row = b[i]
                 clk_ns = (row[end, 0] - row[0, 0]).item() / max(1, (row[end, 1] - row[0, 1]).item())
-                # select program (row, w): w = 0 the push on a last-token row
-                kind = name if name != "select" else "push" if i % 2 == 0 else "plan"
+                kind = name if name != "select" else "push" if push and i % 2 == 0 else "plan"
                 for ph, a, z in PHASES[name]:
                     if row[a, 1] > 0 and row[z, 1] > 0:
                         phases[kind].setdefault(ph, []).append((row[z, 1] - row[a, 1]).item() * clk_ns / 1e3)
@@ -125,7 +126,7 @@ def run(n: int, spec_name: str, reps: int) -> dict:
                 gd.T.flush_l2()
                 g.replay()
                 torch.cuda.synchronize()
-                per.append(analyse(rec.read()))
+                per.append(analyse(rec.read(), push=spec_name.split(":")[0].split("@")[0] == "ctkvr"))
     finally:
         restore()
     med = statistics.median

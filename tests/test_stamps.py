@@ -80,3 +80,37 @@ def test_a_stamped_step_times_every_program_in_launch_order():
         spans[name] = (int(start.min()), int(end.max()))
     for a, z in zip(order, order[1:]):  # stream order: a kernel's programs start after the one before ended
         assert spans[a][1] <= spans[z][0], (a, z, spans)
+
+
+def test_timeline_analysis_of_known_stamps():
+    """benchmarks/gpu_timeline.py's reading of one replay's stamps: kernel spans from the first start,
+    the gaps between kernels, and the select's phases from each program's clock (converted with its
+    own timer / clock ratio), split into FIFO-push and plan programs only where the select has both."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import gpu_timeline
+
+    def buf(programs):
+        return torch.zeros(programs, stamps.SLOTS, stamps.WORDS, dtype=torch.int64)
+
+    probe, select = buf(2), buf(4)
+    probe[0, 0, 0], probe[0, 1, 0] = 1_000, 5_000  # ns: starts at t0, ends 4 µs later
+    probe[1, 0, 0], probe[1, 1, 0] = 1_500, 6_000
+    for i in range(4):  # select programs (row i // 2, w = i % 2): 2 cycles per ns, phases 1 + i µs apart
+        start = 7_000 + 100 * i
+        for slot in range(8):
+            select[i, slot, 0] = start + slot * (1 + i) * 1_000
+            select[i, slot, 1] = 10_000 + 2 * slot * (1 + i) * 1_000
+            select[i, slot, 2] = i
+    got = gpu_timeline.analyse({"probe": probe, "select": select}, push=True)
+    k = got["kernels"]
+    assert k["probe"]["first_start_us"] == 0 and k["probe"]["last_end_us"] == 5.0 and k["probe"]["programs"] == 2
+    assert k["select"]["first_start_us"] == 6.0 and k["select"]["last_start_us"] == 6.3 and k["select"]["sms"] == 4
+    assert got["gaps_us"] == {"probe->select": 1.0}
+    assert sorted(got["phases"]["push"]["lse"]) == [1.0, 3.0]  # programs 0 and 2
+    assert sorted(got["phases"]["plan"]["count"]) == [2.0, 4.0]  # programs 1 and 3
+    assert sorted(got["phases"]["plan"]["total"]) == [14.0, 28.0]
+    alone = gpu_timeline.analyse({"select": select}, push=False)  # kivf: one plan program per row
+    assert alone["phases"]["push"] == {} and len(alone["phases"]["plan"]["lse"]) == 4
