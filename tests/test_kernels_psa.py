@@ -256,9 +256,10 @@ def _values(seed, ctx_k, loc_k, m):
 
 
 def _attended_and_reference(seed, *, dtype, kind="cuboid", eps=0.9, ratio=0.3, n=300, m=4, cfg=None, scale=0.3,
-                            poison=False):
+                            poison=False, nan_attend=False):
     """The fused plan with its attention, the same plan without it, and torch_ref's attention over the
-    returned plan's positions (dense attention masked to frame ∪ plan)."""
+    returned plan's positions (dense attention masked to frame ∪ plan). poison: every workspace word
+    holds finite garbage first; nan_attend: the attention's partial states hold NaN first."""
     from decoder.backends.torch_ref import TorchRef
     from indexer.base import Plan
 
@@ -274,6 +275,12 @@ def _attended_and_reference(seed, *, dtype, kind="cuboid", eps=0.9, ratio=0.3, n
                                  attend_scale=scale, **kw)
         for buf in kernels._WORKSPACES.buffers():
             buf.fill_(1 if buf.dtype == torch.int32 else 1e30)
+    if nan_attend:
+        kernels.progressive_plan(q, ctx_k, loc_k, q_pos, meta, 16, cfg=cfg, ctx_v=ctx_v, loc_v=loc_v,
+                                 attend_scale=scale, **kw)
+        for (_, _, tag, _), buf in kernels._WORKSPACES._bufs.items():
+            if tag == "psa_attend":
+                buf.fill_(float("nan"))
     got = kernels.progressive_plan(q, ctx_k, loc_k, q_pos, meta, 16, cfg=cfg, ctx_v=ctx_v, loc_v=loc_v,
                                    attend_scale=scale, **kw)
     ref = TorchRef().run(q, KVView(ctx_k, ctx_v, loc_k, loc_v_ref, q_pos), Plan(got.positions), 4, 8, scale)
@@ -302,6 +309,20 @@ def test_fused_plan_attends_its_plan(kind, eps, ratio, dtype):
     for name in PLAN_FIELDS[:-1]:
         assert torch.equal(getattr(got, name), getattr(plain, name)), name
     assert plain.out is None and got.out.dtype == dtype and got.out.shape == ref.shape
+    assert torch.isfinite(got.out).all()
+    assert _rel(got.out, ref) < ATTEND_TOL[dtype], _rel(got.out, ref)
+
+
+@pytest.mark.parametrize("kind,eps,dtype", [("center", 0.9, torch.float32), ("mean", 1.0, torch.bfloat16)],
+                         ids=lambda v: str(v).replace("torch.", ""))
+def test_attending_reads_no_partial_state_past_the_kept_blocks(kind, eps, dtype):
+    """The merge's first chunk is loaded up to the row's K candidates before the kept count is known:
+    what the slots past the count hold (NaN here; an earlier plan's states, or a fresh buffer's
+    garbage) is never added in. Before the merge masked them these two cases answered NaN or zeros
+    (the full suite failed on them in session 30, with another test's workspace left behind)."""
+    seed = zlib.crc32(f"{kind}{eps}1.0{dtype}".encode()) % 10_000
+    got, _, ref = _attended_and_reference(seed, dtype=dtype, kind=kind, eps=eps, ratio=1.0, n=200 + seed % 300,
+                                          nan_attend=True)
     assert torch.isfinite(got.out).all()
     assert _rel(got.out, ref) < ATTEND_TOL[dtype], _rel(got.out, ref)
 

@@ -727,13 +727,13 @@ def _attend_kernel(
     li = tl.load(AML + (hr * K + ar) * 2 + 1, mask=ar < K, other=0.0)
     ai = tl.load(AACC + (hr * K + ar)[:, None] * D + offs_d[None, :], mask=(ar < K)[:, None], other=0.0)
     for c0 in range(0, used, BLOCK_I):
-        ok = c0 + ar < used
-        mi = tl.where(ok, mi, NEG_BIG)
+        ok = c0 + ar < used  # the first chunk was loaded up to K: its slots past the count hold what an
+        mi = tl.where(ok, mi, NEG_BIG)  # earlier plan left (a NaN there times a zero weight is NaN)
         m_new = tl.maximum(m, tl.max(mi, 0))
         w = tl.where(ok, tl.math.exp2(mi - m_new), 0.0)
         alpha = tl.math.exp2(m - m_new)
-        l = l * alpha + tl.sum(w * li, 0)
-        acc = acc * alpha + tl.sum(w[:, None] * ai, 0)
+        l = l * alpha + tl.sum(tl.where(ok, w * li, 0.0), 0)
+        acc = acc * alpha + tl.sum(tl.where(ok[:, None], w[:, None] * ai, 0.0), 0)
         m = m_new
         i = c0 + BLOCK_I + ar  # the next chunk (masked off past the count: no traffic)
         mi = tl.load(AML + (hr * K + i) * 2, mask=i < used, other=NEG_BIG)
