@@ -10,7 +10,7 @@
 #           offload | psa32sweep | offloadfit | ivfsweep | ivfcpp | cslfsweep | ivfsel | ivfeager | ivfsample | ncusel | psaemit | psafuse | psastop | rtrip | rerankreg | rerank96 | e2ectkvr | ncuivf | verify | repro | e2eh200 | pushab | decode512h200 | s14ab | s14e2e | s14final | s14frame | s14tests | s14lfpse2e | s15ivf | s15ivf2 | s15dot | s15final | s15rerank | s16ahead | s16overlap | s16more | s16tests | s16early | s17ahead | s17pipe | s17offload | s17reads | s17fuse | s18pages | s18offprof | s18offab | s18numa | s18staged | s18prio | s18stprof | s18frame | s19tests | s19granule | s19cached | s19overlap | s19sweep | s19gen | s20quick | s20cache | s20more | s20staged | s20tests | s21prof | s21l2 | s21split | s21ahead | s21gemv | s21decode | s21wide | saapwide | s22saap | s22wide1 | s22wide8 | s22tests | s22ncu | s22repeat | s22split8 | s23ncu | s23knobs | s23splits | s23onetok | s23ab | s23dense | s23e2e |
 #           s24attend | s24variants | s24regs | s24final | s24tests | s24stop | s25ncu | s25sel | s25final512 | s25knobs | s25pdl | s25attnpdl | s25saappdl | s25selsrc |
 #           s26ab | s26mask | s26probe | s26selw | s26push | s26final | s27ab | s27kivf | s27tests | s27kivfknobs | s27kivfsel |
-#           s28dot | s28kivf | s28knobs | s28exp | s28piv | s28tests | s28pf | s29tl | s29probe | s29keys | s29pdl | s29final | s29cb
+#           s28dot | s28kivf | s28knobs | s28exp | s28piv | s28tests | s28pf | s29tl | s29probe | s29keys | s29pdl | s29final | s29cb | s30scan | s30scan2 | s30tests
 #   (default: tests decode before_after)
 #   The device tool returns at most 8 files: past that, the run's JSON files come back as $OUT/json.tar.gz
 #   (and everything as $OUT/all.tar.gz if that is not enough).
@@ -1021,6 +1021,33 @@ for stage in $stages; do
       # Documents a run: the knob was removed after it (slower with every size, RESULTS.md session 29)
       python3 benchmarks/gpu_timeline.py --lengths 131072 --methods ctkvr ctkvr:count_block=4096 ctkvr:count_block=8192 \
         ctkvr:count_block=16384 ctkvr --tag _s29cb 2>&1 | tee "$OUT/gpu_timeline_s29cb.log" | grep -E "graph|select plan" ;;
+    s30scan)  # session 30: the select's counting pass with 8 consecutive keys per thread (IvfConfig.count_rows, the
+      # default) against 1 (the layout before), 4 and 16: timelines at 128K (ctkvr, kivf), gpu_decode at 128K and
+      # 512K
+      python3 benchmarks/gpu_timeline.py --lengths 131072 --methods ctkvr ctkvr:count_rows=1 ctkvr:count_rows=4 \
+        ctkvr:count_rows=16 ctkvr:count_rows=1 ctkvr kivf kivf:count_rows=1 kivf --tag _s30scan 2>&1 \
+        | tee "$OUT/gpu_timeline_s30scan.log" | grep -E "graph|_select|select plan|phases"
+      python3 benchmarks/gpu_decode.py --lengths 131072 --batches 1 8 --backends triton --methods ctkvr \
+        ctkvr:count_rows=1 ctkvr --out "$OUT/s30scan" 2>&1 | tee "$OUT/gpu_decode_s30scan.log" | grep -E "graph|Error|error"
+      python3 benchmarks/gpu_decode.py --lengths 524288 --batches 1 --backends triton --methods ctkvr \
+        ctkvr:count_rows=1 ctkvr --out "$OUT/s30scan512" 2>&1 | tee -a "$OUT/gpu_decode_s30scan.log" \
+        | grep -E "graph|Error|error" ;;
+    s30scan2)  # session 30: count_rows 4, 2, 8 and 1 with the band's emit in the same layout (count_rows > 1); kivf
+      # with 4 and 8 (16 warps, 4,096-key chunks); gpu_decode at 128K with 4 against 8
+      python3 benchmarks/gpu_timeline.py --lengths 131072 --methods ctkvr:count_rows=4 ctkvr:count_rows=2 \
+        ctkvr:count_rows=8 ctkvr:count_rows=1 ctkvr:count_rows=4 kivf:count_rows=4 kivf:count_rows=8 \
+        kivf:count_rows=4 --tag _s30scan2 2>&1 | tee "$OUT/gpu_timeline_s30scan2.log" | grep -E "graph|select plan"
+      python3 benchmarks/gpu_decode.py --lengths 131072 --batches 1 8 --backends triton --methods ctkvr:count_rows=4 \
+        ctkvr:count_rows=8 ctkvr:count_rows=4 kivf:count_rows=4 kivf:count_rows=8 --out "$OUT/s30scan2" 2>&1 \
+        | tee "$OUT/gpu_decode_s30scan2.log" | grep -E "graph|Error|error" ;;
+    s30tests)  # session 30, the final tree (count_rows 4): the IVF, psa (the attend kernel's masked merge) and stamps
+      # kernel tests on the GPU, then ctkvr's timeline at 128K and 512K and gpu_decode at 512K, B = 1
+      python3 -m pytest -q -p no:cacheprovider -o addopts="" tests/test_kernels_ivf.py tests/test_kernels_psa.py \
+        tests/test_stamps.py 2>&1 | tee "$OUT/gpu_tests_s30tests.log" | tail -4
+      python3 benchmarks/gpu_timeline.py --lengths 131072 524288 --methods ctkvr --tag _s30final 2>&1 \
+        | tee "$OUT/gpu_timeline_s30final.log" | grep -E "graph|select plan"
+      python3 benchmarks/gpu_decode.py --lengths 524288 --batches 1 --backends triton --methods ctkvr \
+        --out "$OUT/s30final512" 2>&1 | tee "$OUT/gpu_decode_s30final512.log" | grep -E "graph|Error|error" ;;
     *) echo "unknown stage $stage" ;;
   esac
 done

@@ -285,14 +285,15 @@ def test_kivf_fused_plan_with_tiny_blocks(monkeypatch):
 
 
 @pytest.mark.parametrize("live", [False, True], ids=["all_slots", "live_prefix"])
-@pytest.mark.parametrize("search", ["bisection", "sampled"])
+@pytest.mark.parametrize("search", ["bisection", "sampled", "sampled_rows"])
 @pytest.mark.parametrize("kp, rho", [(10, 24), (24, 10), (40, 5)])
 def test_select_kernel_ties_take_the_lowest_slots(kp, rho, search, live):
     """The group-mass top-K on its own (kernel 3), with exact ties: every slot's logits come from 4
     classes (the same in both heads), so masses tie within a class. The plan row is the kp best
     valid slots, ties taken lowest slot first; the last token's row also gets the rho best (by a
     program of its own); -1 fills what the valid slots cannot. The plain search lists them in slot
-    order; the sampled search (`ivf._select_sampled`) may list the same set in another order.
+    order; the sampled search (`ivf._select_sampled`) may list the same set in another order
+    (sampled_rows: its counting pass with 4 consecutive keys per thread, `IvfConfig.count_rows`).
     live_prefix (kivf's N_ROW): a row's live slots are a prefix of its U (64, 37, 50 here); the slots
     past it hold what an earlier step left (valid positions, logits above every live one), which
     neither the mass pass nor the search nor the emit may read."""
@@ -319,15 +320,16 @@ def test_select_kernel_ties_take_the_lowest_slots(kp, rho, search, live):
     d = lambda x: x.to(DEVICE)  # noqa: E731
     t = 1  # every row is a last token's row (T = 1: one row per KV head)
     args = [d(logits), d(pos), d(ml), d(scr), d(out), d(push)]
-    ivf._select_kernel[(rows, 2)](*args, args[1], d(n_row), t, u, 1, kp, rho, 3 * u, 1, 1, G=g, G_PAD=g, BLOCK=block,
-                                  BLOCK_S=32, HAS_PUSH=True, PRECISE=DEVICE == "cuda", SAMPLE=search == "sampled",
-                                  HAS_N_ROW=live, num_warps=4)
+    ivf._select_kernel[(rows, 2)](*args, args[1], d(n_row), t, u, 1, kp, rho, 3 * u, 1, 1, 1, G=g, G_PAD=g,
+                                  BLOCK=block, BLOCK_S=32, HAS_PUSH=True, PRECISE=DEVICE == "cuda",
+                                  SAMPLE=search != "bisection", HAS_N_ROW=live,
+                                  SCAN_V=4 if search == "sampled_rows" else 1, num_warps=4)
     out, push = args[4].cpu(), args[5].cpu()
     for r in range(rows):
         ranked = sorted((int(cls[r, i]), i) for i in range(int(n_row[r])) if pos[r, i] >= 0)  # class asc = mass desc
         for got, k in ((out[r], kp), (push[r], rho)):
             want = [int(pos[r, i]) for _, i in ranked[:k]]
-            if search == "sampled":
+            if search != "bisection":
                 assert sorted(got[: len(want)].tolist()) == sorted(want)
             else:
                 assert got[: len(want)].tolist() == [x for x in pos[r].tolist() if x in set(want)]  # slot order
@@ -453,7 +455,7 @@ def test_probe_picks_order_value_then_lowest_id():
 
 
 @triton.jit
-def _sampled_select_probe(KEYS, POSS, SCR, OUT, PATH, n, K, BLOCK: tl.constexpr):
+def _sampled_select_probe(KEYS, POSS, SCR, OUT, PATH, n, K, KS, BLOCK: tl.constexpr, SCAN_V: tl.constexpr):
     """Row r: `ivf._select_sampled` over KEYS[r, :n] with positions POSS[r, :n] -> OUT[r, :K], and
     the path it took -> PATH[r]."""
     r = tl.program_id(0)
@@ -466,11 +468,12 @@ def _sampled_select_probe(KEYS, POSS, SCR, OUT, PATH, n, K, BLOCK: tl.constexpr)
         n_valid += tl.sum((key > 0).to(tl.int32), 0)
     tl.debug_barrier()
     path = ivf._select_sampled(row, POSS + r * n, n, K, n * 0 + 1, n_valid, n * 0 + 0x7F800002, OUT + r * K,
-                               BLOCK)
+                               BLOCK, SCAN_V, KS)
     tl.store(PATH + r, path)
 
 
-def test_sampled_select_writes_the_top_k_positions_on_every_path():
+@pytest.mark.parametrize("n, scan_v", [(2048, 1), (2048, 8), (1999, 4)])
+def test_sampled_select_writes_the_top_k_positions_on_every_path(n, scan_v):
     """`ivf._select_sampled` (the select kernel's search bracketed from a strided sample, every 4th key
     here, with the emit fused into its counting pass) writes exactly the positions of the K largest
     keys, ties taken lowest index first, -1 after, on each of its paths: the band holds the K-th key
@@ -478,8 +481,10 @@ def test_sampled_select_writes_the_top_k_positions_on_every_path():
     is larger than a block (a run of 700 equal keys); the counts refute the sample's guess on either
     side (the sample holds the row's largest or its smallest keys: the search goes on above b or
     below a, and the plain emit overwrites what the counting pass wrote); no search needed (exactly
-    K or fewer valid keys)."""
-    rows, n, k, block = 9, 2048, 400, 512
+    K or fewer valid keys). scan_v: consecutive keys per thread in the counting pass
+    (`IvfConfig.count_rows`), whose scan order decides which of the tied keys the band takes; 1999
+    keys end in a partial row."""
+    rows, k, block = 9, 400, 512
     gen = torch.Generator().manual_seed(13)
     keys = torch.randperm(1 << 20, generator=gen)[: rows * n].view(rows, n).to(torch.int64) + 1  # distinct
     sampled = torch.arange(block) * n // block
@@ -502,7 +507,7 @@ def test_sampled_select_writes_the_top_k_positions_on_every_path():
     d = lambda x: x.to(DEVICE)  # noqa: E731
     zeros = lambda *shape: d(torch.zeros(*shape, dtype=torch.int32))  # noqa: E731
     args = [d(keys), d(poss), zeros(rows, 3 * n), zeros(rows, k), zeros(rows)]
-    _sampled_select_probe[(rows,)](*args, n, k, BLOCK=block, num_warps=4)
+    _sampled_select_probe[(rows,)](*args, n, k, 1, BLOCK=block, SCAN_V=scan_v, num_warps=4)
     out, path = args[3].cpu(), args[4].cpu().tolist()
     for r in range(rows):
         row = keys[r].tolist()

@@ -423,29 +423,52 @@ def _top_threshold(ROW, n, K, key_min, n_valid, key_hi, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _emit_ranks(key, thr, take, gt_base, eq_base):
+def _chunk_offsets(c0, BLOCK: tl.constexpr, V: tl.constexpr, ks=1):
+    """Offsets of one chunk of BLOCK keys from c0 as a [BLOCK // V, V] tile, row i holding keys
+    c0 + i·V .. c0 + i·V + V - 1 (ks: the keys' stride, 1, passed at run time). With the stride
+    unknown to Triton's coalescing pass no axis looks contiguous, its tie-break puts the threads along
+    axis 0, and each thread holds one row, V consecutive keys as repetitions: `_chunk_scan` then scans
+    across the threads once per chunk instead of once per repetition (with the contiguity known the
+    threads would split each row instead)."""
+    return c0 + (tl.arange(0, BLOCK // V)[:, None] * V + tl.arange(0, V)[None, :]) * ks
+
+
+@triton.jit
+def _chunk_scan(x):
+    """Inclusive prefix sums of a `_chunk_offsets` tile in key order (along each row, then down the
+    rows) and the tile's total: the rows' own scans, plus an exclusive scan of the row totals."""
+    row = tl.sum(x, 1)
+    return tl.cumsum(x, 1) + (tl.cumsum(row, 0) - row)[:, None], tl.sum(row, 0)
+
+
+@triton.jit
+def _emit_ranks(key, thr, take, gt_base, eq_base, ROWS: tl.constexpr = False):
     """The ranks of one chunk of a selection (thr, take): the valid keys (> 0) above thr, and those
     equal to it while fewer than `take` have been taken, in array order after gt_base + min(eq_base,
     take) earlier ones (gt_base / eq_base: the valid keys above / equal to thr in the chunks before).
     Both running counts come from one scan (above thr in the low 16 bits, equal in the high ones: a
     chunk has < 2^16 keys; two scans cost the psa select 0.3-0.6 us more on an H100,
-    benchmarks/RESULTS.md). -> (taken mask, slot of each taken key, gt_base, eq_base after it)."""
+    benchmarks/RESULTS.md). ROWS: `key` is a `_chunk_offsets` tile, scanned by `_chunk_scan`.
+    -> (taken mask, slot of each taken key, gt_base, eq_base after it)."""
     gt = (key > thr) & (key > 0)
     eq = (key == thr) & (key > 0)
     both = gt.to(tl.int32) + (eq.to(tl.int32) << 16)
-    sc = tl.cumsum(both, 0)
+    if ROWS:
+        sc, tot = _chunk_scan(both)
+    else:
+        sc = tl.cumsum(both, 0)
+        tot = tl.sum(both, 0)
     n_eq = eq_base + (sc >> 16)  # inclusive
     w = gt | (eq & (n_eq <= take))
     at = gt_base + (sc & 0xFFFF) + tl.minimum(n_eq, take) - 1
-    tot = tl.sum(both, 0)
     return w, at, gt_base + (tot & 0xFFFF), eq_base + (tot >> 16)
 
 
 @triton.jit
-def _emit_slots(key, pos, thr, take, gt_base, eq_base, OUT):
+def _emit_slots(key, pos, thr, take, gt_base, eq_base, OUT, ROWS: tl.constexpr = False):
     """One chunk of an emit: the `pos` of the keys `_emit_ranks` takes into OUT at their ranks.
     -> the counts after the chunk."""
-    w, at, gt_base, eq_base = _emit_ranks(key, thr, take, gt_base, eq_base)
+    w, at, gt_base, eq_base = _emit_ranks(key, thr, take, gt_base, eq_base, ROWS)
     tl.store(OUT + at, pos, mask=w)
     return gt_base, eq_base
 
@@ -970,13 +993,13 @@ def _row_keys(WS_S, WS_POS, WS_ML, row, r, U, n, n_parts, BITMAP, NW, RHO, G: tl
     return key_min, n_valid, key_hi
 
 
-@triton.jit(do_not_specialize=["T", "U", "n_parts", "KP", "RHO", "scr_row", "NW", "sn_r"])
+@triton.jit(do_not_specialize=["T", "U", "n_parts", "KP", "RHO", "scr_row", "NW", "sn_r", "KS"])
 def _select_kernel(
     WS_S, WS_POS, WS_ML, SCR, OUT, PUSH, BITMAP, N_ROW,
-    T, U, n_parts, KP, RHO, scr_row, NW, sn_r,
+    T, U, n_parts, KP, RHO, scr_row, NW, sn_r, KS,
     G: tl.constexpr, G_PAD: tl.constexpr, BLOCK: tl.constexpr, BLOCK_S: tl.constexpr,
     HAS_PUSH: tl.constexpr, PRECISE: tl.constexpr, SAMPLE: tl.constexpr = False,
-    DEDUP: tl.constexpr = False, PB: tl.constexpr = 1, HAS_N_ROW: tl.constexpr = False,
+    DEDUP: tl.constexpr = False, PB: tl.constexpr = 1, HAS_N_ROW: tl.constexpr = False, SCAN_V: tl.constexpr = 1,
     TS=None, STAMP: tl.constexpr = False,
 ):
     """Grid (rows, 1 + HAS_PUSH). Per row: lse per head over the parts (candidates + frame), mass of
@@ -988,7 +1011,9 @@ def _select_kernel(
     it (52 -> 35 us at the 8B shape, H100; benchmarks/RESULTS.md). SCR row per program: [keys U |
     ping U | pong U]. HAS_N_ROW (kivf): row r's live slots are its first min(U, N_ROW[r * sn_r]), the
     probed clusters' keys (U is the static width, the most any probe can hold: 1.5-1.9x on real
-    layers); the mass pass, the search and the emit stop there (the rerank skips the rest)."""
+    layers); the mass pass, the search and the emit stop there (the rerank skips the rest). KS: 1, the
+    keys' stride in a scratch row, a run-time argument so that SCAN_V (`IvfConfig.count_rows`) gets its
+    layout (`_chunk_offsets`)."""
     r = tl.program_id(0).to(tl.int64)
     w = tl.program_id(1)
     prog = r * tl.num_programs(1) + w  # (timeline stamps: slots 0 start, 1 lse, 2 keys, 3-6 search, 7 end)
@@ -1013,7 +1038,8 @@ def _select_kernel(
             k = KP
             out = OUT + r * KP
         if SAMPLE:
-            _select_sampled(row, WS_POS + r * U, n, k, key_min, n_valid, key_hi, out, BLOCK, TS, prog, STAMP)
+            _select_sampled(row, WS_POS + r * U, n, k, key_min, n_valid, key_hi, out, BLOCK, SCAN_V, KS, TS, prog,
+                            STAMP)
         else:
             thr, take = _top_threshold(row, n, k, key_min, n_valid, key_hi, BLOCK)
             _emit(row, WS_POS + r * U, n, thr, take, k, out, BLOCK)
@@ -1021,8 +1047,8 @@ def _select_kernel(
 
 
 @triton.jit
-def _select_sampled(ROW, POS, n, K, key_lo, n_valid, key_hi, OUT, BLOCK: tl.constexpr, TS=None, prog=0,
-                    STAMP: tl.constexpr = False):
+def _select_sampled(ROW, POS, n, K, key_lo, n_valid, key_hi, OUT, BLOCK: tl.constexpr, SCAN_V: tl.constexpr = 1,
+                    ks=1, TS=None, prog=0, STAMP: tl.constexpr = False):
     """The top-K of the keys ROW[0:n] (0 = empty; key_lo a lower bound > 0 of the valid ones, n_valid
     their count, key_hi an upper bound of all) written as their positions POS[0:n] into OUT[0:K] (the
     set `_top_threshold` + `_emit` write: valid keys first, -1 after), the search bracketed from a
@@ -1049,20 +1075,18 @@ def _select_sampled(ROW, POS, n, K, key_lo, n_valid, key_hi, OUT, BLOCK: tl.cons
         n_ge = n * 0
         n_bd = n * 0
         for c0 in range(0, n, BLOCK):
-            o = c0 + ar
+            o = _chunk_offsets(c0, BLOCK, SCAN_V, ks)
             inn = o < n
             key = tl.load(ROW + o, mask=inn, other=-1)
             pos = tl.load(POS + o, mask=inn, other=-1)
             ge = (key >= b) & inn
             bd = (key >= a) & (key < b) & inn
-            both = ge.to(tl.int32) + (bd.to(tl.int32) << 16)
-            sc = tl.cumsum(both, 0)
+            sc, tot = _chunk_scan(ge.to(tl.int32) + (bd.to(tl.int32) << 16))
             at_ge = n_ge + (sc & 0xFFFF) - 1
             at_bd = n_bd + (sc >> 16) - 1
             tl.store(OUT + at_ge, pos, mask=ge & (at_ge < K))
             tl.store(ROW + n + at_bd, key, mask=bd)
             tl.store(ROW + 2 * n + at_bd, pos, mask=bd)
-            tot = tl.sum(both, 0)
             n_ge += tot & 0xFFFF
             n_bd += tot >> 16
         tl.debug_barrier()  # the band's stores (and OUT's) before other threads read (or rewrite) them
@@ -1071,10 +1095,16 @@ def _select_sampled(ROW, POS, n, K, key_lo, n_valid, key_hi, OUT, BLOCK: tl.cons
             if n_bd <= BLOCK:
                 path = n * 0 + 1
                 band = tl.load(ROW + n + ar, mask=ar < n_bd, other=-1)
-                bpos = tl.load(ROW + 2 * n + ar, mask=ar < n_bd, other=-1)
                 thr, take = _bisect_regs(band, n, K, a, b, n_ge, (n_ge + n_bd == K).to(tl.int32))
                 stamp(TS, prog, 5, STAMP)
-                _emit_slots(band, bpos, thr, take, n_ge, n * 0, OUT)
+                if SCAN_V > 1:  # the emit's scan in the counting pass's layout (the band read again, from L1)
+                    ob = _chunk_offsets(0, BLOCK, SCAN_V, ks)
+                    band2 = tl.load(ROW + n + ob, mask=ob < n_bd, other=-1)
+                    bpos = tl.load(ROW + 2 * n + ob, mask=ob < n_bd, other=-1)
+                    _emit_slots(band2, bpos, thr, take, n_ge, n * 0, OUT, ROWS=True)
+                else:
+                    bpos = tl.load(ROW + 2 * n + ar, mask=ar < n_bd, other=-1)
+                    _emit_slots(band, bpos, thr, take, n_ge, n * 0, OUT)
                 stamp(TS, prog, 6, STAMP)
             else:  # the search goes on over the band in ping (its positions in pong are not needed)
                 path = n * 0 + 2
@@ -1163,6 +1193,9 @@ class IvfConfig:
     # rerank 21.4 -> 14.2 us at 128K, H200; RESULTS.md session 28)
     rerank_stages: int = 1  # rerank: Triton's num_stages for its chunk loop (2: rerank 14.2 -> 16.0 us with the dot)
     sample_select: bool = True  # select: `_select_sampled` (27.6 -> 19.5 us at 128K, H100; RESULTS.md); False: plain
+    count_rows: int = 4  # select: consecutive keys per thread in the sampled select's counting pass and its band's
+    # emit, a power of two (`_chunk_offsets`; 1: one key per thread per repetition of the chunk's layout). At 128K
+    # (H200, RESULTS.md session 30) the pass took 6.2 us with 1, 4.8 with 2, 4.3 with 4, 5.4 with 8, 9.1 with 16
 
 
 DEFAULT_CONFIG = IvfConfig()  # used when a call passes no cfg (tests swap it for tiny blocks)
@@ -1285,10 +1318,10 @@ def _rerank_and_select(q, kv, *, rows: int, u: int, sink: int, window: int, kp: 
     _select_kernel[(rows, n_sel)](
         wf["s"], wi["pos"], wf["ml"], wi["scr"], out, push if push is not None else out,
         bitmap if bitmap is not None else placeholder, src[2][p:] if has_n_row else placeholder,
-        t, u, n_parts, kp, rho, scr_row, bitmap.shape[-1] if bitmap is not None else 1, p_pad + 1,
+        t, u, n_parts, kp, rho, scr_row, bitmap.shape[-1] if bitmap is not None else 1, p_pad + 1, 1,
         G=g, G_PAD=g_pad, BLOCK=sel_block, BLOCK_S=_parts_block(n_parts), HAS_PUSH=push is not None,
         PRECISE=_precise(), SAMPLE=cfg.sample_select, DEDUP=dedup, PB=p_pad if dedup else 1, HAS_N_ROW=has_n_row,
-        **stamp_args("select"), num_warps=sel_warps,
+        SCAN_V=min(cfg.count_rows, sel_block), **stamp_args("select"), num_warps=sel_warps,
     )
     return out
 
