@@ -140,6 +140,10 @@ its emit 0.9), 1.0-1.3 us between kernels. Dropped after measuring: the mass pas
 ahead (keys 5.9 -> 7.5 us), PDL between these kernels (shorter gaps, slower select programs beside early
 attention programs: how session 25 lost 8-10 us) and the counting pass over chunks of 4,096-16,384 keys
 (6.5 -> 7.3-23.4 us: its cost is per key).
+Session 30: the counting pass and the band's emit scan [BLOCK / 4, 4] tiles, four consecutive keys per
+thread (`_chunk_offsets`, `IvfConfig.count_rows`), instead of [BLOCK] in Triton's default layout, which
+scans once per register repetition: at 128K on the H200 the pass 6.2 -> 4.3 us, the emit 0.9 -> 0.6,
+CTkvr's select programs 19.8 -> 17.0, its step 63 -> 60; kivf's select 42 -> 34.5 (benchmarks/RESULTS.md).
 
 kivf at 128K (ratio 0.05: k = 6554; C = 1448 fp32 centroids, nprobe = 290 for scan 4): probe 8 x 1448
 x 128 x 4 B = 5.9 MB; rerank ~4 x k = 26K probed keys per row -> 8 x 26K x 256 B = 54 MB of K rows
