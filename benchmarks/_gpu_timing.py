@@ -12,6 +12,14 @@ per token with every other layer's in between; a benchmark replaying one layer b
 otherwise serve a sparse method's working set (at 128K, psa's metadata + candidate keys are ~44 MB;
 the H100's L2 is 50 MB) from L2 and flatter it, while SDPA over the whole K/V (512 MB) streams from
 HBM either way.
+
+Zeroing leaves the L2 full of dirty lines (~50 MB), which the timed call's first misses must write
+back to HBM before their lines can be reused: for a call that reads ~40 MB, as a sparse step does,
+that write-back is as much traffic again. `Timing.flush = "read"` flushes by reading the buffer
+instead (a reduction over it: the L2 is left holding clean lines of it), which is closer to what a
+layer's step finds after the layer's projections have read their weights. gpu_decode.py's
+`--l2 clean` times every graph that way too (mode `graph_clean_l2`), gpu_timeline.py's `--l2 clean`
+its replays.
 """
 
 from __future__ import annotations
@@ -34,15 +42,19 @@ L2_FLUSH_BYTES = 256 << 20  # > the L2 of every GPU we time on (H100 50 MB, H200
 
 
 class Timing:
-    def __init__(self, device: str = "cuda", cold: bool = True):
+    def __init__(self, device: str = "cuda", cold: bool = True, flush: str = "zero"):
         self.device = device  # scripts set it from --device before timing
         self.cold = cold  # flush L2 before every timed GPU call (module docstring)
+        self.flush = flush  # "zero": the L2 left dirty; "read": left clean (module docstring)
         self._flush_buf: torch.Tensor | None = None
 
     def flush_l2(self) -> None:
         if self._flush_buf is None:
-            self._flush_buf = torch.empty(L2_FLUSH_BYTES, dtype=torch.int8, device="cuda")
-        self._flush_buf.zero_()
+            self._flush_buf = torch.zeros(L2_FLUSH_BYTES, dtype=torch.int8, device="cuda")
+        if self.flush == "read":
+            self._flush_buf.view(torch.int64).sum()  # every line read, none written
+        else:
+            self._flush_buf.zero_()
 
     def sync(self) -> None:
         if self.device == "cuda":

@@ -10,7 +10,7 @@
 #           offload | psa32sweep | offloadfit | ivfsweep | ivfcpp | cslfsweep | ivfsel | ivfeager | ivfsample | ncusel | psaemit | psafuse | psastop | rtrip | rerankreg | rerank96 | e2ectkvr | ncuivf | verify | repro | e2eh200 | pushab | decode512h200 | s14ab | s14e2e | s14final | s14frame | s14tests | s14lfpse2e | s15ivf | s15ivf2 | s15dot | s15final | s15rerank | s16ahead | s16overlap | s16more | s16tests | s16early | s17ahead | s17pipe | s17offload | s17reads | s17fuse | s18pages | s18offprof | s18offab | s18numa | s18staged | s18prio | s18stprof | s18frame | s19tests | s19granule | s19cached | s19overlap | s19sweep | s19gen | s20quick | s20cache | s20more | s20staged | s20tests | s21prof | s21l2 | s21split | s21ahead | s21gemv | s21decode | s21wide | saapwide | s22saap | s22wide1 | s22wide8 | s22tests | s22ncu | s22repeat | s22split8 | s23ncu | s23knobs | s23splits | s23onetok | s23ab | s23dense | s23e2e |
 #           s24attend | s24variants | s24regs | s24final | s24tests | s24stop | s25ncu | s25sel | s25final512 | s25knobs | s25pdl | s25attnpdl | s25saappdl | s25selsrc |
 #           s26ab | s26mask | s26probe | s26selw | s26push | s26final | s27ab | s27kivf | s27tests | s27kivfknobs | s27kivfsel |
-#           s28dot | s28kivf | s28knobs | s28exp | s28piv | s28tests | s28pf | s29tl | s29probe | s29keys | s29pdl | s29final | s29cb | s30scan | s30scan2 | s30tests | s30knobs
+#           s28dot | s28kivf | s28knobs | s28exp | s28piv | s28tests | s28pf | s29tl | s29probe | s29keys | s29pdl | s29final | s29cb | s30scan | s30scan2 | s30tests | s30knobs | s30l2
 #   (default: tests decode before_after)
 #   The device tool returns at most 8 files: past that, the run's JSON files come back as $OUT/json.tar.gz
 #   (and everything as $OUT/all.tar.gz if that is not enough).
@@ -1055,6 +1055,17 @@ for stage in $stages; do
         | tee "$OUT/gpu_timeline_s30knobs.log" | grep -E "graph|select plan"
       python3 benchmarks/gpu_decode.py --lengths 131072 --batches 1 8 --backends triton triton:block_n=64 triton \
         --methods ctkvr --out "$OUT/s30knobs" 2>&1 | tee "$OUT/gpu_decode_s30knobs.log" | grep -E "graph|Error|error" ;;
+    s30l2)  # session 30: a flush that leaves the L2 clean (read, not zeroed) against the usual zeroing flush, whose
+      # dirty lines a step's misses must write back first: ctkvr's timeline at 128K both ways, then gpu_decode
+      # (graph and graph_clean_l2 rows) for ctkvr and psa at 128K (B = 1, 8) and 512K (B = 1)
+      for l2 in cold clean; do
+        python3 benchmarks/gpu_timeline.py --lengths 131072 --methods ctkvr --l2 $l2 --tag _s30l2_$l2 2>&1 \
+          | tee -a "$OUT/gpu_timeline_s30l2.log" | grep -E "graph|_probe|_rerank|_select|_split|_merge"
+      done
+      python3 benchmarks/gpu_decode.py --lengths 131072 --batches 1 8 --backends triton --methods ctkvr psa --l2 clean \
+        --out "$OUT/s30l2" 2>&1 | tee "$OUT/gpu_decode_s30l2.log" | grep -E "sdpa|graph|Error|error"
+      python3 benchmarks/gpu_decode.py --lengths 524288 --batches 1 --backends triton --methods ctkvr --l2 clean \
+        --out "$OUT/s30l2_512" 2>&1 | tee -a "$OUT/gpu_decode_s30l2.log" | grep -E "sdpa|graph|Error|error" ;;
     *) echo "unknown stage $stage" ;;
   esac
 done

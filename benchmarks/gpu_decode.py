@@ -38,11 +38,14 @@ planner "auto": fused where the method has kernels); `plan_agreement` = the mean
 L2: every timed GPU call starts with a cold L2 (`benchmarks/_gpu_timing.py`: a 256 MiB buffer is
 zeroed before it, untimed), as each layer's step finds it in a real model's decode. `--l2 both` also
 times every graph with the L2 left warm by the previous replay (mode `graph_warm_l2`), the protocol
-of the runs before 2026-11-23, to show how much of a sparse step a warm L2 served.
+of the runs before 2026-11-23, to show how much of a sparse step a warm L2 served. `--l2 clean` also
+times every graph after a flush that reads the buffer instead of zeroing it (mode `graph_clean_l2`: an
+L2 of clean lines, which a step's misses need not write back first; `_gpu_timing` says why).
 
-Rows (JSON, $OUT/gpu_decode.json): n, batch, method, backend, planner, mode (eager|graph|graph_warm_l2),
+Rows (JSON, $OUT/gpu_decode.json): n, batch, method, backend, planner, mode (eager|graph|graph_warm_l2|
+graph_clean_l2),
 ms, sdpa_ms (full SDPA, same batch and mode), sdpa_slice_ms, ratio = sdpa_ms / ms (> 1: faster than
-dense), l2 (cold|warm). With `--profile` on a GPU the file also holds `kernel_regs`: registers, spilled
+dense), l2 (cold|warm|clean). With `--profile` on a GPU the file also holds `kernel_regs`: registers, spilled
 registers and warps of every Triton kernel the run compiled (`_gpu_timing.triton_kernel_regs`).
 """
 
@@ -78,11 +81,11 @@ from synthetic import Mixture, llama8b_spec, write_saap_model  # noqa: E402
 
 DEV = "cuda"
 T = Timing(DEV)
-MODES = ["eager", "graph"]  # + "graph_warm_l2" with --l2 both
+MODES = ["eager", "graph"]  # + "graph_warm_l2" with --l2 both, "graph_clean_l2" with --l2 clean
 
 
 def l2_of(mode: str) -> str:
-    return "warm" if mode == "graph_warm_l2" else "cold"
+    return {"graph_warm_l2": "warm", "graph_clean_l2": "clean"}.get(mode, "cold")
 
 
 def graph_modes(fn, reps: int, reasons: dict | None = None) -> dict[str, float | None]:
@@ -90,11 +93,12 @@ def graph_modes(fn, reps: int, reasons: dict | None = None) -> dict[str, float |
     `reasons` gets each mode's capture outcome ("ok" or why not)."""
     out = {}
     for mode in MODES[1:]:
-        T.cold = mode == "graph"
+        T.cold = mode != "graph_warm_l2"
+        T.flush = "read" if mode == "graph_clean_l2" else "zero"
         out[mode], why = T.graph_ms(fn, reps=reps)
         if reasons is not None:
             reasons[mode] = why
-    T.cold = True
+    T.cold, T.flush = True, "zero"
     return out
 METHODS = ["streaming", "topk", "csattn", "ctkvr", "kivf", "lfps", "psa", "saap"]
 
@@ -323,7 +327,8 @@ def run_length(n: int, batches: list[int], methods: list[str], backends: list[st
                          "ratio": ratio(sdpa[b, mode], sdpa_slice[b, mode]), "l2": l2_of(mode)})
         torch.cuda.empty_cache() if DEV == "cuda" else None
         print(f"  sdpa B={b}: full {sdpa[b, 'eager']:.3f} / {sdpa[b, 'graph']} ms (eager/graph), "
-              f"5% slice {sdpa_slice[b, 'eager']:.3f} / {sdpa_slice[b, 'graph']}", flush=True)
+              f"5% slice {sdpa_slice[b, 'eager']:.3f} / {sdpa_slice[b, 'graph']}"
+              + "".join(f"; {m}: full {sdpa[b, m]}, slice {sdpa_slice[b, m]}" for m in MODES[2:]), flush=True)
 
     ref_backend = get_backend("torch_ref")
     for spec_name in methods:
@@ -394,8 +399,9 @@ def run_length(n: int, batches: list[int], methods: list[str], backends: list[st
                     if prof:
                         print(f"    {prof['kernels_per_call']:.0f} kernels, {prof['device_us_per_call']:.1f} us of device "
                               f"time per step; top: {prof['top'][:3]}", flush=True)
-                    warm = graphs.get("graph_warm_l2")
-                    w_txt = "" if warm is None else f" (warm L2 {warm:.3f} ms, {ratio(sdpa[b, 'graph_warm_l2'], warm)}x)"
+                    w_txt = "".join(f" ({what} L2 {graphs[m]:.4f} ms, {ratio(sdpa[b, m], graphs[m])}x)"
+                                    for what, m in (("warm", "graph_warm_l2"), ("clean", "graph_clean_l2"))
+                                    if graphs.get(m) is not None)
                     print(f"  {spec_name:9s} {be_name:9s} B={b}: eager {eager:.3f} ms ({sdpa[b, 'eager'] / eager:.2f}x sdpa), "
                           f"graph {g_txt}{w_txt}, K={k_plan} filled={valid if valid is None else round(valid, 3)} err={err:.1e}"
                           f"{'' if why == 'ok' else ' graph: ' + why}{repeat_text(repeat)}", flush=True)
@@ -446,14 +452,17 @@ def main() -> None:
                          "side stream, as decoder.runner does)")
     ap.add_argument("--torch-plans", action="store_true",
                     help="also time each fused planner's torch path and compare the plans (B = 1, triton backend)")
-    ap.add_argument("--l2", choices=["cold", "both"], default="cold",
-                    help="both: also time every graph with a warm L2 (mode graph_warm_l2)")
+    ap.add_argument("--l2", choices=["cold", "both", "clean"], default="cold",
+                    help="both: also time every graph with a warm L2 (mode graph_warm_l2); clean: also after a "
+                         "flush that leaves the L2 clean (mode graph_clean_l2)")
     ap.add_argument("--out", default=os.environ.get("OUT", "benchmarks/out"))
     a = ap.parse_args()
     DEV = a.device
     T.device = a.device
     if a.l2 == "both":
         MODES.append("graph_warm_l2")
+    elif a.l2 == "clean":
+        MODES.append("graph_clean_l2")
     backends = a.backends or [b for b in ("torch_ref", "triton") if b in backend_names()]
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -172,9 +172,12 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--out", default=os.environ.get("OUT", "benchmarks/out"))
     ap.add_argument("--tag", default="")
+    ap.add_argument("--l2", choices=["cold", "clean"], default="cold",
+                    help="clean: flush the L2 before each replay by reading a buffer, not zeroing it (_gpu_timing)")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("gpu_timeline.py needs a CUDA device (the stamps are PTX special registers)")
+    gd.T.flush = "read" if args.l2 == "clean" else "zero"
     rows = []
     for n in args.lengths:
         for m in args.methods:
@@ -184,7 +187,7 @@ def main() -> None:
             torch.cuda.empty_cache()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    meta = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
+    meta = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "l2": args.l2,
             "date": datetime.now(timezone.utc).isoformat(timespec="seconds")}
     (out / f"gpu_timeline{args.tag}.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
 
