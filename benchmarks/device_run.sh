@@ -10,7 +10,7 @@
 #           offload | psa32sweep | offloadfit | ivfsweep | ivfcpp | cslfsweep | ivfsel | ivfeager | ivfsample | ncusel | psaemit | psafuse | psastop | rtrip | rerankreg | rerank96 | e2ectkvr | ncuivf | verify | repro | e2eh200 | pushab | decode512h200 | s14ab | s14e2e | s14final | s14frame | s14tests | s14lfpse2e | s15ivf | s15ivf2 | s15dot | s15final | s15rerank | s16ahead | s16overlap | s16more | s16tests | s16early | s17ahead | s17pipe | s17offload | s17reads | s17fuse | s18pages | s18offprof | s18offab | s18numa | s18staged | s18prio | s18stprof | s18frame | s19tests | s19granule | s19cached | s19overlap | s19sweep | s19gen | s20quick | s20cache | s20more | s20staged | s20tests | s21prof | s21l2 | s21split | s21ahead | s21gemv | s21decode | s21wide | saapwide | s22saap | s22wide1 | s22wide8 | s22tests | s22ncu | s22repeat | s22split8 | s23ncu | s23knobs | s23splits | s23onetok | s23ab | s23dense | s23e2e |
 #           s24attend | s24variants | s24regs | s24final | s24tests | s24stop | s25ncu | s25sel | s25final512 | s25knobs | s25pdl | s25attnpdl | s25saappdl | s25selsrc |
 #           s26ab | s26mask | s26probe | s26selw | s26push | s26final | s27ab | s27kivf | s27tests | s27kivfknobs | s27kivfsel |
-#           s28dot | s28kivf | s28knobs | s28exp | s28piv | s28tests | s28pf | s29tl | s29probe | s29keys | s29pdl | s29final | s29cb | s30scan | s30scan2 | s30tests | s30knobs | s30l2
+#           s28dot | s28kivf | s28knobs | s28exp | s28piv | s28tests | s28pf | s29tl | s29probe | s29keys | s29pdl | s29final | s29cb | s30scan | s30scan2 | s30tests | s30knobs | s30l2 | s30pdl
 #   (default: tests decode before_after)
 #   The device tool returns at most 8 files: past that, the run's JSON files come back as $OUT/json.tar.gz
 #   (and everything as $OUT/all.tar.gz if that is not enough).
@@ -1066,6 +1066,20 @@ for stage in $stages; do
         --out "$OUT/s30l2" 2>&1 | tee "$OUT/gpu_decode_s30l2.log" | grep -E "sdpa|graph|Error|error"
       python3 benchmarks/gpu_decode.py --lengths 524288 --batches 1 --backends triton --methods ctkvr --l2 clean \
         --out "$OUT/s30l2_512" 2>&1 | tee -a "$OUT/gpu_decode_s30l2.log" | grep -E "sdpa|graph|Error|error" ;;
+    s30pdl)  # session 30: the select launched with PDL, let in by the rerank once all its programs started, and not
+      # letting the attention in early (IvfConfig.pdl_select, on in that tree) against off: timelines at 128K
+      # alternating twice, gpu_decode at 128K (B = 1, 8) and 512K, then the IVF and stamps GPU tests with it on.
+      # Documents a run: the knob (and pdl.py's pdl_wait / pdl_trigger) was removed after it (no faster, RESULTS.md)
+      for i in 1 2; do
+        python3 benchmarks/gpu_timeline.py --lengths 131072 --methods ctkvr:pdl_select=0 ctkvr kivf:pdl_select=0 kivf \
+          --tag _s30pdl$i 2>&1 | tee -a "$OUT/gpu_timeline_s30pdl.log" | grep -E "graph|select \||gaps"
+      done
+      python3 benchmarks/gpu_decode.py --lengths 131072 --batches 1 8 --backends triton --methods ctkvr:pdl_select=0 \
+        ctkvr ctkvr:pdl_select=0 ctkvr --out "$OUT/s30pdl" 2>&1 | tee "$OUT/gpu_decode_s30pdl.log" | grep -E "graph|Error|error"
+      python3 benchmarks/gpu_decode.py --lengths 524288 --batches 1 --backends triton --methods ctkvr:pdl_select=0 ctkvr \
+        --out "$OUT/s30pdl512" 2>&1 | tee -a "$OUT/gpu_decode_s30pdl.log" | grep -E "graph|Error|error"
+      python3 -m pytest -q -p no:cacheprovider -o addopts="" tests/test_kernels_ivf.py tests/test_stamps.py 2>&1 \
+        | tee "$OUT/gpu_tests_s30pdl.log" | tail -3 ;;
     *) echo "unknown stage $stage" ;;
   esac
 done
