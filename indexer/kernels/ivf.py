@@ -144,6 +144,8 @@ Session 30: the counting pass and the band's emit scan [BLOCK / 4, 4] tiles, fou
 thread (`_chunk_offsets`, `IvfConfig.count_rows`), instead of [BLOCK] in Triton's default layout, which
 scans once per register repetition: at 128K on the H200 the pass 6.2 -> 4.3 us, the emit 0.9 -> 0.6,
 CTkvr's select programs 19.8 -> 17.0, its step 63 -> 60; kivf's select 42 -> 34.5 (benchmarks/RESULTS.md).
+The select under PDL, let in by the rerank but not letting the attention in early, started 0.5 us sooner
+and ended no sooner (B = 8 4 us slower): dropped. 4 or 16 select warps, 1,024- or 4,096-key chunks: slower.
 
 kivf at 128K (ratio 0.05: k = 6554; C = 1448 fp32 centroids, nprobe = 290 for scan 4): probe 8 x 1448
 x 128 x 4 B = 5.9 MB; rerank ~4 x k = 26K probed keys per row -> 8 x 26K x 256 B = 54 MB of K rows
