@@ -14,8 +14,8 @@ the H100's L2 is 50 MB) from L2 and flatter it, while SDPA over the whole K/V (5
 HBM either way.
 
 Zeroing leaves the L2 full of dirty lines (~50 MB), which the timed call's first misses must write
-back to HBM before their lines can be reused: for a call that reads ~40 MB, as a sparse step does,
-that write-back is as much traffic again. `Timing.flush = "read"` flushes by reading the buffer
+back to HBM before their lines can be reused (on the H200 that cost a ctkvr step ~3 µs and SDPA 6-7 µs
+at 128K, the ratios the same: benchmarks/RESULTS.md, session 30). `Timing.flush = "read"` flushes by reading the buffer
 instead (a reduction over it: the L2 is left holding clean lines of it), which is closer to what a
 layer's step finds after the layer's projections have read their weights. gpu_decode.py's
 `--l2 clean` times every graph that way too (mode `graph_clean_l2`), gpu_timeline.py's `--l2 clean`

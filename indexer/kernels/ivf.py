@@ -1103,7 +1103,7 @@ def _select_sampled(ROW, POS, n, K, key_lo, n_valid, key_hi, OUT, BLOCK: tl.cons
                 band = tl.load(ROW + n + ar, mask=ar < n_bd, other=-1)
                 thr, take = _bisect_regs(band, n, K, a, b, n_ge, (n_ge + n_bd == K).to(tl.int32))
                 stamp(TS, prog, 5, STAMP)
-                if SCAN_V > 1:  # the emit's scan in the counting pass's layout (the band read again, from L1)
+                if SCAN_V > 1:  # the emit's scan in the counting pass's layout (the band read again in it)
                     ob = _chunk_offsets(0, BLOCK, SCAN_V, ks)
                     band2 = tl.load(ROW + n + ob, mask=ob < n_bd, other=-1)
                     bpos = tl.load(ROW + 2 * n + ob, mask=ob < n_bd, other=-1)
