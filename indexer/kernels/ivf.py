@@ -434,8 +434,9 @@ def _chunk_offsets(c0, BLOCK: tl.constexpr, V: tl.constexpr, ks=1):
     c0 + i·V .. c0 + i·V + V - 1 (ks: the keys' stride, 1, passed at run time). With the stride
     unknown to Triton's coalescing pass no axis looks contiguous, its tie-break puts the threads along
     axis 0, and each thread holds one row, V consecutive keys as repetitions: `_chunk_scan` then scans
-    across the threads once per chunk instead of once per repetition (with the contiguity known the
-    threads would split each row instead)."""
+    across the threads once per chunk instead of once per repetition (with the contiguity known, the
+    pass put the threads along the keys' contiguous axis in the ttgir of a first version, splitting
+    each run of V keys over V threads)."""
     return c0 + (tl.arange(0, BLOCK // V)[:, None] * V + tl.arange(0, V)[None, :]) * ks
 
 
