@@ -10,7 +10,8 @@
 #           offload | psa32sweep | offloadfit | ivfsweep | ivfcpp | cslfsweep | ivfsel | ivfeager | ivfsample | ncusel | psaemit | psafuse | psastop | rtrip | rerankreg | rerank96 | e2ectkvr | ncuivf | verify | repro | e2eh200 | pushab | decode512h200 | s14ab | s14e2e | s14final | s14frame | s14tests | s14lfpse2e | s15ivf | s15ivf2 | s15dot | s15final | s15rerank | s16ahead | s16overlap | s16more | s16tests | s16early | s17ahead | s17pipe | s17offload | s17reads | s17fuse | s18pages | s18offprof | s18offab | s18numa | s18staged | s18prio | s18stprof | s18frame | s19tests | s19granule | s19cached | s19overlap | s19sweep | s19gen | s20quick | s20cache | s20more | s20staged | s20tests | s21prof | s21l2 | s21split | s21ahead | s21gemv | s21decode | s21wide | saapwide | s22saap | s22wide1 | s22wide8 | s22tests | s22ncu | s22repeat | s22split8 | s23ncu | s23knobs | s23splits | s23onetok | s23ab | s23dense | s23e2e |
 #           s24attend | s24variants | s24regs | s24final | s24tests | s24stop | s25ncu | s25sel | s25final512 | s25knobs | s25pdl | s25attnpdl | s25saappdl | s25selsrc |
 #           s26ab | s26mask | s26probe | s26selw | s26push | s26final | s27ab | s27kivf | s27tests | s27kivfknobs | s27kivfsel |
-#           s28dot | s28kivf | s28knobs | s28exp | s28piv | s28tests | s28pf | s29tl | s29probe | s29keys | s29pdl | s29final | s29cb | s30scan | s30scan2 | s30tests | s30knobs | s30l2 | s30pdl
+#           s28dot | s28kivf | s28knobs | s28exp | s28piv | s28tests | s28pf | s29tl | s29probe | s29keys | s29pdl | s29final | s29cb | s30scan | s30scan2 | s30tests | s30knobs | s30l2 | s30pdl |
+#           s31split | s31split2 | s31split3
 #   (default: tests decode before_after)
 #   The device tool returns at most 8 files: past that, the run's JSON files come back as $OUT/json.tar.gz
 #   (and everything as $OUT/all.tar.gz if that is not enough).
@@ -1080,6 +1081,44 @@ for stage in $stages; do
         --out "$OUT/s30pdl512" 2>&1 | tee -a "$OUT/gpu_decode_s30pdl.log" | grep -E "graph|Error|error"
       python3 -m pytest -q -p no:cacheprovider -o addopts="" tests/test_kernels_ivf.py tests/test_stamps.py 2>&1 \
         | tee "$OUT/gpu_tests_s30pdl.log" | tail -3 ;;
+    s31split)  # session 31: one selection shared by several select programs (IvfConfig.select_parts: 0 = one per
+      # chunk of the row, the default; 1 = one program per selection, the kernel before): the IVF and stamps kernel
+      # tests on the GPU, timelines at 128K alternating (ctkvr, kivf), gpu_decode at 128K (B = 1, 8) and 512K
+      python3 -m pytest -q -p no:cacheprovider -o addopts="" tests/test_kernels_ivf.py tests/test_stamps.py 2>&1 \
+        | tee "$OUT/gpu_tests_s31split.log" | tail -4
+      python3 benchmarks/gpu_timeline.py --lengths 131072 --methods ctkvr ctkvr:select_parts=1 ctkvr \
+        ctkvr:select_parts=1 kivf kivf:select_parts=1 --tag _s31split 2>&1 | tee "$OUT/gpu_timeline_s31split.log" \
+        | grep -E "graph|_select|select plan|select push|gaps"
+      python3 benchmarks/gpu_decode.py --lengths 131072 --batches 1 8 --backends triton --methods ctkvr \
+        ctkvr:select_parts=1 ctkvr kivf kivf:select_parts=1 --out "$OUT/s31split" 2>&1 \
+        | tee "$OUT/gpu_decode_s31split.log" | grep -E "sdpa|graph|Error|error"
+      python3 benchmarks/gpu_decode.py --lengths 524288 --batches 1 --backends triton --methods ctkvr \
+        ctkvr:select_parts=1 ctkvr --out "$OUT/s31split512" 2>&1 | tee -a "$OUT/gpu_decode_s31split.log" \
+        | grep -E "sdpa|graph|Error|error" ;;
+    s31split2)  # session 31, the second version: the sample's keys from the logits alone, the last program's
+      # gathers issued at once, and a batch's concurrent requests keeping one program per selection
+      # (indexer.kernels.concurrent); the same runs as s31split
+      python3 -m pytest -q -p no:cacheprovider -o addopts="" tests/test_kernels_ivf.py tests/test_stamps.py 2>&1 \
+        | tee "$OUT/gpu_tests_s31split2.log" | tail -4
+      python3 benchmarks/gpu_timeline.py --lengths 131072 --methods ctkvr ctkvr:select_parts=1 ctkvr \
+        ctkvr:select_parts=1 kivf kivf:select_parts=1 --tag _s31split2 2>&1 | tee "$OUT/gpu_timeline_s31split2.log" \
+        | grep -E "graph|_select|select plan|select push|gaps"
+      python3 benchmarks/gpu_decode.py --lengths 131072 --batches 1 8 --backends triton --methods ctkvr \
+        ctkvr:select_parts=1 ctkvr kivf kivf:select_parts=1 --out "$OUT/s31split2" 2>&1 \
+        | tee "$OUT/gpu_decode_s31split2.log" | grep -E "sdpa|graph|Error|error"
+      python3 benchmarks/gpu_decode.py --lengths 524288 --batches 1 --backends triton --methods ctkvr \
+        ctkvr:select_parts=1 ctkvr --out "$OUT/s31split2_512" 2>&1 | tee -a "$OUT/gpu_decode_s31split2.log" \
+        | grep -E "sdpa|graph|Error|error" ;;
+    s31split3)  # session 31, the third version: s31split2 with the sample's dedup back (without it CTkvr's guesses
+      # were refuted): the IVF and stamps kernel tests, timelines at 128K (ctkvr twice, kivf), gpu_decode B = 1
+      python3 -m pytest -q -p no:cacheprovider -o addopts="" tests/test_kernels_ivf.py tests/test_stamps.py 2>&1 \
+        | tee "$OUT/gpu_tests_s31split3.log" | tail -4
+      python3 benchmarks/gpu_timeline.py --lengths 131072 --methods ctkvr ctkvr:select_parts=1 ctkvr \
+        ctkvr:select_parts=1 kivf kivf:select_parts=1 --tag _s31split3 2>&1 | tee "$OUT/gpu_timeline_s31split3.log" \
+        | grep -E "graph|_select|select plan|select push|gaps"
+      python3 benchmarks/gpu_decode.py --lengths 131072 524288 --batches 1 --backends triton --methods ctkvr \
+        ctkvr:select_parts=1 ctkvr --out "$OUT/s31split3" 2>&1 | tee "$OUT/gpu_decode_s31split3.log" \
+        | grep -E "sdpa|graph|Error|error" ;;
     *) echo "unknown stage $stage" ;;
   esac
 done
