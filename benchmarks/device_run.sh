@@ -1083,7 +1083,9 @@ for stage in $stages; do
         | tee "$OUT/gpu_tests_s30pdl.log" | tail -3 ;;
     s31split)  # session 31: one selection shared by several select programs (IvfConfig.select_parts: 0 = one per
       # chunk of the row, the default; 1 = one program per selection, the kernel before): the IVF and stamps kernel
-      # tests on the GPU, timelines at 128K alternating (ctkvr, kivf), gpu_decode at 128K (B = 1, 8) and 512K
+      # tests on the GPU, timelines at 128K alternating (ctkvr, kivf), gpu_decode at 128K (B = 1, 8) and 512K.
+      # s31split, s31split2 and s31split3 document runs of commit d6df997's versions: the knob (and
+      # indexer.kernels.concurrent) was removed after them (no faster, RESULTS.md session 31)
       python3 -m pytest -q -p no:cacheprovider -o addopts="" tests/test_kernels_ivf.py tests/test_stamps.py 2>&1 \
         | tee "$OUT/gpu_tests_s31split.log" | tail -4
       python3 benchmarks/gpu_timeline.py --lengths 131072 --methods ctkvr ctkvr:select_parts=1 ctkvr \

@@ -54,10 +54,6 @@ PHASES = {  # per kernel: (phase, from slot, to slot) as the kernel stamps them
                ("tail", 6, 7), ("total", 0, 7)],
     "rerank": [("merge", 0, 2), ("chunk0", 2, 3), ("chunk1", 3, 4), ("tail", 4, 1), ("total", 0, 1)],
 }
-# a selection shared by several programs (`ivf._select_split`): every program stamps 1-4, the last one 5-6
-# (the ticket, the counts and the pieces' gathers; the band's bisection and its emit)
-SPLIT_PHASES = [("lse", 0, 1), ("bracket", 1, 2), ("keys", 2, 3), ("count", 3, 4), ("ticket_gather", 4, 5),
-                ("bisect_emit", 5, 6), ("tail", 6, 7), ("total", 0, 7)]
 
 
 def build_request(n: int, spec_name: str):
@@ -81,9 +77,8 @@ def build_request(n: int, spec_name: str):
 
 def analyse(stamps: dict[str, torch.Tensor], push: bool) -> dict:
     """One replay's stamps -> kernel spans and select phases (µs, relative to the first start). push:
-    the select runs two selections per row, (row, 0) the FIFO push's and (row, 1) the plan's (CTkvr's
-    one-token steps); else one, the plan's. Each selection takes `parts` consecutive programs (the
-    select's grid axis 2), told by the count of select programs over the step's rows (gd.KVH)."""
+    the select runs two programs per row, (row, 0) the FIFO push's and (row, 1) the plan's (CTkvr's
+    one-token steps); else one, the plan's."""
     t0 = min(int(b[:, 0, 0][b[:, 0, 0] > 0].min()) for b in stamps.values() if len(b))
     out, phases, res = {}, {"plan": {}, "push": {}, "rerank": {}}, []
     for name in ORDER:
@@ -102,14 +97,12 @@ def analyse(stamps: dict[str, torch.Tensor], push: bool) -> dict:
         gts = b[ran, :, 0]
         steps = (gts[:, 1:] - gts[:, :-1]).flatten()
         res += steps[steps > 0].tolist()
-        parts = max(1, len(b) // (gd.KVH * (2 if push else 1))) if name == "select" else 1
         if name in PHASES:
-            table = SPLIT_PHASES if parts > 1 else PHASES[name]
             for i in ran.nonzero().flatten().tolist():
                 row = b[i]
                 clk_ns = (row[end, 0] - row[0, 0]).item() / max(1, (row[end, 1] - row[0, 1]).item())
-                kind = name if name != "select" else "push" if push and (i // parts) % 2 == 0 else "plan"
-                for ph, a, z in table:
+                kind = name if name != "select" else "push" if push and i % 2 == 0 else "plan"
+                for ph, a, z in PHASES[name]:
                     if row[a, 1] > 0 and row[z, 1] > 0:
                         phases[kind].setdefault(ph, []).append((row[z, 1] - row[a, 1]).item() * clk_ns / 1e3)
     gaps = {}

@@ -5,23 +5,19 @@ from __future__ import annotations
 
 import torch
 
-from indexer.kernels import concurrent
-
 
 def fork_join(streams: list | None, fns: list) -> list:
     """Run fns[i]() with streams[i] as the current stream, each after what the current stream has
     queued so far; the current stream then waits for all of them (inside a CUDA graph capture this
-    records parallel branches). streams None: run them in order on the current stream. The launches
-    know they share the GPU with the other branches (`indexer.kernels.concurrent`)."""
+    records parallel branches). streams None: run them in order on the current stream."""
     if streams is None:
         return [fn() for fn in fns]
     main = torch.cuda.current_stream()
     outs = []
-    with concurrent(len(fns)):
-        for s, fn in zip(streams, fns, strict=True):
-            s.wait_stream(main)
-            with torch.cuda.stream(s):
-                outs.append(fn())
+    for s, fn in zip(streams, fns, strict=True):
+        s.wait_stream(main)
+        with torch.cuda.stream(s):
+            outs.append(fn())
     for s in streams:
         main.wait_stream(s)
     return outs

@@ -285,7 +285,7 @@ def test_kivf_fused_plan_with_tiny_blocks(monkeypatch):
 
 
 @pytest.mark.parametrize("live", [False, True], ids=["all_slots", "live_prefix"])
-@pytest.mark.parametrize("search", ["bisection", "sampled", "sampled_rows", "split"])
+@pytest.mark.parametrize("search", ["bisection", "sampled", "sampled_rows"])
 @pytest.mark.parametrize("kp, rho", [(10, 24), (24, 10), (40, 5)])
 def test_select_kernel_ties_take_the_lowest_slots(kp, rho, search, live):
     """The group-mass top-K on its own (kernel 3), with exact ties: every slot's logits come from 4
@@ -293,8 +293,7 @@ def test_select_kernel_ties_take_the_lowest_slots(kp, rho, search, live):
     valid slots, ties taken lowest slot first; the last token's row also gets the rho best (by a
     program of its own); -1 fills what the valid slots cannot. The plain search lists them in slot
     order; the sampled search (`ivf._select_sampled`) may list the same set in another order
-    (sampled_rows: its counting pass with 4 consecutive keys per thread, `IvfConfig.count_rows`; split:
-    three programs share each selection, `ivf._select_split`, the last of them empty on full rows).
+    (sampled_rows: its counting pass with 4 consecutive keys per thread, `IvfConfig.count_rows`).
     live_prefix (kivf's N_ROW): a row's live slots are a prefix of its U (64, 37, 50 here); the slots
     past it hold what an earlier step left (valid positions, logits above every live one), which
     neither the mass pass nor the search nor the emit may read."""
@@ -315,21 +314,16 @@ def test_select_kernel_ties_take_the_lowest_slots(kp, rho, search, live):
     pos = torch.where(is_live, pos, stale)  # past the live prefix: valid-looking positions ...
     logits = torch.where(is_live[:, None, :], logits, torch.full_like(logits, 5.0))  # ... with the largest logits
     logits = logits.transpose(1, 2).contiguous()  # the rerank's layout: [rows, U, G]
-    parts, p_max = (3, 4) if search == "split" else (1, 1)
-    scr_row = 3 * u if parts == 1 else 4 * u + 4 * p_max
-    scr = torch.empty(rows, 2, scr_row, dtype=torch.int32)
+    scr = torch.empty(rows, 2, 3 * u, dtype=torch.int32)
     out = torch.empty(rows, kp, dtype=torch.int32)
     push = torch.empty(rows, rho, dtype=torch.int32)
     d = lambda x: x.to(DEVICE)  # noqa: E731
     t = 1  # every row is a last token's row (T = 1: one row per KV head)
     args = [d(logits), d(pos), d(ml), d(scr), d(out), d(push)]
-    tick = d(torch.zeros(rows * 2, dtype=torch.int32))
-    ivf._select_kernel[(rows, 2, parts)](*args, args[1], d(n_row), tick, t, u, 1, kp, rho, scr_row, 1, 1, 1, G=g,
-                                         G_PAD=g, BLOCK=block, BLOCK_S=32, HAS_PUSH=True, PRECISE=DEVICE == "cuda",
-                                         SAMPLE=search != "bisection", HAS_N_ROW=live,
-                                         SCAN_V=4 if search in ("sampled_rows", "split") else 1, P_MAX=p_max,
-                                         num_warps=4)
-    assert (tick.cpu() == 0).all()  # the last program of each selection put its ticket back
+    ivf._select_kernel[(rows, 2)](*args, args[1], d(n_row), t, u, 1, kp, rho, 3 * u, 1, 1, 1, G=g, G_PAD=g,
+                                  BLOCK=block, BLOCK_S=32, HAS_PUSH=True, PRECISE=DEVICE == "cuda",
+                                  SAMPLE=search != "bisection", HAS_N_ROW=live,
+                                  SCAN_V=4 if search == "sampled_rows" else 1, num_warps=4)
     out, push = args[4].cpu(), args[5].cpu()
     for r in range(rows):
         ranked = sorted((int(cls[r, i]), i) for i in range(int(n_row[r])) if pos[r, i] >= 0)  # class asc = mass desc
@@ -528,73 +522,6 @@ def test_sampled_select_writes_the_top_k_positions_on_every_path(n, scan_v):
     assert path[5] == path[6] == 0  # no search needed
 
 
-@triton.jit
-def _split_select_probe(WS_S, WS_POS, WS_ML, SCR, OUT, TICK, PATH, n, K, scr_row, KS, BLOCK: tl.constexpr,
-                        SCAN_V: tl.constexpr, P_MAX: tl.constexpr, PRECISE: tl.constexpr):
-    """Row r (one head, one softmax part): `ivf._select_split` by the grid's axis-2 programs over the
-    logits WS_S[r, :n] and positions WS_POS[r, :n] -> OUT[r, :K]; the last program's path -> PATH[r]."""
-    r = tl.program_id(0).to(tl.int64)
-    path = ivf._select_split(WS_S, WS_POS, WS_ML, SCR + r * scr_row, r, n, n, 1, WS_POS, 1, 1, K, OUT + r * K,
-                             TICK + r, tl.program_id(2), 1, 1, BLOCK, 16, PRECISE, False, 1, SCAN_V, KS, P_MAX,
-                             None, 0, False)
-    if path >= 0:
-        tl.store(PATH + r, path)
-
-
-@pytest.mark.parametrize("n, parts, scan_v, k", [(2048, 3, 4, 400), (2048, 4, 1, 400), (1999, 4, 4, 400),
-                                                  (1024, 2, 4, 700)])
-def test_split_select_writes_the_top_k_positions_on_every_path(n, parts, scan_v, k):
-    """`ivf._select_split` (one selection shared by several programs, the last one to finish searching)
-    over the rows of the single-program test above, as logits (key / 1e5: masses in the keys' order,
-    equal keys equal masses): every row gets exactly the positions of its K largest masses, ties taken
-    lowest slot first, -1 after, on each path, whichever program finishes last. parts: 3 leaves the
-    last program's slice empty (slices of 1,024 slots), 4 gives four slices of 512 (1999: a short
-    last one); the band and the keys >= b are gathered from every program's piece (K 700 of 1024:
-    ~550 keys >= b, more than a block, gathered in two)."""
-    rows, block = 9, 512
-    gen = torch.Generator().manual_seed(17)
-    keys = torch.randperm(1 << 20, generator=gen)[: rows * n].view(rows, n).to(torch.int64) + 1  # distinct
-    sampled = torch.arange(block) * n // block
-    rest = torch.ones(n, dtype=torch.bool)
-    rest[sampled] = False
-    srt = torch.sort(keys[1], descending=True).values
-    keys[1, sampled], keys[1, rest] = srt[:block], srt[block:]  # the sample holds the row's largest keys
-    srt = torch.sort(keys[2]).values
-    keys[2, sampled], keys[2, rest] = srt[:block], srt[block:]  # ... its smallest
-    keys[3] = torch.randint(1, 200, (n,), generator=gen)  # ties everywhere
-    pos = torch.randperm(1 << 20, generator=gen)[: rows * n].view(rows, n).to(torch.int32)
-    pos[4, torch.rand(n, generator=gen) < 0.25] = -1  # empty slots
-    pos[5, torch.randperm(n, generator=gen)[: n - k]] = -1  # exactly K valid slots
-    pos[6, k // 2:] = -1  # fewer valid slots than K
-    kth = int(torch.sort(keys[7], descending=True).values[k])
-    keys[7, (keys[7] >= kth - 30000) & (keys[7] <= kth + 30000)] = kth  # a run of ties across the K-th place
-    order = torch.argsort(keys[8], descending=True)
-    keys[8, order[k - 350: k + 350]] = int(keys[8, order[k]])  # 700 ties around the K-th place: a wide band
-    logits = (keys.double() / 1e5).float().masked_fill(pos < 0, float("-inf"))  # [rows, n], one head
-    m = logits.amax(-1)
-    ml = torch.stack([m.double(), torch.ones(rows, dtype=torch.float64)], -1)  # [rows, 1 part, 1 head, 2]
-    p_max = triton.next_power_of_2(parts)
-    scr_row = 4 * n + 4 * p_max
-    d = lambda x: x.to(DEVICE)  # noqa: E731
-    args = [d(logits.contiguous()), d(pos), d(ml.contiguous()), d(torch.full((rows, scr_row), -7, dtype=torch.int32)),
-            d(torch.full((rows, k), -7, dtype=torch.int32)), d(torch.zeros(rows, dtype=torch.int32)),
-            d(torch.full((rows,), -1, dtype=torch.int32))]
-    _split_select_probe[(rows, 1, parts)](*args, n, k, scr_row, 1, BLOCK=block, SCAN_V=scan_v, P_MAX=p_max,
-                                          PRECISE=DEVICE == "cuda", num_warps=4)
-    out, tick, path = args[4].cpu(), args[5].cpu(), args[6].cpu().tolist()
-    for r in range(rows):
-        ranked = sorted((-float(logits[r, i]), i) for i in range(n) if pos[r, i] >= 0)[:k]
-        want = sorted(int(pos[r, i]) for _, i in ranked)
-        got = out[r].tolist()
-        assert sorted(got[: len(want)]) == want, r
-        assert all(x == -1 for x in got[len(want):]), r
-    assert (tick == 0).all()
-    assert path[0] == path[4] == path[7] == 1  # the band held the K-th key (ties across it in row 7)
-    assert path[8] == 2  # ... but more keys than a block
-    assert path[1] == path[2] == 3  # a misleading sample, refuted
-    assert path[5] == path[6] == 0  # no search needed
-
-
 def test_wide_rows_take_the_wide_select():
     """The select's block and warps follow the row's width (shapes only): rows of at least
     `wide_select_from` candidate slots take the wide block (kivf at 128K), narrower ones the default
@@ -607,32 +534,6 @@ def test_wide_rows_take_the_wide_select():
     assert ivf._select_shape(100, cfg) == (128, cfg.select_warps)
     small = ivf.IvfConfig(wide_select_from=64, wide_select_block=1 << 20, wide_select_warps=2)
     assert ivf._select_shape(100, small) == (128, 2)
-
-
-def test_selections_share_programs_only_while_they_fit_the_sms():
-    """`_select_parts`: one program per chunk of a row's slots (CTkvr's 10,240 in chunks of 2,048: 5; kivf's
-    static 45,615 in 4,096: 12), capped so that every selection's programs, and those of the branches
-    running beside them (`indexer.kernels.concurrent`: a batch's requests on side streams), fit one per
-    SM; one program when the row fits a chunk, without the sampled search, or when the knob says 1."""
-    from indexer.kernels import concurrency, concurrent
-
-    cfg = ivf.IvfConfig()
-    assert ivf._select_parts(10_240, 2048, 16, 132, cfg) == 5  # B = 1: 8 rows x (plan, push)
-    assert ivf._select_parts(45_615, 4096, 8, 132, cfg) == 12
-    assert ivf._select_parts(200_000, 4096, 2, 132, cfg) == ivf.MAX_SELECT_PARTS
-    assert ivf._select_parts(10_240, 2048, 128, 132, cfg) == 1  # B = 8 in one launch
-    assert ivf._select_parts(2048, 2048, 16, 132, cfg) == 1
-    assert ivf._select_parts(10_240, 2048, 16, 132, ivf.IvfConfig(select_parts=1)) == 1
-    assert ivf._select_parts(10_240, 2048, 16, 132, ivf.IvfConfig(select_parts=3)) == 3
-    assert ivf._select_parts(10_240, 2048, 16, 132, ivf.IvfConfig(sample_select=False)) == 1
-    with concurrent(8):  # eight requests, each launching its own select
-        assert concurrency() == 8
-        assert ivf._select_parts(10_240, 2048, 16, 132, cfg) == 1
-        with concurrent(2):
-            assert concurrency() == 16
-    with concurrent(2):
-        assert ivf._select_parts(10_240, 2048, 16, 132, cfg) == 4
-    assert concurrency() == 1
 
 
 def test_unsupported_configurations_keep_the_torch_path():

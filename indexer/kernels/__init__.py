@@ -10,7 +10,6 @@ where Triton is missing, which the dispatchers treat as "use torch").
 
 from __future__ import annotations
 
-import contextlib
 import os
 
 import torch
@@ -46,29 +45,6 @@ def _interpreter_numpy2_compat() -> None:
 
 if interpreted():
     _interpreter_numpy2_compat()
-
-
-_concurrent = 1  # kernel sequences running side by side right now (decoder.streams.fork_join's branches)
-
-
-@contextlib.contextmanager
-def concurrent(n: int):
-    """Launches inside the block run beside those of n - 1 other branches (side streams of one graph
-    or step): a launch that sizes its grid to the SMs it expects to have (`ivf._select_parts`) takes
-    1/n of them (nested blocks multiply). Launch sizes stay functions of shapes and this count, fixed
-    when a graph is captured."""
-    global _concurrent
-    prev = _concurrent
-    _concurrent = prev * max(1, n)
-    try:
-        yield
-    finally:
-        _concurrent = prev
-
-
-def concurrency() -> int:
-    """The branches running side by side (1 outside `concurrent`)."""
-    return _concurrent
 
 
 class Workspaces:

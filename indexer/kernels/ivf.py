@@ -191,8 +191,7 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
-from indexer.kernels import Workspaces, concurrency, interpreted  # (also makes Triton 3.6's interpreter work with
-# NumPy 2.4)
+from indexer.kernels import Workspaces, interpreted  # also makes Triton 3.6's interpreter work with NumPy 2.4
 from indexer.kernels.stamps import stamp, stamp_args
 
 NEG_BIG: tl.constexpr = tl.constexpr(-1.0e30)  # initial running max: finite, so exp(m_old - m_new) is never nan
@@ -272,15 +271,9 @@ def _sample_bracket(BUF, off, n, K, key_lo, key_hi, BLOCK: tl.constexpr):
     m = 3·sqrt(t) + 2, `a` is a key value with between t + m and t + 1.5·m sample keys >= it, `b` one
     with between t - 1.5·m and t - m: two bisections over the sample in lockstep, both counts packed
     in one int32 reduction per step (BLOCK < 2^16). A guess only: the caller counts the real keys."""
+    tl.static_assert(BLOCK < 65536)
     ar = tl.arange(0, BLOCK)
     s = tl.load(BUF + off + (ar.to(tl.int64) * n) // BLOCK)  # stored keys: every thread reads alike
-    return _bracket(s, n, K, key_lo, key_hi, BLOCK)
-
-
-@triton.jit
-def _bracket(s, n, K, key_lo, key_hi, BLOCK: tl.constexpr):
-    """`_sample_bracket` over its sample `s` (BLOCK keys in registers: keys (i·n) // BLOCK)."""
-    tl.static_assert(BLOCK < 65536)
     n_vs = tl.sum((s > 0).to(tl.int32), 0)
     s_min = tl.min(tl.where(s > 0, s, INT_MAX), 0)
     s_max = tl.max(s, 0)
@@ -947,15 +940,6 @@ def _rerank_kernel(
 
 
 @triton.jit
-def _mass_key(lg, pos, lse_k, ok_g, PRECISE: tl.constexpr):
-    """Slots' int keys from their group's logits lg [slots, G_PAD] and positions (-1: none): the group
-    mass sum_h exp(logit_h - lse_h) as float bits + 1, 0 for no candidate. -> (key, valid)."""
-    mass = tl.sum(tl.where(ok_g, _exp(lg - lse_k[None, :], PRECISE), 0.0), 1)
-    valid = (pos >= 0) & (mass == mass)
-    return tl.where(valid, tl.minimum(mass.to(tl.int32, bitcast=True) + 1, KEY_INF), 0), valid
-
-
-@triton.jit
 def _row_keys(WS_S, WS_POS, WS_ML, row, r, U, n, n_parts, BITMAP, NW, RHO, G: tl.constexpr, G_PAD: tl.constexpr,
               BLOCK: tl.constexpr, BLOCK_S: tl.constexpr, PRECISE: tl.constexpr, SAMPLE: tl.constexpr = False,
               DEDUP: tl.constexpr = False, PB: tl.constexpr = 1, TS=None, prog=0, STAMP: tl.constexpr = False):
@@ -990,7 +974,9 @@ def _row_keys(WS_S, WS_POS, WS_ML, row, r, U, n, n_parts, BITMAP, NW, RHO, G: tl
         nx = u + BLOCK  # the next chunk's loads in flight while this one is computed
         pos_nx = tl.load(pos_row + nx, mask=nx < n, other=-1)
         lg_nx = tl.load(s_row + nx[:, None] * G + ar_g[None, :], mask=(nx < n)[:, None] & ok_g, other=float("-inf"))
-        key, valid = _mass_key(lg, pos, lse_k, ok_g, PRECISE)
+        mass = tl.sum(tl.where(ok_g, _exp(lg - lse_k[None, :], PRECISE), 0.0), 1)
+        valid = (pos >= 0) & (mass == mass)
+        key = tl.where(valid, tl.minimum(mass.to(tl.int32, bitcast=True) + 1, KEY_INF), 0)
         tl.store(row + u, key, mask=inn)
         n_ok += (valid & inn).to(tl.int32)
     tl.debug_barrier()
@@ -1016,12 +1002,12 @@ def _row_keys(WS_S, WS_POS, WS_ML, row, r, U, n, n_parts, BITMAP, NW, RHO, G: tl
 
 @triton.jit(do_not_specialize=["T", "U", "n_parts", "KP", "RHO", "scr_row", "NW", "sn_r", "KS"])
 def _select_kernel(
-    WS_S, WS_POS, WS_ML, SCR, OUT, PUSH, BITMAP, N_ROW, TICK,
+    WS_S, WS_POS, WS_ML, SCR, OUT, PUSH, BITMAP, N_ROW,
     T, U, n_parts, KP, RHO, scr_row, NW, sn_r, KS,
     G: tl.constexpr, G_PAD: tl.constexpr, BLOCK: tl.constexpr, BLOCK_S: tl.constexpr,
     HAS_PUSH: tl.constexpr, PRECISE: tl.constexpr, SAMPLE: tl.constexpr = False,
     DEDUP: tl.constexpr = False, PB: tl.constexpr = 1, HAS_N_ROW: tl.constexpr = False, SCAN_V: tl.constexpr = 1,
-    P_MAX: tl.constexpr = 1, TS=None, STAMP: tl.constexpr = False,
+    TS=None, STAMP: tl.constexpr = False,
 ):
     """Grid (rows, 1 + HAS_PUSH). Per row: lse per head over the parts (candidates + frame), mass of
     each slot = sum over heads of exp(logit - lse) (candidate_mass) as an int key (float bits + 1;
@@ -1034,12 +1020,10 @@ def _select_kernel(
     probed clusters' keys (U is the static width, the most any probe can hold: 1.5-1.9x on real
     layers); the mass pass, the search and the emit stop there (the rerank skips the rest). KS: 1, the
     keys' stride in a scratch row, a run-time argument so that SCAN_V (`IvfConfig.count_rows`) gets its
-    layout (`_chunk_offsets`). Grid axis 2: the programs sharing one selection (`_select_split`; P_MAX
-    their next power of two, 1: one program per selection; TICK: the selections' tickets, zeros)."""
+    layout (`_chunk_offsets`)."""
     r = tl.program_id(0).to(tl.int64)
     w = tl.program_id(1)
-    sel = r * tl.num_programs(1) + w
-    prog = sel * tl.num_programs(2) + tl.program_id(2)  # (timeline stamps: slots 0 start, 1-6 phases, 7 end)
+    prog = r * tl.num_programs(1) + w  # (timeline stamps: slots 0 start, 1 lse, 2 keys, 3-6 search, 7 end)
     stamp(TS, prog, 0, STAMP)
     h = r // T
     t = r % T
@@ -1047,40 +1031,26 @@ def _select_kernel(
     if HAS_PUSH:
         push_row = t == T - 1
     if (w == 0) | push_row:
-        row = SCR + sel * scr_row
+        row = SCR + (r * tl.num_programs(1) + w) * scr_row
         n = U
         if HAS_N_ROW:
             n = tl.minimum(tl.load(N_ROW + r * sn_r), U)
+        key_min, n_valid, key_hi = _row_keys(WS_S, WS_POS, WS_ML, row, r, U, n, n_parts, BITMAP, NW, RHO, G, G_PAD,
+                                             BLOCK, BLOCK_S, PRECISE, SAMPLE, DEDUP, PB, TS, prog, STAMP)
+        stamp(TS, prog, 2, STAMP)
         if push_row & (w == 0):
             k = RHO
             out = PUSH + h * RHO
         else:
             k = KP
             out = OUT + r * KP
-        if P_MAX > 1:
-            _select_split(WS_S, WS_POS, WS_ML, row, r, U, n, n_parts, BITMAP, NW, RHO, k, out, TICK + sel,
-                          tl.program_id(2), G, G_PAD, BLOCK, BLOCK_S, PRECISE, DEDUP, PB, SCAN_V, KS, P_MAX, TS, prog,
-                          STAMP)
+        if SAMPLE:
+            _select_sampled(row, WS_POS + r * U, n, k, key_min, n_valid, key_hi, out, BLOCK, SCAN_V, KS, TS, prog,
+                            STAMP)
         else:
-            _select_one(WS_S, WS_POS, WS_ML, row, r, U, n, n_parts, BITMAP, NW, RHO, k, out, G, G_PAD, BLOCK,
-                        BLOCK_S, PRECISE, SAMPLE, DEDUP, PB, SCAN_V, KS, TS, prog, STAMP)
-    stamp(TS, prog, 7, STAMP)
-
-
-@triton.jit
-def _select_one(WS_S, WS_POS, WS_ML, row, r, U, n, n_parts, BITMAP, NW, RHO, k, out, G: tl.constexpr,
-                G_PAD: tl.constexpr, BLOCK: tl.constexpr, BLOCK_S: tl.constexpr, PRECISE: tl.constexpr,
-                SAMPLE: tl.constexpr, DEDUP: tl.constexpr, PB: tl.constexpr, SCAN_V: tl.constexpr, KS, TS, prog,
-                STAMP: tl.constexpr):
-    """One selection (the top-k of row r's keys -> out) by one program: the mass pass, then the search."""
-    key_min, n_valid, key_hi = _row_keys(WS_S, WS_POS, WS_ML, row, r, U, n, n_parts, BITMAP, NW, RHO, G, G_PAD,
-                                         BLOCK, BLOCK_S, PRECISE, SAMPLE, DEDUP, PB, TS, prog, STAMP)
-    stamp(TS, prog, 2, STAMP)
-    if SAMPLE:
-        _select_sampled(row, WS_POS + r * U, n, k, key_min, n_valid, key_hi, out, BLOCK, SCAN_V, KS, TS, prog, STAMP)
-    else:
-        thr, take = _top_threshold(row, n, k, key_min, n_valid, key_hi, BLOCK)
-        _emit(row, WS_POS + r * U, n, thr, take, k, out, BLOCK)
+            thr, take = _top_threshold(row, n, k, key_min, n_valid, key_hi, BLOCK)
+            _emit(row, WS_POS + r * U, n, thr, take, k, out, BLOCK)
+        stamp(TS, prog, 7, STAMP)
 
 
 @triton.jit
@@ -1162,172 +1132,6 @@ def _select_sampled(ROW, POS, n, K, key_lo, n_valid, key_hi, OUT, BLOCK: tl.cons
     return path
 
 
-@triton.jit
-def _piece_src(i, CNT, which: tl.constexpr, n_prog, sl, P_MAX: tl.constexpr):
-    """Where item i of the programs' pieces, concatenated in program order, sits in its region: piece p
-    holds CNT[4p + which] items at p·sl + [0, count) (`_select_split`). i: an int tile of any shape."""
-    src = i
-    pre = n_prog * 0  # items in the pieces before p
-    c_prev = n_prog * 0
-    for p in tl.static_range(P_MAX):
-        c = tl.load(CNT + 4 * p + which, mask=p < n_prog, other=0, cache_modifier=".cg")
-        if p > 0:  # items from piece p on skip the rest of piece p - 1's room
-            src += tl.where((i >= pre) & (p < n_prog), sl - c_prev, 0)
-        pre += c
-        c_prev = c
-    return src
-
-
-@triton.jit
-def _select_split(WS_S, WS_POS, WS_ML, ROW, r, U, n, n_parts, BITMAP, NW, RHO, K, OUT, TICK, part,
-                  G: tl.constexpr, G_PAD: tl.constexpr, BLOCK: tl.constexpr, BLOCK_S: tl.constexpr,
-                  PRECISE: tl.constexpr, DEDUP: tl.constexpr, PB: tl.constexpr, SCAN_V: tl.constexpr, ks,
-                  P_MAX: tl.constexpr, TS, prog, STAMP: tl.constexpr):
-    """One selection (the top-K of row r's keys, as positions -> OUT[0:K]) shared by the grid's axis-2
-    programs: `_row_keys` and `_select_sampled`'s work with the two passes over the keys cut in slices,
-    and the search that needs every key left to the last program to finish (a ticket), so no program
-    waits for another.
-
-    Each program: the row's lse; the keys of the sample `_sample_bracket` reads (slots (i·n) // BLOCK:
-    the same keys the mass pass computes, so every program guesses the same band [a, b)); the mass
-    pass over its slice of sl = BLOCK·ceil(n / (programs·BLOCK)) slots (keys -> ROW[0:n]); the counting
-    pass over the slice, its pieces written from p·sl on: the positions of the keys >= b in the
-    region [3n, 4n) of ROW, the band's keys in [n, 2n) and positions in [2n, 3n); its counts (valid,
-    >= b, band) at ROW[4U + 4p]. The last program reads the counts and then does what
-    `_select_sampled` does after its counting pass, on the same paths: the keys >= b (fewer than K)
-    and the band (at most a block) gathered from the pieces in slot order, so the row is the single
-    program's, order included; otherwise the search goes on over ROW[0:n] from what the counts proved
-    and the plain emit writes OUT. Scratch row: [keys | ping | pong | >= b] n each, counts 4·P_MAX.
-    Returns `_select_sampled`'s path in the last program, -1 in the others (for the tests)."""
-    n_prog = tl.num_programs(2)
-    lse = _lse_parts(WS_ML + r * n_parts * G_PAD * 2, n_parts, G, G_PAD, BLOCK_S, PRECISE)
-    stamp(TS, prog, 1, STAMP)
-    ar_g = tl.arange(0, G_PAD)
-    ok_g = (ar_g < G)[None, :]
-    lse_k = tl.where(ar_g < G, lse, 0.0)  # padded heads (-inf): masked after, without inf - inf
-    ar = tl.arange(0, BLOCK)
-    pos_row = WS_POS + r * U
-    s_row = WS_S + r * U * G
-    key_hi = n * 0 + KEY_INF + 1
-    a = key_hi  # (no band unless the row is sampled)
-    b = key_hi
-    if n > BLOCK:  # (the dedup too: CTkvr's lists share many positions, and a sample counting them twice
-        # guessed a band the counts refuted, H200 session 31)
-        i = ((ar.to(tl.int64) * n) // BLOCK).to(tl.int32)
-        ps = tl.load(pos_row + i)
-        ls = tl.load(s_row + i[:, None] * G + ar_g[None, :], mask=ok_g, other=float("-inf"))
-        if DEDUP:
-            ps = tl.where(_survivors(BITMAP, NW, r, ps, i, RHO, PB), ps, -1)
-        sk, _ = _mass_key(ls, ps, lse_k, ok_g, PRECISE)
-        a, b = _bracket(sk, n, K, n * 0 + 1, key_hi, BLOCK)
-    stamp(TS, prog, 2, STAMP)
-    sl = ((n + n_prog - 1) // n_prog + BLOCK - 1) // BLOCK * BLOCK
-    s0 = part * sl
-    s1 = tl.minimum(s0 + sl, n)
-    n_ok = tl.zeros([BLOCK], tl.int32)
-    for c0 in range(s0, s1, BLOCK):
-        u = c0 + ar
-        inn = u < s1
-        pos = tl.load(pos_row + u, mask=inn, other=-1)
-        lg = tl.load(s_row + u[:, None] * G + ar_g[None, :], mask=inn[:, None] & ok_g, other=float("-inf"))
-        if DEDUP:
-            pos = tl.where(_survivors(BITMAP, NW, r, pos, u, RHO, PB), pos, -1)
-        key, valid = _mass_key(lg, pos, lse_k, ok_g, PRECISE)
-        tl.store(ROW + u, key, mask=inn)
-        n_ok += (valid & inn).to(tl.int32)
-    tl.debug_barrier()  # the slice's keys before other threads read them
-    stamp(TS, prog, 3, STAMP)
-    n_ge = n * 0
-    n_bd = n * 0
-    for c0 in range(s0, s1, BLOCK):
-        o = _chunk_offsets(c0, BLOCK, SCAN_V, ks)
-        inn = o < s1
-        key = tl.load(ROW + o, mask=inn, other=-1)
-        pos = tl.load(pos_row + o, mask=inn, other=-1)
-        ge = (key >= b) & inn
-        bd = (key >= a) & (key < b) & inn
-        sc, tot = _chunk_scan(ge.to(tl.int32) + (bd.to(tl.int32) << 16))
-        at_ge = s0 + n_ge + (sc & 0xFFFF) - 1
-        at_bd = s0 + n_bd + (sc >> 16) - 1
-        tl.store(ROW + 3 * n + at_ge, pos, mask=ge)
-        tl.store(ROW + n + at_bd, key, mask=bd)
-        tl.store(ROW + 2 * n + at_bd, pos, mask=bd)
-        n_ge += tot & 0xFFFF
-        n_bd += tot >> 16
-    CNT = ROW + 4 * U
-    tl.store(CNT + 4 * part, tl.sum(n_ok, 0))
-    tl.store(CNT + 4 * part + 1, n_ge)
-    tl.store(CNT + 4 * part + 2, n_bd)
-    tl.debug_barrier()  # every thread's stores before the ticket (taken by one thread, acq_rel)
-    stamp(TS, prog, 4, STAMP)
-    ticket = tl.atomic_add(TICK, 1, sem="acq_rel")
-    path = n * 0 - 1
-    if ticket == n_prog - 1:  # the last program: every piece is written
-        tl.store(TICK, 0)  # (for the next launch)
-        # the counts, read once: totals, and where the first block of the keys >= b and of the band sit
-        # (`_piece_src`, unrolled here over the same loads)
-        ob = _chunk_offsets(0, BLOCK, SCAN_V, ks)
-        src_ge = ar
-        src_bd = ar
-        src_bd2 = ob
-        n_valid = n * 0
-        n_ge = n * 0
-        n_bd = n * 0
-        c_ge = n * 0
-        c_bd = n * 0
-        for p in tl.static_range(P_MAX):
-            on = p < n_prog
-            if p > 0:
-                src_ge += tl.where((ar >= n_ge) & on, sl - c_ge, 0)
-                src_bd += tl.where((ar >= n_bd) & on, sl - c_bd, 0)
-                src_bd2 += tl.where((ob >= n_bd) & on, sl - c_bd, 0)
-            c_ge = tl.load(CNT + 4 * p + 1, mask=on, other=0, cache_modifier=".cg")
-            c_bd = tl.load(CNT + 4 * p + 2, mask=on, other=0, cache_modifier=".cg")
-            n_valid += tl.load(CNT + 4 * p, mask=on, other=0, cache_modifier=".cg")
-            n_ge += c_ge
-            n_bd += c_bd
-        path = n * 0
-        thr = n * 0
-        take = n * 0
-        if (n_valid > K) & (n > BLOCK):
-            if (n_ge < K) & (n_ge + n_bd >= K):
-                if n_bd <= BLOCK:
-                    path = n * 0 + 1
-                    # every gather issued before the bisection waits on the first: the keys >= b (in slot
-                    # order, into OUT), the band for the bisection and, in the emit's layout, for its emit
-                    ge_pos = tl.load(ROW + 3 * n + src_ge, mask=ar < n_ge, other=-1, cache_modifier=".cg")
-                    band = tl.load(ROW + n + src_bd, mask=ar < n_bd, other=-1, cache_modifier=".cg")
-                    band2 = tl.load(ROW + n + src_bd2, mask=ob < n_bd, other=-1, cache_modifier=".cg")
-                    bpos = tl.load(ROW + 2 * n + src_bd2, mask=ob < n_bd, other=-1, cache_modifier=".cg")
-                    tl.store(OUT + ar, ge_pos, mask=ar < n_ge)
-                    for c0 in range(BLOCK, n_ge, BLOCK):  # (more than a block of keys >= b: K > BLOCK)
-                        o = c0 + ar
-                        got = tl.load(ROW + 3 * n + _piece_src(o, CNT, 1, n_prog, sl, P_MAX), mask=o < n_ge,
-                                      other=-1, cache_modifier=".cg")
-                        tl.store(OUT + o, got, mask=o < n_ge)
-                    stamp(TS, prog, 5, STAMP)
-                    thr, take = _bisect_regs(band, n, K, a, b, n_ge, (n_ge + n_bd == K).to(tl.int32))
-                    _emit_slots(band2, bpos, thr, take, n_ge, n * 0, OUT, ROWS=True)
-                    stamp(TS, prog, 6, STAMP)
-                else:  # the search goes on over every key (the band is in pieces)
-                    path = n * 0 + 2
-                    thr, take = _kth_search(ROW, n * 0, n, n, 2 * n, n, K, a, b, n_ge, n_bd,
-                                            (n_ge + n_bd == K).to(tl.int32), BLOCK)
-            elif n_ge >= K:  # the K-th key is >= b
-                path = n * 0 + 3
-                thr, take = _kth_search(ROW, n * 0, n, n, 2 * n, n, K, b, key_hi, n * 0, n_ge,
-                                        (n_ge == K).to(tl.int32), BLOCK)
-            else:  # the K-th key is < a
-                path = n * 0 + 3
-                thr, take = _kth_search(ROW, n * 0, n, n, 2 * n, n, K, n * 0 + 1, a, n_ge + n_bd,
-                                        n_valid - n_ge - n_bd, n * 0, BLOCK)
-        else:
-            thr, take = _top_threshold(ROW, n, K, n * 0 + 1, n_valid, key_hi, BLOCK)
-        if path != 1:
-            _emit(ROW, pos_row, n, thr, take, K, OUT, BLOCK)
-    return path
-
-
 # ---------------------------------------------------------------------------------------------
 # CTkvr FIFO push (update)
 
@@ -1399,13 +1203,9 @@ class IvfConfig:
     count_rows: int = 4  # select: consecutive keys per thread in the sampled select's counting pass and its band's
     # emit, a power of two (`_chunk_offsets`; 1: one key per thread per repetition of the chunk's layout). At 128K
     # (H200, RESULTS.md session 30) the pass took 6.2 us with 1, 4.8 with 2, 4.3 with 4, 5.4 with 8, 9.1 with 16
-    select_parts: int = 0  # select: programs sharing one selection (`_select_split`); 0: one per chunk of the row's
-    # slots while every selection's programs fit one per SM (B = 1), 1: one program per selection (`_select_one`)
 
 
 DEFAULT_CONFIG = IvfConfig()  # used when a call passes no cfg (tests swap it for tiny blocks)
-MAX_SELECT_PARTS = 16  # programs per selection (`_select_split`'s loops over them are unrolled)
-INTERPRETER_SMS = 64  # what `_select_parts` assumes of the interpreter, so tests split selections
 MAX_PROBE_BESTS = 16384  # CTkvr: blocks x next_pow2(probe) bests merged by every rerank program
 
 _WORKSPACES = Workspaces()
@@ -1477,24 +1277,6 @@ def _select_shape(u: int, cfg: IvfConfig) -> tuple[int, int]:
     return max(16, min(block, triton.next_power_of_2(max(u, 1)))), warps
 
 
-@functools.lru_cache(maxsize=16)
-def _sms(device: torch.device) -> int:
-    if device.type != "cuda":
-        return INTERPRETER_SMS
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
-def _select_parts(u: int, block: int, selections: int, sms: int, cfg: IvfConfig) -> int:
-    """Programs per selection (shapes only): one per chunk of the row's u slots, at most
-    MAX_SELECT_PARTS, and only as many as let every selection's programs run at once, one per SM,
-    beside the selections of the branches running concurrently (`indexer.kernels.concurrent`: a
-    batch's requests on side streams already fill the SMs with one program per selection)."""
-    if not cfg.sample_select or u <= block or cfg.select_parts == 1:
-        return 1
-    want = _cdiv(u, block) if cfg.select_parts == 0 else cfg.select_parts
-    return max(1, min(want, MAX_SELECT_PARTS, sms // (selections * concurrency())))
-
-
 def _parts_block(n_parts: int) -> int:
     """Softmax-state parts combined per step by `_lse_parts` (one step for up to 512 parts)."""
     return max(16, min(512, triton.next_power_of_2(n_parts)))
@@ -1515,11 +1297,8 @@ def _rerank_and_select(q, kv, *, rows: int, u: int, sink: int, window: int, kp: 
     slots_per_prog = cfg.block_u * cfg.chunks_per_prog
     n_slot = _cdiv(u, slots_per_prog)
     n_parts = n_slot + 1
-    n_sel = 2 if push is not None else 1  # selections per row
-    sel_block, sel_warps = _select_shape(u, cfg)
-    parts = _select_parts(u, sel_block, rows * n_sel, _sms(dev), cfg)
-    p_max = triton.next_power_of_2(parts)
-    scr_row = 3 * u if parts == 1 else 4 * u + 4 * p_max  # `_select_split`: the pieces of keys >= b, the counts
+    scr_row = 3 * u
+    n_sel = 2 if push is not None else 1  # select programs per row
     f32 = _Carve({"s": rows * g * u})
     i32 = _Carve({"pos": rows * u, "scr": rows * n_sel * scr_row})
     wf = f32.views(_workspace(dev, torch.float32, f32.total, "rerank"))
@@ -1542,14 +1321,14 @@ def _rerank_and_select(q, kv, *, rows: int, u: int, sink: int, window: int, kp: 
         **({"maxnreg": cfg.rerank_maxnreg} if cfg.rerank_maxnreg and q.device.type == "cuda" else {}),
     )
     has_n_row = source == 1  # kivf: the row's probed keys, SEL_CUM[r, P]
-    tick = _workspace(dev, torch.int32, rows * n_sel, "select-ticket", zero=True) if parts > 1 else placeholder
-    _select_kernel[(rows, n_sel, parts)](
+    sel_block, sel_warps = _select_shape(u, cfg)
+    _select_kernel[(rows, n_sel)](
         wf["s"], wi["pos"], wf["ml"], wi["scr"], out, push if push is not None else out,
-        bitmap if bitmap is not None else placeholder, src[2][p:] if has_n_row else placeholder, tick,
+        bitmap if bitmap is not None else placeholder, src[2][p:] if has_n_row else placeholder,
         t, u, n_parts, kp, rho, scr_row, bitmap.shape[-1] if bitmap is not None else 1, p_pad + 1, 1,
         G=g, G_PAD=g_pad, BLOCK=sel_block, BLOCK_S=_parts_block(n_parts), HAS_PUSH=push is not None,
         PRECISE=_precise(), SAMPLE=cfg.sample_select, DEDUP=dedup, PB=p_pad if dedup else 1, HAS_N_ROW=has_n_row,
-        SCAN_V=min(cfg.count_rows, sel_block), P_MAX=p_max, **stamp_args("select"), num_warps=sel_warps,
+        SCAN_V=min(cfg.count_rows, sel_block), **stamp_args("select"), num_warps=sel_warps,
     )
     return out
 
