@@ -525,9 +525,34 @@ def _pick_next(key, prev):
 
 
 @triton.jit
-def _merge_probe(TOPV, TOPI, base, n_top, P: tl.constexpr, P_PAD: tl.constexpr, BLOCK_T: tl.constexpr):
+def _top4(a0, a1, a2, a3, b0, b1, b2, b3):
+    """The four largest of two descending 4-lists, descending (a bitonic merge: the pairwise maxima of
+    one list and the other reversed, then two compare-exchange stages)."""
+    m0 = tl.maximum(a0, b3)
+    m1 = tl.maximum(a1, b2)
+    m2 = tl.maximum(a2, b1)
+    m3 = tl.maximum(a3, b0)
+    x0 = tl.maximum(m0, m2)
+    x2 = tl.minimum(m0, m2)
+    x1 = tl.maximum(m1, m3)
+    x3 = tl.minimum(m1, m3)
+    return tl.maximum(x0, x1), tl.minimum(x0, x1), tl.maximum(x2, x3), tl.minimum(x2, x3)
+
+
+@triton.jit
+def _entry_id(key):
+    """The entry id of an `_entry_key` (INT_MAX for INT64_MIN: none)."""
+    return tl.where(key == INT64_MIN, INT_MAX, -(key & INT_MAX).to(tl.int32) + INT_MAX)
+
+
+@triton.jit
+def _merge_probe(TOPV, TOPI, base, n_top, P: tl.constexpr, P_PAD: tl.constexpr, BLOCK_T: tl.constexpr,
+                 ONE_REDUCE: tl.constexpr = False):
     """The P best entries of a row from the blocks' bests (n_top = blocks x P_PAD pairs, the first P
-    of each block valid) -> [P_PAD] entry ids in rank order (INT_MAX after P)."""
+    of each block valid) -> [P_PAD] entry ids in rank order (INT_MAX after P). ONE_REDUCE (P_PAD 4,
+    `IvfConfig.merge_reduce`): the four best keys in one reduction of descending 4-lists (`_top4`)
+    instead of P reductions of one key each; the same picks (keys are distinct but for empty ones,
+    whose ids decode to INT_MAX either way)."""
     o = tl.arange(0, BLOCK_T)
     ok = (o < n_top) & ((o % P_PAD) < P)
     v = tl.load(TOPV + base + o, mask=ok, other=float("-inf"))
@@ -535,10 +560,19 @@ def _merge_probe(TOPV, TOPI, base, n_top, P: tl.constexpr, P_PAD: tl.constexpr, 
     ar = tl.arange(0, P_PAD)
     key = _entry_key(v, i)
     sel = tl.full([P_PAD], INT_MAX, tl.int32)
-    prev = tl.full([], INT64_MAX, tl.int64)
-    for j in tl.static_range(P):
-        prev, pv, pi = _pick_next(key, prev)
-        sel = tl.where(ar == j, pi, sel)
+    if ONE_REDUCE:
+        tl.static_assert(P_PAD == 4)
+        low = tl.full([BLOCK_T], INT64_MIN, tl.int64)
+        k0, k1, k2, k3 = tl.reduce((key, low, low, low), 0, _top4)
+        sel = tl.where(ar == 0, _entry_id(k0), sel)
+        sel = tl.where((ar == 1) & (P > 1), _entry_id(k1), sel)
+        sel = tl.where((ar == 2) & (P > 2), _entry_id(k2), sel)
+        sel = tl.where((ar == 3) & (P > 3), _entry_id(k3), sel)
+    else:
+        prev = tl.full([], INT64_MAX, tl.int64)
+        for j in tl.static_range(P):
+            prev, pv, pi = _pick_next(key, prev)
+            sel = tl.where(ar == j, pi, sel)
     return sel
 
 
@@ -805,6 +839,27 @@ def _group_logits(kt, ok, QROW, sq_g, qk_scale, G: tl.constexpr, G_PAD: tl.const
     return lg
 
 
+@triton.jit
+def _list_pos(LISTS, FLISTS, h, sl_h, sl_c, sf_h, sf_c, u, ok, RHO, C, sel, P_PAD: tl.constexpr,
+              HAS_FIFO: tl.constexpr):
+    """CTkvr's candidate slots u (slot u = item u % RHO of the list of the row's probe rank u // RHO:
+    entry sel[rank], a persisted list below C, else the FIFO ring's) -> their positions as two loads,
+    lists' and FIFO lists', each -1 where the other holds the slot (and both where not ok):
+    `tl.maximum` of the two is the position. Two values, so a caller can keep them in flight and
+    combine them where it needs them."""
+    p_idx = _rank_of(u, RHO, P_PAD)
+    item = u - p_idx * RHO
+    entry = tl.sum(tl.where(p_idx[:, None] == tl.arange(0, P_PAD)[None, :], sel[None, :], 0), 1)
+    if HAS_FIFO:
+        from_f = entry >= C
+        pa = tl.load(LISTS + h * sl_h + entry.to(tl.int64) * sl_c + item, mask=ok & ~from_f, other=-1)
+        pb = tl.load(FLISTS + h * sf_h + (entry - C).to(tl.int64) * sf_c + item, mask=ok & from_f, other=-1)
+    else:
+        pa = tl.load(LISTS + h * sl_h + entry.to(tl.int64) * sl_c + item, mask=ok, other=-1)
+        pb = pa
+    return pa, pb
+
+
 @triton.jit(do_not_specialize=["T", "n_ctx", "n_loc", "s_end", "window", "U", "C", "RHO", "n_top", "NW",
                                "n_slot_progs", "chunks_per_prog"])
 def _rerank_kernel(
@@ -817,10 +872,12 @@ def _rerank_kernel(
     P: tl.constexpr, P_PAD: tl.constexpr, BLOCK_T: tl.constexpr, LOG_P: tl.constexpr,
     SOURCE: tl.constexpr, DEDUP: tl.constexpr, HAS_FIFO: tl.constexpr, PRECISE: tl.constexpr,
     EAGER_ROWS: tl.constexpr = False, ONE_MASK: tl.constexpr = True, DOT: tl.constexpr = False,
-    DOT_FP32: tl.constexpr = False, TS=None, STAMP: tl.constexpr = False,
+    DOT_FP32: tl.constexpr = False, PREFETCH: tl.constexpr = False, MERGE_ONE: tl.constexpr = False, TS=None,
+    STAMP: tl.constexpr = False,
 ):
     """SOURCE 0 (CTkvr): SRC_A/B = the probe's block bests (values, ids), SRC_C/D = lists / FIFO
-    lists. SOURCE 1 (kivf): SRC_A = order, SRC_B = SEL_START, SRC_C = SEL_CUM."""
+    lists. SOURCE 1 (kivf): SRC_A = order, SRC_B = SEL_START, SRC_C = SEL_CUM. PREFETCH (CTkvr): each
+    chunk issues the next chunk's list loads before its own work (`IvfConfig.rerank_prefetch`)."""
     s = tl.program_id(0)
     r = tl.program_id(1)
     stamp(TS, r * tl.num_programs(0) + s, 0, STAMP)
@@ -859,12 +916,17 @@ def _rerank_kernel(
             m_v = m_new
     else:
         if SOURCE == 0:
-            sel = _merge_probe(SRC_A, SRC_B, r64 * n_top, n_top, P, P_PAD, BLOCK_T)  # [P_PAD] entry ids
+            sel = _merge_probe(SRC_A, SRC_B, r64 * n_top, n_top, P, P_PAD, BLOCK_T, MERGE_ONE)  # [P_PAD] entry ids
             stamp(TS, r * tl.num_programs(0) + s, 2, STAMP)  # (timeline: 2 the merge, 3.. each chunk, 1 end)
             if HAS_FIFO:
                 if s == 0:  # the probe-share statistic: probed entries that came from the FIFO
                     tl.store(HITS + r, tl.sum(((sel >= C) & (tl.arange(0, P_PAD) < P)).to(tl.int32), 0))
         n_ci = chunks_per_prog
+        if SOURCE == 0:
+            if PREFETCH:  # the first chunk's list loads; each chunk issues the next one's (below)
+                u0 = s * chunks_per_prog * BLOCK_U + ar_u
+                pa_nx, pb_nx = _list_pos(SRC_C, SRC_D, h, sa_h, sa_c, sb_h, sb_c, u0, u0 < U, RHO, C, sel, P_PAD,
+                                         HAS_FIFO)
         if SOURCE == 1:  # kivf: the chunks past the probed clusters' keys (the static width's padding) are skipped:
             # the select reads no slot past them (`_select_kernel`, N_ROW)
             live_end = tl.load(SRC_C + r64 * (P_PAD + 1) + P) - s * chunks_per_prog * BLOCK_U
@@ -874,16 +936,14 @@ def _rerank_kernel(
             in_u = u < U
             if SOURCE == 0:
                 p_idx = _rank_of(u, RHO, P_PAD)
-                item = u - p_idx * RHO
-                entry = tl.sum(tl.where(p_idx[:, None] == tl.arange(0, P_PAD)[None, :], sel[None, :], 0), 1)
-                if HAS_FIFO:
-                    from_f = entry >= C
-                    pos = tl.load(SRC_C + h * sa_h + entry.to(tl.int64) * sa_c + item, mask=in_u & ~from_f, other=-1)
-                    pf = tl.load(SRC_D + h * sb_h + (entry - C).to(tl.int64) * sb_c + item, mask=in_u & from_f,
-                                 other=-1)
-                    pos = tl.where(from_f, pf, pos)
+                if PREFETCH:
+                    pos = tl.maximum(pa_nx, pb_nx)
+                    u_nx = u + BLOCK_U
+                    pa_nx, pb_nx = _list_pos(SRC_C, SRC_D, h, sa_h, sa_c, sb_h, sb_c, u_nx,
+                                             (u_nx < U) & (ci + 1 < n_ci), RHO, C, sel, P_PAD, HAS_FIFO)
                 else:
-                    pos = tl.load(SRC_C + h * sa_h + entry.to(tl.int64) * sa_c + item, mask=in_u, other=-1)
+                    pa, pb = _list_pos(SRC_C, SRC_D, h, sa_h, sa_c, sb_h, sb_c, u, in_u, RHO, C, sel, P_PAD, HAS_FIFO)
+                    pos = tl.maximum(pa, pb)
             else:
                 # the probed cluster holding slot u: the last i with SEL_CUM[i] <= u (binary search)
                 cum_row = SRC_C + r64 * (P_PAD + 1)
@@ -1199,6 +1259,8 @@ class IvfConfig:
     rerank_dot: bool = True  # rerank: q.k of 16-bit K rows on tensor cores (tl.dot), not row-wise FMAs (CTkvr's
     # rerank 21.4 -> 14.2 us at 128K, H200; RESULTS.md session 28)
     rerank_stages: int = 1  # rerank: Triton's num_stages for its chunk loop (2: rerank 14.2 -> 16.0 us with the dot)
+    rerank_prefetch: bool = True  # rerank (CTkvr): each chunk issues the next chunk's list loads before its own work
+    merge_reduce: bool = True  # rerank (CTkvr, probe <= 4): the probe bests' top-4 in one reduction (`_top4`)
     sample_select: bool = True  # select: `_select_sampled` (27.6 -> 19.5 us at 128K, H100; RESULTS.md); False: plain
     count_rows: int = 4  # select: consecutive keys per thread in the sampled select's counting pass and its band's
     # emit, a power of two (`_chunk_offsets`; 1: one key per thread per repetition of the chunk's layout). At 128K
@@ -1317,7 +1379,9 @@ def _rerank_and_select(q, kv, *, rows: int, u: int, sink: int, window: int, kp: 
         G=g, G_PAD=g_pad, D=d, BLOCK_U=cfg.block_u, P=p, P_PAD=p_pad, BLOCK_T=triton.next_power_of_2(max(n_top, 1)),
         LOG_P=log_p, SOURCE=source, DEDUP=dedup, HAS_FIFO=has_fifo, PRECISE=_precise(),
         EAGER_ROWS=cfg.eager_rows and dedup, ONE_MASK=source == 0, DOT=_dot_logits(q, ctx_k, cfg),
-        DOT_FP32=interpreted(), **stamp_args("rerank"), num_warps=cfg.rerank_warps, num_stages=cfg.rerank_stages,
+        DOT_FP32=interpreted(), PREFETCH=cfg.rerank_prefetch and source == 0,
+        MERGE_ONE=cfg.merge_reduce and source == 0 and p_pad == 4, **stamp_args("rerank"),
+        num_warps=cfg.rerank_warps, num_stages=cfg.rerank_stages,
         **({"maxnreg": cfg.rerank_maxnreg} if cfg.rerank_maxnreg and q.device.type == "cuda" else {}),
     )
     has_n_row = source == 1  # kivf: the row's probed keys, SEL_CUM[r, P]
