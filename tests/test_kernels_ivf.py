@@ -455,45 +455,6 @@ def test_probe_picks_order_value_then_lowest_id():
 
 
 @triton.jit
-def _merge_probe_probe(TOPV, TOPI, OUT, n_top, P: tl.constexpr, BLOCK_T: tl.constexpr, ONE: tl.constexpr):
-    """Row r: `ivf._merge_probe` over the blocks' bests TOPV/TOPI[r, :n_top] -> OUT[r, :4]."""
-    r = tl.program_id(0)
-    sel = ivf._merge_probe(TOPV, TOPI, r * n_top, n_top, P, 4, BLOCK_T, ONE)
-    tl.store(OUT + r * 4 + tl.arange(0, 4), sel)
-
-
-@pytest.mark.parametrize("p", [1, 3, 4])
-def test_probe_bests_merge_in_one_reduction_picks_as_the_picks_do(p):
-    """`ivf._merge_probe` with ONE_REDUCE (the four best keys in one reduction of descending 4-lists,
-    `IvfConfig.merge_reduce`) gives the same entries in the same rank order as P single picks and as
-    the reference order (value desc, then id asc; NaN never; -inf after every finite value), over
-    blocks of 4 pairs whose first p are valid: ties across blocks, -inf and NaN entries, a row with
-    fewer finite entries than p and a row with none."""
-    blocks, n_top = 9, 36
-    gen = torch.Generator().manual_seed(p)
-    vals = torch.randint(-3, 4, (6, n_top), generator=gen).float() / 4  # ties everywhere
-    vals[1, torch.rand(n_top, generator=gen) < 0.4] = float("-inf")
-    vals[2, torch.rand(n_top, generator=gen) < 0.4] = float("nan")
-    vals[3] = float("-inf")
-    vals[3, 5] = 0.5  # one finite entry
-    vals[4] = float("nan")  # none: INT_MAX ids
-    ids = torch.stack([torch.randperm(1000, generator=gen)[:n_top] for _ in range(6)]).to(torch.int32)
-    d = lambda x: x.to(DEVICE)  # noqa: E731
-    got = {}
-    for one in (True, False):
-        out = d(torch.zeros(6, 4, dtype=torch.int32))
-        _merge_probe_probe[(6,)](d(vals), d(ids), out, n_top, P=p, BLOCK_T=64, ONE=one)
-        got[one] = out.cpu()
-    assert torch.equal(got[True], got[False])
-    valid = (torch.arange(n_top) % 4) < p
-    for r in range(6):
-        want = _picks_reference(vals[r, valid].tolist(), ids[r, valid].tolist(), p)
-        assert got[True][r, :p].tolist() == [i for _, i in want], r
-        assert (got[True][r, p:] == 2147483647).all(), r
-    assert blocks * 4 == n_top
-
-
-@triton.jit
 def _sampled_select_probe(KEYS, POSS, SCR, OUT, PATH, n, K, KS, BLOCK: tl.constexpr, SCAN_V: tl.constexpr):
     """Row r: `ivf._select_sampled` over KEYS[r, :n] with positions POSS[r, :n] -> OUT[r, :K], and
     the path it took -> PATH[r]."""

@@ -525,34 +525,9 @@ def _pick_next(key, prev):
 
 
 @triton.jit
-def _top4(a0, a1, a2, a3, b0, b1, b2, b3):
-    """The four largest of two descending 4-lists, descending (a bitonic merge: the pairwise maxima of
-    one list and the other reversed, then two compare-exchange stages)."""
-    m0 = tl.maximum(a0, b3)
-    m1 = tl.maximum(a1, b2)
-    m2 = tl.maximum(a2, b1)
-    m3 = tl.maximum(a3, b0)
-    x0 = tl.maximum(m0, m2)
-    x2 = tl.minimum(m0, m2)
-    x1 = tl.maximum(m1, m3)
-    x3 = tl.minimum(m1, m3)
-    return tl.maximum(x0, x1), tl.minimum(x0, x1), tl.maximum(x2, x3), tl.minimum(x2, x3)
-
-
-@triton.jit
-def _entry_id(key):
-    """The entry id of an `_entry_key` (INT_MAX for INT64_MIN: none)."""
-    return tl.where(key == INT64_MIN, INT_MAX, -(key & INT_MAX).to(tl.int32) + INT_MAX)
-
-
-@triton.jit
-def _merge_probe(TOPV, TOPI, base, n_top, P: tl.constexpr, P_PAD: tl.constexpr, BLOCK_T: tl.constexpr,
-                 ONE_REDUCE: tl.constexpr = False):
+def _merge_probe(TOPV, TOPI, base, n_top, P: tl.constexpr, P_PAD: tl.constexpr, BLOCK_T: tl.constexpr):
     """The P best entries of a row from the blocks' bests (n_top = blocks x P_PAD pairs, the first P
-    of each block valid) -> [P_PAD] entry ids in rank order (INT_MAX after P). ONE_REDUCE (P_PAD 4,
-    `IvfConfig.merge_reduce`): the four best keys in one reduction of descending 4-lists (`_top4`)
-    instead of P reductions of one key each; the same picks (keys are distinct but for empty ones,
-    whose ids decode to INT_MAX either way)."""
+    of each block valid) -> [P_PAD] entry ids in rank order (INT_MAX after P)."""
     o = tl.arange(0, BLOCK_T)
     ok = (o < n_top) & ((o % P_PAD) < P)
     v = tl.load(TOPV + base + o, mask=ok, other=float("-inf"))
@@ -560,19 +535,10 @@ def _merge_probe(TOPV, TOPI, base, n_top, P: tl.constexpr, P_PAD: tl.constexpr, 
     ar = tl.arange(0, P_PAD)
     key = _entry_key(v, i)
     sel = tl.full([P_PAD], INT_MAX, tl.int32)
-    if ONE_REDUCE:
-        tl.static_assert(P_PAD == 4)
-        low = tl.full([BLOCK_T], INT64_MIN, tl.int64)
-        k0, k1, k2, k3 = tl.reduce((key, low, low, low), 0, _top4)
-        sel = tl.where(ar == 0, _entry_id(k0), sel)
-        sel = tl.where((ar == 1) & (P > 1), _entry_id(k1), sel)
-        sel = tl.where((ar == 2) & (P > 2), _entry_id(k2), sel)
-        sel = tl.where((ar == 3) & (P > 3), _entry_id(k3), sel)
-    else:
-        prev = tl.full([], INT64_MAX, tl.int64)
-        for j in tl.static_range(P):
-            prev, pv, pi = _pick_next(key, prev)
-            sel = tl.where(ar == j, pi, sel)
+    prev = tl.full([], INT64_MAX, tl.int64)
+    for j in tl.static_range(P):
+        prev, pv, pi = _pick_next(key, prev)
+        sel = tl.where(ar == j, pi, sel)
     return sel
 
 
@@ -872,8 +838,7 @@ def _rerank_kernel(
     P: tl.constexpr, P_PAD: tl.constexpr, BLOCK_T: tl.constexpr, LOG_P: tl.constexpr,
     SOURCE: tl.constexpr, DEDUP: tl.constexpr, HAS_FIFO: tl.constexpr, PRECISE: tl.constexpr,
     EAGER_ROWS: tl.constexpr = False, ONE_MASK: tl.constexpr = True, DOT: tl.constexpr = False,
-    DOT_FP32: tl.constexpr = False, PREFETCH: tl.constexpr = False, MERGE_ONE: tl.constexpr = False, TS=None,
-    STAMP: tl.constexpr = False,
+    DOT_FP32: tl.constexpr = False, PREFETCH: tl.constexpr = False, TS=None, STAMP: tl.constexpr = False,
 ):
     """SOURCE 0 (CTkvr): SRC_A/B = the probe's block bests (values, ids), SRC_C/D = lists / FIFO
     lists. SOURCE 1 (kivf): SRC_A = order, SRC_B = SEL_START, SRC_C = SEL_CUM. PREFETCH (CTkvr): each
@@ -916,7 +881,7 @@ def _rerank_kernel(
             m_v = m_new
     else:
         if SOURCE == 0:
-            sel = _merge_probe(SRC_A, SRC_B, r64 * n_top, n_top, P, P_PAD, BLOCK_T, MERGE_ONE)  # [P_PAD] entry ids
+            sel = _merge_probe(SRC_A, SRC_B, r64 * n_top, n_top, P, P_PAD, BLOCK_T)  # [P_PAD] entry ids
             stamp(TS, r * tl.num_programs(0) + s, 2, STAMP)  # (timeline: 2 the merge, 3.. each chunk, 1 end)
             if HAS_FIFO:
                 if s == 0:  # the probe-share statistic: probed entries that came from the FIFO
@@ -1260,7 +1225,6 @@ class IvfConfig:
     # rerank 21.4 -> 14.2 us at 128K, H200; RESULTS.md session 28)
     rerank_stages: int = 1  # rerank: Triton's num_stages for its chunk loop (2: rerank 14.2 -> 16.0 us with the dot)
     rerank_prefetch: bool = True  # rerank (CTkvr): each chunk issues the next chunk's list loads before its own work
-    merge_reduce: bool = True  # rerank (CTkvr, probe <= 4): the probe bests' top-4 in one reduction (`_top4`)
     sample_select: bool = True  # select: `_select_sampled` (27.6 -> 19.5 us at 128K, H100; RESULTS.md); False: plain
     count_rows: int = 4  # select: consecutive keys per thread in the sampled select's counting pass and its band's
     # emit, a power of two (`_chunk_offsets`; 1: one key per thread per repetition of the chunk's layout). At 128K
@@ -1379,8 +1343,7 @@ def _rerank_and_select(q, kv, *, rows: int, u: int, sink: int, window: int, kp: 
         G=g, G_PAD=g_pad, D=d, BLOCK_U=cfg.block_u, P=p, P_PAD=p_pad, BLOCK_T=triton.next_power_of_2(max(n_top, 1)),
         LOG_P=log_p, SOURCE=source, DEDUP=dedup, HAS_FIFO=has_fifo, PRECISE=_precise(),
         EAGER_ROWS=cfg.eager_rows and dedup, ONE_MASK=source == 0, DOT=_dot_logits(q, ctx_k, cfg),
-        DOT_FP32=interpreted(), PREFETCH=cfg.rerank_prefetch and source == 0,
-        MERGE_ONE=cfg.merge_reduce and source == 0 and p_pad == 4, **stamp_args("rerank"),
+        DOT_FP32=interpreted(), PREFETCH=cfg.rerank_prefetch and source == 0, **stamp_args("rerank"),
         num_warps=cfg.rerank_warps, num_stages=cfg.rerank_stages,
         **({"maxnreg": cfg.rerank_maxnreg} if cfg.rerank_maxnreg and q.device.type == "cuda" else {}),
     )
