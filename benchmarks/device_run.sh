@@ -11,7 +11,7 @@
 #           s24attend | s24variants | s24regs | s24final | s24tests | s24stop | s25ncu | s25sel | s25final512 | s25knobs | s25pdl | s25attnpdl | s25saappdl | s25selsrc |
 #           s26ab | s26mask | s26probe | s26selw | s26push | s26final | s27ab | s27kivf | s27tests | s27kivfknobs | s27kivfsel |
 #           s28dot | s28kivf | s28knobs | s28exp | s28piv | s28tests | s28pf | s29tl | s29probe | s29keys | s29pdl | s29final | s29cb | s30scan | s30scan2 | s30tests | s30knobs | s30l2 | s30pdl |
-#           s31split | s31split2 | s31split3 | s31rerank
+#           s31split | s31split2 | s31split3 | s31rerank | s31prefetch
 #   (default: tests decode before_after)
 #   The device tool returns at most 8 files: past that, the run's JSON files come back as $OUT/json.tar.gz
 #   (and everything as $OUT/all.tar.gz if that is not enough).
@@ -1123,7 +1123,8 @@ for stage in $stages; do
         | grep -E "sdpa|graph|Error|error" ;;
     s31rerank)  # session 31: the rerank's next-chunk list loads issued early (IvfConfig.rerank_prefetch) and the
       # probe bests' top-4 in one reduction (IvfConfig.merge_reduce), both on by default, against off, each alone:
-      # the IVF kernel tests on the GPU, ctkvr timelines at 128K, gpu_decode at 128K (B = 1, 8) and 512K
+      # the IVF kernel tests on the GPU, ctkvr timelines at 128K, gpu_decode at 128K and 512K (B = 1). Documents a
+      # run of commit e5edcdf: merge_reduce was removed after it (slower)
       python3 -m pytest -q -p no:cacheprovider -o addopts="" tests/test_kernels_ivf.py 2>&1 \
         | tee "$OUT/gpu_tests_s31rerank.log" | tail -3
       python3 benchmarks/gpu_timeline.py --lengths 131072 --methods ctkvr ctkvr:rerank_prefetch=0,merge_reduce=0 \
@@ -1132,6 +1133,16 @@ for stage in $stages; do
       python3 benchmarks/gpu_decode.py --lengths 131072 524288 --batches 1 --backends triton --methods ctkvr \
         ctkvr:rerank_prefetch=0,merge_reduce=0 ctkvr --out "$OUT/s31rerank" 2>&1 \
         | tee "$OUT/gpu_decode_s31rerank.log" | grep -E "sdpa|graph|Error|error" ;;
+    s31prefetch)  # session 31, the final tree: the rerank's prefetch alone (IvfConfig.rerank_prefetch, on) against
+      # off: CTkvr's kernel tests on the GPU, timelines at 128K alternating twice, gpu_decode at 128K and 512K (B = 1)
+      python3 -m pytest -q -p no:cacheprovider -o addopts="" tests/test_kernels_ivf.py -k ctkvr 2>&1 \
+        | tee "$OUT/gpu_tests_s31prefetch.log" | tail -2
+      python3 benchmarks/gpu_timeline.py --lengths 131072 --methods ctkvr ctkvr:rerank_prefetch=0 ctkvr \
+        ctkvr:rerank_prefetch=0 --tag _s31prefetch 2>&1 | tee "$OUT/gpu_timeline_s31prefetch.log" \
+        | grep -E "graph|_rerank |rerank phases"
+      python3 benchmarks/gpu_decode.py --lengths 131072 524288 --batches 1 --backends triton --methods ctkvr \
+        ctkvr:rerank_prefetch=0 ctkvr --out "$OUT/s31prefetch" 2>&1 | tee "$OUT/gpu_decode_s31prefetch.log" \
+        | grep -E "sdpa|graph|Error|error" ;;
     *) echo "unknown stage $stage" ;;
   esac
 done

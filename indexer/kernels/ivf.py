@@ -25,7 +25,8 @@ CTkvr, one layer and decode step (rows = KVH x T, one per KV head and query toke
    per position), loads the K row of each selectable slot once for the whole GQA group (issued
    before the atomic answers, so a duplicate's row is read too:
    `IvfConfig.eager_rows`) and writes the G logits q.k / sqrt(D) (-inf where dropped) plus its partial
-   softmax state (max, sum) per head. The last program of a row does the same over the frame's rows
+   softmax state (max, sum) per head; each chunk's list loads are issued during the chunk before
+   (`IvfConfig.rerank_prefetch`). The last program of a row does the same over the frame's rows
    (sink, window, visible request-local slots): that is `frame_lse`.
 3. `_select_kernel`, grid (rows, 1 or 2): log-sum-exp per head over the parts, the group mass of every slot
    (sum over heads of exp(logit - lse): `candidate_mass`; the logits stored [rows, U, G], one
@@ -146,6 +147,12 @@ scans once per register repetition: at 128K on the H200 the pass 6.2 -> 4.3 us, 
 CTkvr's select programs 19.8 -> 17.0, its step 63 -> 60; kivf's select 42 -> 34.5 (benchmarks/RESULTS.md).
 The select under PDL, let in by the rerank but not letting the attention in early, started 0.5 us sooner
 and ended no sooner (B = 8 4 us slower): dropped. 4 or 16 select warps, 1,024- or 4,096-key chunks: slower.
+Session 31: each rerank program issues its second chunk's list loads while its first chunk works
+(`IvfConfig.rerank_prefetch`, `_list_pos`): at 128K on the H200 the second chunk 4.7 -> 3.7 us, a program
+13.8 -> 13.1, the kernel's end 0.3 us sooner, the step within its spread. Measured and dropped: one selection
+shared by several programs, each the passes over its slice, the last (a ticket) gathering the pieces and
+bisecting (the passes 10.4 -> 4.2 us, but the sample's keys +2 us and the ticket and gathers +3: the select
+ended no sooner; kivf's later), and the probe bests' top-4 in one reduction (the merge 2.7 -> 3.2 us).
 
 kivf at 128K (ratio 0.05: k = 6554; C = 1448 fp32 centroids, nprobe = 290 for scan 4): probe 8 x 1448
 x 128 x 4 B = 5.9 MB; rerank ~4 x k = 26K probed keys per row -> 8 x 26K x 256 B = 54 MB of K rows
@@ -160,8 +167,8 @@ decode benchmarks); `planner.fused = False` does it for one planner.
 Checked without a GPU (Triton 3.6, ahead-of-time compile for sm_90 with the JIT's 16-divisibility
 specialisation of strides, default knobs, D 128 bf16): no register spills; registers per thread:
 probe 134 (4 warps), rerank 154 (4 warps; on the GPU it runs capped at 96, `IvfConfig.rerank_maxnreg`:
-5 programs per SM instead of 3, measured in benchmarks/RESULTS.md), select 128 (8 warps, block 2048; the sampled select),
-push 32, kivf probe 154, kivf clusters 106 (8 warps, block 2048); select and push not checked again since their
+5 programs per SM instead of 3, measured in benchmarks/RESULTS.md), select 128 (8 warps, block 2048; the sampled
+select), push 32, kivf probe 154, kivf clusters 106 (8 warps, block 2048); select and push not checked again since their
 2026-11-28 changes (the dedup map's survivor check, the push over KVH x chunks programs). Measured by the
 JIT on the H200 (2026-11-28, session 15, `gpu_decode.py --profile` reports [registers, spilled, warps] per
 compiled kernel): CTkvr probe with every head's rows in one load (`probe_one_load`) 181 / 0 / 4 (123 / 0
@@ -1225,6 +1232,7 @@ class IvfConfig:
     # rerank 21.4 -> 14.2 us at 128K, H200; RESULTS.md session 28)
     rerank_stages: int = 1  # rerank: Triton's num_stages for its chunk loop (2: rerank 14.2 -> 16.0 us with the dot)
     rerank_prefetch: bool = True  # rerank (CTkvr): each chunk issues the next chunk's list loads before its own work
+    # (the second chunk 4.7 -> 3.7 us, a program 13.8 -> 13.1, the kernel's end 0.3 us sooner at 128K; H200, session 31)
     sample_select: bool = True  # select: `_select_sampled` (27.6 -> 19.5 us at 128K, H100; RESULTS.md); False: plain
     count_rows: int = 4  # select: consecutive keys per thread in the sampled select's counting pass and its band's
     # emit, a power of two (`_chunk_offsets`; 1: one key per thread per repetition of the chunk's layout). At 128K
