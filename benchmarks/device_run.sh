@@ -42,6 +42,26 @@ old_new() {
       --methods $methods $([ $i = 1 ] && echo --torch-plans) --out "$OUT/${label}_new$i" 2>&1 | grep "^| " | grep -v sdpa
   done
 }
+# s31_split TAG (session 31, the s31split* stages): the IVF and stamps kernel tests on the GPU, then timelines at
+# 128K of the shared selection against one program per selection (ctkvr alternating twice, kivf)
+s31_split() {
+  local tag=$1
+  python3 -m pytest -q -p no:cacheprovider -o addopts="" tests/test_kernels_ivf.py tests/test_stamps.py 2>&1 \
+    | tee "$OUT/gpu_tests_$tag.log" | tail -4
+  python3 benchmarks/gpu_timeline.py --lengths 131072 --methods ctkvr ctkvr:select_parts=1 ctkvr \
+    ctkvr:select_parts=1 kivf kivf:select_parts=1 --tag "_$tag" 2>&1 | tee "$OUT/gpu_timeline_$tag.log" \
+    | grep -E "graph|_select|select plan|select push|gaps"
+}
+# s31_split_decode TAG: gpu_decode of the same at 128K (B = 1, 8; ctkvr and kivf) and 512K (B = 1, ctkvr)
+s31_split_decode() {
+  local tag=$1
+  python3 benchmarks/gpu_decode.py --lengths 131072 --batches 1 8 --backends triton --methods ctkvr \
+    ctkvr:select_parts=1 ctkvr kivf kivf:select_parts=1 --out "$OUT/$tag" 2>&1 \
+    | tee "$OUT/gpu_decode_$tag.log" | grep -E "sdpa|graph|Error|error"
+  python3 benchmarks/gpu_decode.py --lengths 524288 --batches 1 --backends triton --methods ctkvr \
+    ctkvr:select_parts=1 ctkvr --out "$OUT/${tag}_512" 2>&1 | tee -a "$OUT/gpu_decode_$tag.log" \
+    | grep -E "sdpa|graph|Error|error"
+}
 for stage in $stages; do
   case $stage in
     tests)
@@ -1082,42 +1102,17 @@ for stage in $stages; do
       python3 -m pytest -q -p no:cacheprovider -o addopts="" tests/test_kernels_ivf.py tests/test_stamps.py 2>&1 \
         | tee "$OUT/gpu_tests_s30pdl.log" | tail -3 ;;
     s31split)  # session 31: one selection shared by several select programs (IvfConfig.select_parts: 0 = one per
-      # chunk of the row, the default; 1 = one program per selection, the kernel before): the IVF and stamps kernel
-      # tests on the GPU, timelines at 128K alternating (ctkvr, kivf), gpu_decode at 128K (B = 1, 8) and 512K.
-      # s31split, s31split2 and s31split3 document runs of commit d6df997's versions: the knob (and
-      # indexer.kernels.concurrent) was removed after them (no faster, RESULTS.md session 31)
-      python3 -m pytest -q -p no:cacheprovider -o addopts="" tests/test_kernels_ivf.py tests/test_stamps.py 2>&1 \
-        | tee "$OUT/gpu_tests_s31split.log" | tail -4
-      python3 benchmarks/gpu_timeline.py --lengths 131072 --methods ctkvr ctkvr:select_parts=1 ctkvr \
-        ctkvr:select_parts=1 kivf kivf:select_parts=1 --tag _s31split 2>&1 | tee "$OUT/gpu_timeline_s31split.log" \
-        | grep -E "graph|_select|select plan|select push|gaps"
-      python3 benchmarks/gpu_decode.py --lengths 131072 --batches 1 8 --backends triton --methods ctkvr \
-        ctkvr:select_parts=1 ctkvr kivf kivf:select_parts=1 --out "$OUT/s31split" 2>&1 \
-        | tee "$OUT/gpu_decode_s31split.log" | grep -E "sdpa|graph|Error|error"
-      python3 benchmarks/gpu_decode.py --lengths 524288 --batches 1 --backends triton --methods ctkvr \
-        ctkvr:select_parts=1 ctkvr --out "$OUT/s31split512" 2>&1 | tee -a "$OUT/gpu_decode_s31split.log" \
-        | grep -E "sdpa|graph|Error|error" ;;
+      # chunk of the row, the default; 1 = one program per selection, the kernel before). s31split, s31split2 and
+      # s31split3 document runs of commit d6df997's versions: the knob (and indexer.kernels.concurrent) was removed
+      # after them (no faster, RESULTS.md session 31)
+      s31_split s31split && s31_split_decode s31split ;;
     s31split2)  # session 31, the second version: the sample's keys from the logits alone, the last program's
       # gathers issued at once, and a batch's concurrent requests keeping one program per selection
       # (indexer.kernels.concurrent); the same runs as s31split
-      python3 -m pytest -q -p no:cacheprovider -o addopts="" tests/test_kernels_ivf.py tests/test_stamps.py 2>&1 \
-        | tee "$OUT/gpu_tests_s31split2.log" | tail -4
-      python3 benchmarks/gpu_timeline.py --lengths 131072 --methods ctkvr ctkvr:select_parts=1 ctkvr \
-        ctkvr:select_parts=1 kivf kivf:select_parts=1 --tag _s31split2 2>&1 | tee "$OUT/gpu_timeline_s31split2.log" \
-        | grep -E "graph|_select|select plan|select push|gaps"
-      python3 benchmarks/gpu_decode.py --lengths 131072 --batches 1 8 --backends triton --methods ctkvr \
-        ctkvr:select_parts=1 ctkvr kivf kivf:select_parts=1 --out "$OUT/s31split2" 2>&1 \
-        | tee "$OUT/gpu_decode_s31split2.log" | grep -E "sdpa|graph|Error|error"
-      python3 benchmarks/gpu_decode.py --lengths 524288 --batches 1 --backends triton --methods ctkvr \
-        ctkvr:select_parts=1 ctkvr --out "$OUT/s31split2_512" 2>&1 | tee -a "$OUT/gpu_decode_s31split2.log" \
-        | grep -E "sdpa|graph|Error|error" ;;
+      s31_split s31split2 && s31_split_decode s31split2 ;;
     s31split3)  # session 31, the third version: s31split2 with the sample's dedup back (without it CTkvr's guesses
-      # were refuted): the IVF and stamps kernel tests, timelines at 128K (ctkvr twice, kivf), gpu_decode B = 1
-      python3 -m pytest -q -p no:cacheprovider -o addopts="" tests/test_kernels_ivf.py tests/test_stamps.py 2>&1 \
-        | tee "$OUT/gpu_tests_s31split3.log" | tail -4
-      python3 benchmarks/gpu_timeline.py --lengths 131072 --methods ctkvr ctkvr:select_parts=1 ctkvr \
-        ctkvr:select_parts=1 kivf kivf:select_parts=1 --tag _s31split3 2>&1 | tee "$OUT/gpu_timeline_s31split3.log" \
-        | grep -E "graph|_select|select plan|select push|gaps"
+      # were refuted); gpu_decode at B = 1 only
+      s31_split s31split3
       python3 benchmarks/gpu_decode.py --lengths 131072 524288 --batches 1 --backends triton --methods ctkvr \
         ctkvr:select_parts=1 ctkvr --out "$OUT/s31split3" 2>&1 | tee "$OUT/gpu_decode_s31split3.log" \
         | grep -E "sdpa|graph|Error|error" ;;
