@@ -11,7 +11,7 @@
 #           s24attend | s24variants | s24regs | s24final | s24tests | s24stop | s25ncu | s25sel | s25final512 | s25knobs | s25pdl | s25attnpdl | s25saappdl | s25selsrc |
 #           s26ab | s26mask | s26probe | s26selw | s26push | s26final | s27ab | s27kivf | s27tests | s27kivfknobs | s27kivfsel |
 #           s28dot | s28kivf | s28knobs | s28exp | s28piv | s28tests | s28pf | s29tl | s29probe | s29keys | s29pdl | s29final | s29cb | s30scan | s30scan2 | s30tests | s30knobs | s30l2 | s30pdl |
-#           s31split | s31split2 | s31split3 | s31rerank | s31prefetch
+#           s31split | s31split2 | s31split3 | s31rerank | s31prefetch | s32floors | s32probe | s32loads | s32order
 #   (default: tests decode before_after)
 #   The device tool returns at most 8 files: past that, the run's JSON files come back as $OUT/json.tar.gz
 #   (and everything as $OUT/all.tar.gz if that is not enough).
@@ -1138,6 +1138,79 @@ for stage in $stages; do
       python3 benchmarks/gpu_decode.py --lengths 131072 524288 --batches 1 --backends triton --methods ctkvr \
         ctkvr:rerank_prefetch=0 ctkvr --out "$OUT/s31prefetch" 2>&1 | tee "$OUT/gpu_decode_s31prefetch.log" \
         | grep -E "sdpa|graph|Error|error" ;;
+    s32floors)  # session 32: the memory floors of ctkvr's probe and split kernels against the kernels
+      # (benchmarks/gpu_floors.py), then Nsight Compute's memory and warp-state sections on both at 128K
+      python3 benchmarks/gpu_floors.py 2>&1 | tee "$OUT/gpu_floors_s32.log" | grep -v "^  "
+      for k in ctkvr_probe split; do
+        /usr/local/cuda/bin/ncu -k regex:"_${k}_kernel" --launch-count 1 --section SpeedOfLight \
+          --section MemoryWorkloadAnalysis --section WarpStateStats --section LaunchStats --section Occupancy \
+          python3 benchmarks/gpu_decode.py --lengths 131072 --batches 1 --methods ctkvr --backends triton --reps 2 \
+          --out "$OUT/ncu_run" > "$OUT/ncu_s32_${k}.txt" 2>&1
+        grep -i "duration\|dram throughput\|memory throughput\|registers per\|achieved occ\|warp cycles per issued\|l2 hit\|l1/tex hit\|stall" \
+          "$OUT/ncu_s32_${k}.txt" | head -24
+      done
+      rm -rf "$OUT/ncu_run" ;;
+    s32probe)  # session 32: the probe's table chosen per program (IvfConfig.probe_fifo_blocks, on) against per
+      # element, and with a 128-register cap (probe_maxnreg): CTkvr's kernel tests on the GPU, timelines at 128K
+      # alternating twice, gpu_decode at 128K (B = 1, 8) and 512K (B = 1)
+      python3 -m pytest -q -p no:cacheprovider -o addopts="" tests/test_kernels_ivf.py -k ctkvr 2>&1 \
+        | tee "$OUT/gpu_tests_s32probe.log" | tail -2
+      python3 benchmarks/gpu_timeline.py --lengths 131072 --methods ctkvr ctkvr:probe_fifo_blocks=0 \
+        ctkvr:probe_maxnreg=128 ctkvr ctkvr:probe_fifo_blocks=0 ctkvr:probe_maxnreg=128 --tag _s32probe 2>&1 \
+        | tee "$OUT/gpu_timeline_s32probe.log" | grep -E "graph|\| probe |\| rerank |gaps"
+      python3 benchmarks/gpu_decode.py --lengths 131072 --batches 1 8 --backends triton --methods ctkvr \
+        ctkvr:probe_fifo_blocks=0 ctkvr:probe_maxnreg=128 ctkvr --out "$OUT/s32probe" 2>&1 \
+        | tee "$OUT/gpu_decode_s32probe.log" | grep -E "sdpa|graph|Error|error"
+      python3 benchmarks/gpu_decode.py --lengths 524288 --batches 1 --backends triton --methods ctkvr \
+        ctkvr:probe_fifo_blocks=0 ctkvr:probe_maxnreg=128 ctkvr --out "$OUT/s32probe_512" 2>&1 \
+        | tee -a "$OUT/gpu_decode_s32probe.log" | grep -E "sdpa|graph|Error|error" ;;
+    s32loads)  # session 32: the probe issuing its centroid rows' loads before the query's and the push count's
+      # (and its table per program), against the tree before (.old/ivf_head.py = `git show 1130e35:indexer/kernels/ivf.py`),
+      # alternating twice: CTkvr's kernel tests on the GPU, timelines at 128K, gpu_decode at 128K (B = 1, 8), 512K
+      python3 -m pytest -q -p no:cacheprovider -o addopts="" tests/test_kernels_ivf.py -k "ctkvr or probe" 2>&1 \
+        | tee "$OUT/gpu_tests_s32loads.log" | tail -2
+      rm -rf /tmp/old && mkdir -p /tmp/old && cp -r benchmarks decoder indexer storage tests /tmp/old/ \
+        && cp .old/ivf_head.py /tmp/old/indexer/kernels/ivf.py || exit 1
+      for i in 1 2; do
+        python3 benchmarks/gpu_timeline.py --lengths 131072 --methods ctkvr --tag "_s32loads_new$i" 2>&1 \
+          | tee -a "$OUT/gpu_timeline_s32loads.log" | grep -E "graph|\| probe |\| rerank "
+        (cd /tmp/old && python3 benchmarks/gpu_timeline.py --lengths 131072 --methods ctkvr --tag "_s32loads_old$i" \
+          --out "$OUT" 2>&1 | tee -a "$OUT/gpu_timeline_s32loads.log" | grep -E "graph|\| probe |\| rerank ")
+      done
+      for i in 1 2; do
+        python3 benchmarks/gpu_decode.py --lengths 131072 --batches 1 8 --backends triton --methods ctkvr \
+          --out "$OUT/s32loads_new$i" 2>&1 | tee -a "$OUT/gpu_decode_s32loads.log" | grep -E "sdpa B|graph|Error|error"
+        (cd /tmp/old && python3 benchmarks/gpu_decode.py --lengths 131072 --batches 1 8 --backends triton \
+          --methods ctkvr --out "$OUT/s32loads_old$i" 2>&1 | tee -a "$OUT/gpu_decode_s32loads.log" \
+          | grep -E "sdpa B|graph|Error|error")
+      done
+      python3 benchmarks/gpu_decode.py --lengths 524288 --batches 1 --backends triton --methods ctkvr \
+        --out "$OUT/s32loads_new512" 2>&1 | tee -a "$OUT/gpu_decode_s32loads.log" | grep -E "sdpa B|graph|Error|error"
+      (cd /tmp/old && python3 benchmarks/gpu_decode.py --lengths 524288 --batches 1 --backends triton \
+        --methods ctkvr --out "$OUT/s32loads_old512" 2>&1 | tee -a "$OUT/gpu_decode_s32loads.log" \
+        | grep -E "sdpa B|graph|Error|error") ;;
+    s32order)  # session 32: the probe's load order alone (IvfConfig.probe_loads_first) on and off, with the table
+      # per program, against the tree before (.old/ivf_head.py, as s32loads), alternating twice: CTkvr's kernel tests
+      # on the GPU, timelines at 128K, gpu_decode at 128K (B = 1, 8), 512K once
+      python3 -m pytest -q -p no:cacheprovider -o addopts="" tests/test_kernels_ivf.py -k "ctkvr or probe" 2>&1 \
+        | tee "$OUT/gpu_tests_s32order.log" | tail -2
+      rm -rf /tmp/old && mkdir -p /tmp/old && cp -r benchmarks decoder indexer storage tests /tmp/old/ \
+        && cp .old/ivf_head.py /tmp/old/indexer/kernels/ivf.py || exit 1
+      for i in 1 2; do
+        python3 benchmarks/gpu_timeline.py --lengths 131072 --methods ctkvr ctkvr:probe_loads_first=0 \
+          --tag "_s32order_new$i" 2>&1 | tee -a "$OUT/gpu_timeline_s32order.log" | grep -E "graph|\| probe "
+        (cd /tmp/old && python3 benchmarks/gpu_timeline.py --lengths 131072 --methods ctkvr --tag "_s32order_old$i" \
+          --out "$OUT" 2>&1 | tee -a "$OUT/gpu_timeline_s32order.log" | grep -E "graph|\| probe ")
+        python3 benchmarks/gpu_decode.py --lengths 131072 --batches 1 8 --backends triton --methods ctkvr \
+          ctkvr:probe_loads_first=0 --out "$OUT/s32order_new$i" 2>&1 | tee -a "$OUT/gpu_decode_s32order.log" \
+          | grep -E "graph|Error|error"
+        (cd /tmp/old && python3 benchmarks/gpu_decode.py --lengths 131072 --batches 1 8 --backends triton \
+          --methods ctkvr --out "$OUT/s32order_old$i" 2>&1 | tee -a "$OUT/gpu_decode_s32order.log" \
+          | grep -E "graph|Error|error")
+      done
+      python3 benchmarks/gpu_decode.py --lengths 524288 --batches 1 --backends triton --methods ctkvr \
+        ctkvr:probe_loads_first=0 --out "$OUT/s32order_new512" 2>&1 | tee -a "$OUT/gpu_decode_s32order.log" \
+        | grep -E "graph|Error|error" ;;
     *) echo "unknown stage $stage" ;;
   esac
 done

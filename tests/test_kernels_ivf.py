@@ -142,6 +142,17 @@ def test_ctkvr_fused_plan_with_tiny_blocks(monkeypatch):
         _run_ctkvr(case, seed=5 + i, cfg=TINY, monkeypatch=monkeypatch)
 
 
+@pytest.mark.parametrize("fifo_blocks, loads_first", [(True, True), (True, False), (False, True)])
+def test_ctkvr_probe_reads_the_fifo_table_per_block(fifo_blocks, loads_first, monkeypatch):
+    """48 centroids in blocks of 16: every probe block is all persisted or all FIFO entries, so the
+    probe picks its table per program (`probe_fifo_blocks`), not per element; the FIFO ring wraps and
+    evicts persisted entries (case "decode"). Either order of the probe's loads (`probe_loads_first`)."""
+    cfg = ivf.IvfConfig(block_c=16, probe_fifo_blocks=fifo_blocks, probe_loads_first=loads_first)
+    for i, case in enumerate(("decode", "question_then_decode")):
+        ref, fused = _run_ctkvr(case, seed=11 + i, cfg=cfg, monkeypatch=monkeypatch)
+    assert fused.stats()["fifo_probe_share"] > 0  # FIFO entries were probed (and picked)
+
+
 def test_ctkvr_duplicates_are_counted_once():
     """Lists drawn from one small pool of positions: the union holds many duplicates (and each list
     several positions of the frame), the fused dedup must keep every position exactly once."""

@@ -153,6 +153,12 @@ Session 31: each rerank program issues its second chunk's list loads while its f
 shared by several programs, each the passes over its slice, the last (a ticket) gathering the pieces and
 bisecting (the passes 10.4 -> 4.2 us, but the sample's keys +2 us and the ticket and gathers +3: the select
 ended no sooner; kivf's later), and the probe bests' top-4 in one reduction (the merge 2.7 -> 3.2 us).
+Session 32: where C % block_c == 0 the probe chooses a block's table (persisted or FIFO) per program
+(`FIFO_BLOCKS`, `IvfConfig.probe_fifo_blocks`) instead of a [BLOCK_C, G, D] pointer select per element (176 ->
+167 registers: 3 programs per SM instead of 2), and issues the block's load before the query's and the push
+count's (the compiled code had waited for those two before issuing it). The probe's span at B = 1 stayed
+10.2-11.0 us and the step 59-61 us; B = 8 at 128K 196 -> 188 us (H200, benchmarks/RESULTS.md). A streaming read
+of the same 17.3 MB on the probe's grid takes 6.9 us (benchmarks/gpu_floors.py).
 
 kivf at 128K (ratio 0.05: k = 6554; C = 1448 fp32 centroids, nprobe = 290 for scan 4): probe 8 x 1448
 x 128 x 4 B = 5.9 MB; rerank ~4 x k = 26K probed keys per row -> 8 x 26K x 256 B = 54 MB of K rows
@@ -563,7 +569,8 @@ def _ctkvr_probe_kernel(
     T, C, F, n_blocks, NW, words_per_prog,
     G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, BLOCK_C: tl.constexpr, P: tl.constexpr,
     P_PAD: tl.constexpr, HAS_FIFO: tl.constexpr, DEDUP: tl.constexpr, BLOCK_Z: tl.constexpr,
-    ONE_LOAD: tl.constexpr = True, TS=None, STAMP: tl.constexpr = False,
+    ONE_LOAD: tl.constexpr = True, FIFO_BLOCKS: tl.constexpr = False, LOADS_FIRST: tl.constexpr = True, TS=None,
+    STAMP: tl.constexpr = False,
 ):
     s = tl.program_id(0)
     r = tl.program_id(1)
@@ -574,26 +581,45 @@ def _ctkvr_probe_kernel(
     e = s * BLOCK_C + tl.arange(0, BLOCK_C)  # entry ids: [0, C) persisted, [C, C + F) the FIFO ring
     is_p = e < C
     if HAS_FIFO:
-        live = tl.minimum(tl.load(PUSHES), F).to(tl.int32)  # pushes so far, capped at the ring size
         is_f = (e >= C) & (e < C + F)
-        alive = (is_p & (e >= live)) | (is_f & (e - C < live))  # the first `live` persisted are evicted
     else:
         is_f = e < 0
-        alive = is_p
     write_q = (s == 0) & (t == T - 1)
     if ONE_LOAD:
         # every head's rows of the block in one load ([BLOCK_C, G_PAD, D]: an entry's G x D values are
         # contiguous), so the program waits on memory once, not once per head in turn
         ar_g = tl.arange(0, G_PAD)
         g_ok = ar_g < G
-        qv = tl.load(Q + h * sq_h + ar_g[:, None] * sq_g + t * sq_t + offs_d[None, :], mask=g_ok[:, None],
-                     other=0.0).to(tl.float32)
-        ptr = (CENT + h * sc_h + e[:, None, None].to(tl.int64) * sc_c + ar_g[None, :, None] * sc_g
-               + offs_d[None, None, :])
-        if HAS_FIFO:  # one load per element from either table (same dtype), not two tiles
-            ptr = tl.where(is_f[:, None, None], FCENT + h * sf_h + (e - C)[:, None, None].to(tl.int64) * sf_c
-                           + ar_g[None, :, None] * sf_g + offs_d[None, None, :], ptr)
+        if not LOADS_FIRST:
+            qv = tl.load(Q + h * sq_h + ar_g[:, None] * sq_g + t * sq_t + offs_d[None, :], mask=g_ok[:, None],
+                         other=0.0).to(tl.float32)
+            if HAS_FIFO:
+                pushes = tl.load(PUSHES)
+        if FIFO_BLOCKS:  # a block is all persisted or all FIFO entries (C % BLOCK_C == 0): the program picks
+            # its table's base and strides as scalars, so its [BLOCK_C, G, D] addresses are computed once
+            if s * BLOCK_C >= C:
+                cbase = FCENT + h * sf_h + (s * BLOCK_C - C).to(tl.int64) * sf_c
+                st_c = sf_c
+                st_g = sf_g
+            else:
+                cbase = CENT + h * sc_h + (s * BLOCK_C).to(tl.int64) * sc_c
+                st_c = sc_c
+                st_g = sc_g
+            ptr = (cbase + tl.arange(0, BLOCK_C)[:, None, None].to(tl.int64) * st_c + ar_g[None, :, None] * st_g
+                   + offs_d[None, None, :])
+        else:
+            ptr = (CENT + h * sc_h + e[:, None, None].to(tl.int64) * sc_c + ar_g[None, :, None] * sc_g
+                   + offs_d[None, None, :])
+            if HAS_FIFO:  # one load per element from either table (same dtype), not two tiles
+                ptr = tl.where(is_f[:, None, None], FCENT + h * sf_h + (e - C)[:, None, None].to(tl.int64) * sf_c
+                               + ar_g[None, :, None] * sf_g + offs_d[None, None, :], ptr)
         ce = tl.load(ptr, mask=(is_p | is_f)[:, None, None] & g_ok[None, :, None], other=0.0).to(tl.float32)
+        if LOADS_FIRST:  # the query and the FIFO's push count loaded after the block's rows: the compiled code
+            # then issues the rows' loads first instead of after waiting for these (RESULTS.md, session 32)
+            if HAS_FIFO:
+                pushes = tl.load(PUSHES)
+            qv = tl.load(Q + h * sq_h + ar_g[:, None] * sq_g + t * sq_t + offs_d[None, :], mask=g_ok[:, None],
+                         other=0.0).to(tl.float32)
         qn = tl.div_rn(qv, tl.maximum(tl.sqrt_rn(tl.sum(qv * qv, 1)), 1e-12)[:, None])  # F.normalize(q.float())
         qf = _round_as(qn, CENT.dtype.element_ty)  # ... .to(centroid dtype), as the torch path
         if HAS_FIFO:
@@ -602,6 +628,8 @@ def _ctkvr_probe_kernel(
         cos = _round_as(tl.sum(ce * qf[None, :, :], 2), CENT.dtype.element_ty)  # the einsum's output dtype
         best = tl.max(tl.where(g_ok[None, :], cos, float("-inf")), 1)
     else:  # one head at a time: a load, its cosines, the next head's load
+        if HAS_FIFO:
+            pushes = tl.load(PUSHES)
         best = tl.full([BLOCK_C], float("-inf"), tl.float32)
         for g in tl.static_range(G):
             qv = tl.load(Q + h * sq_h + g * sq_g + t * sq_t + offs_d).to(tl.float32)
@@ -617,6 +645,11 @@ def _ctkvr_probe_kernel(
             cos = tl.sum(ce * qf[None, :], 1)
             cos = _round_as(cos, CENT.dtype.element_ty)  # the einsum's output dtype (bf16 rounds)
             best = tl.maximum(best, cos)
+    if HAS_FIFO:
+        live = tl.minimum(pushes, F).to(tl.int32)  # pushes so far, capped at the ring size
+        alive = (is_p & (e >= live)) | (is_f & (e - C < live))  # the first `live` persisted are evicted
+    else:
+        alive = is_p
     key = _entry_key(tl.where(alive, best, float("-inf")), e)
     base = (r * n_blocks + s) * P_PAD
     prev = tl.full([], INT64_MAX, tl.int64)
@@ -1219,6 +1252,10 @@ class IvfConfig:
     probe_warps: int = 4
     probe_one_load: bool = True  # probe: every head's centroid rows in one load (False: one head at a time;
     # probe 14.1-14.8 -> 9.0-11.4 us at 128K, H200; RESULTS.md)
+    probe_fifo_blocks: bool = True  # probe: where C % block_c == 0, a block's table (persisted or FIFO) chosen per
+    # program, not per element (RESULTS.md, session 32)
+    probe_loads_first: bool = True  # probe: the block's rows loaded before the query and the push count
+    probe_maxnreg: int | None = None  # probe: register cap per thread on CUDA (None: the compiler's)
     rerank_warps: int = 4
     rerank_maxnreg: int | None = 96  # rerank: register cap per thread on CUDA (0 / None: the compiler's, 159 at
     # the 8B shape, 3 programs per SM); 96: 5 per SM, rerank 27.5 -> 24.0 us at 128K (H100; RESULTS.md)
@@ -1437,7 +1474,11 @@ def ctkvr_plan(q: torch.Tensor, kv, cent: torch.Tensor, lists: torch.Tensor, fif
         *(pend_q.stride()[:2] if has_fifo else (0, 0)),
         t, c, f, n_blocks, nw, words_per_prog,
         G=g, G_PAD=triton.next_power_of_2(g), D=d, BLOCK_C=cfg.block_c, P=p, P_PAD=p_pad, HAS_FIFO=has_fifo,
-        DEDUP=True, BLOCK_Z=256, ONE_LOAD=cfg.probe_one_load, **stamp_args("probe"), num_warps=cfg.probe_warps,
+        DEDUP=True, BLOCK_Z=256, ONE_LOAD=cfg.probe_one_load,
+        FIFO_BLOCKS=has_fifo and cfg.probe_fifo_blocks and c % cfg.block_c == 0, LOADS_FIRST=cfg.probe_loads_first,
+        **stamp_args("probe"),
+        num_warps=cfg.probe_warps,
+        **({"maxnreg": cfg.probe_maxnreg} if cfg.probe_maxnreg and q.device.type == "cuda" else {}),
     )
     out = _rerank_and_select(
         q, kv, rows=rows, u=u, sink=sink, window=window, kp=kp, rho=rho, source=0,
