@@ -11,7 +11,7 @@
 #           s24attend | s24variants | s24regs | s24final | s24tests | s24stop | s25ncu | s25sel | s25final512 | s25knobs | s25pdl | s25attnpdl | s25saappdl | s25selsrc |
 #           s26ab | s26mask | s26probe | s26selw | s26push | s26final | s27ab | s27kivf | s27tests | s27kivfknobs | s27kivfsel |
 #           s28dot | s28kivf | s28knobs | s28exp | s28piv | s28tests | s28pf | s29tl | s29probe | s29keys | s29pdl | s29final | s29cb | s30scan | s30scan2 | s30tests | s30knobs | s30l2 | s30pdl |
-#           s31split | s31split2 | s31split3 | s31rerank | s31prefetch | s32floors | s32probe | s32loads | s32order
+#           s31split | s31split2 | s31split3 | s31rerank | s31prefetch | s32floors | s32probe | s32loads | s32order | s32pos
 #   (default: tests decode before_after)
 #   The device tool returns at most 8 files: past that, the run's JSON files come back as $OUT/json.tar.gz
 #   (and everything as $OUT/all.tar.gz if that is not enough).
@@ -1211,6 +1211,28 @@ for stage in $stages; do
       python3 benchmarks/gpu_decode.py --lengths 524288 --batches 1 --backends triton --methods ctkvr \
         ctkvr:probe_loads_first=0 --out "$OUT/s32order_new512" 2>&1 | tee -a "$OUT/gpu_decode_s32order.log" \
         | grep -E "graph|Error|error" ;;
+    s32pos)  # session 32: the split kernel loading its first chunk's plan positions first and the query rows in the
+      # chunk loop, against the tree before (.old/attention_head.py = `git show b4a1ec2:decoder/kernels/attention.py`),
+      # alternating twice: the attention kernel tests on the GPU, ctkvr timelines at 128K, gpu_decode at 128K (B = 1,
+      # 8; ctkvr with one pipeline stage too; psa once), 512K once
+      python3 -m pytest -q -p no:cacheprovider -o addopts="" tests/test_triton_attention.py 2>&1 \
+        | tee "$OUT/gpu_tests_s32pos.log" | tail -2
+      rm -rf /tmp/old && mkdir -p /tmp/old && cp -r benchmarks decoder indexer storage tests /tmp/old/ \
+        && cp .old/attention_head.py /tmp/old/decoder/kernels/attention.py || exit 1
+      for i in 1 2; do
+        python3 benchmarks/gpu_timeline.py --lengths 131072 --methods ctkvr --tag "_s32pos_new$i" 2>&1 \
+          | tee -a "$OUT/gpu_timeline_s32pos.log" | grep -E "graph|\| split |\| merge "
+        (cd /tmp/old && python3 benchmarks/gpu_timeline.py --lengths 131072 --methods ctkvr --tag "_s32pos_old$i" \
+          --out "$OUT" 2>&1 | tee -a "$OUT/gpu_timeline_s32pos.log" | grep -E "graph|\| split |\| merge ")
+        python3 benchmarks/gpu_decode.py --lengths 131072 --batches 1 8 --backends triton triton:num_stages=1 \
+          --methods ctkvr $([ $i = 1 ] && echo psa) --out "$OUT/s32pos_new$i" 2>&1 \
+          | tee -a "$OUT/gpu_decode_s32pos.log" | grep -E "graph|Error|error"
+        (cd /tmp/old && python3 benchmarks/gpu_decode.py --lengths 131072 --batches 1 8 --backends triton \
+          --methods ctkvr $([ $i = 1 ] && echo psa) --out "$OUT/s32pos_old$i" 2>&1 \
+          | tee -a "$OUT/gpu_decode_s32pos.log" | grep -E "graph|Error|error")
+      done
+      python3 benchmarks/gpu_decode.py --lengths 524288 --batches 1 --backends triton --methods ctkvr \
+        --out "$OUT/s32pos_new512" 2>&1 | tee -a "$OUT/gpu_decode_s32pos.log" | grep -E "graph|Error|error" ;;
     *) echo "unknown stage $stage" ;;
   esac
 done
