@@ -88,25 +88,6 @@ MERGE_BLOCK_S = 64  # splits merged per iteration (fixed: a changing split count
 # Kernels
 
 
-@triton.jit
-def _chunk_rows(c, chunks_a, end_a, b3, total, BLOCK_N: tl.constexpr):
-    """The row-list indices of chunk c: segment A's chunks first, then segment B's (local); rows past a
-    segment's end -> `total` (in no segment: masked)."""
-    in_a = c < chunks_a
-    r = tl.where(in_a, c * BLOCK_N, b3 + (c - chunks_a) * BLOCK_N) + tl.arange(0, BLOCK_N)
-    return tl.where(r < tl.where(in_a, end_a, total), r, total)
-
-
-@triton.jit
-def _plan_positions(POS, h, sp_h, sp_t, sp_k, r, b2, b3, t0, n_pos_div, live):
-    """The plan positions of rows r (-1 for rows outside the plan segment, or all when not `live`)."""
-    in_plan = (r >= b2) & (r < b3) & live
-    j = r - b2
-    tt = t0 + j // n_pos_div
-    return tl.load(POS + h * sp_h + tt.to(tl.int64) * sp_t + (j % n_pos_div) * sp_k, mask=in_plan,
-                   other=-1).to(tl.int64)
-
-
 # Runtime ints that vary between requests or steps are not specialised (no recompilation when the
 # context length, the plan width or the request's length changes); strides are (16-alignment).
 @triton.jit(do_not_specialize=["T", "n_ctx", "s_end", "window", "sink_rows", "win_rows", "n_pos", "n_loc"])
@@ -138,7 +119,24 @@ def _split_kernel(
     n_qb = tl.num_programs(1)
     stamp(TS, (h * n_qb + qb) * n_splits + split, 0, STAMP)
 
+    # --- the block's query rows: row i = (token qb·TB + i // G, head i % G)
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, D)
     t0 = qb * TB
+    t_q = t0 + offs_m // G  # [BLOCK_M]
+    g_q = offs_m % G
+    q_ok = (offs_m < TB * G) & (t_q < T)
+    q = tl.load(Q + h * sq_h + g_q[:, None] * sq_g + t_q[:, None].to(tl.int64) * sq_t + offs_d[None, :],
+                mask=q_ok[:, None], other=0.0)
+    qpos_q = tl.load(QPOS + t_q, mask=q_ok, other=0).to(tl.int64)
+    wlo_q = tl.minimum(tl.maximum(qpos_q - window + 1, s_end), n_ctx)  # frame_bounds
+    qpos_max = tl.max(tl.where(q_ok, qpos_q, -1), axis=0)
+    wlo_min = tl.min(tl.where(q_ok, wlo_q, n_ctx), axis=0)
+    if HAS_BYPASS:
+        byp_q = tl.load(BYP + h * sb_h + g_q * sb_g + t_q * sb_t, mask=q_ok, other=0) != 0
+    else:
+        byp_q = offs_m < 0
+
     # --- segment bounds of this block's row list
     n_tok = tl.minimum(T - t0, TB)  # real tokens in this block
     b1 = sink_rows
@@ -147,6 +145,10 @@ def _split_kernel(
     total = b3 + n_loc
     win_base = n_ctx - win_rows
     n_pos_div = tl.maximum(n_pos, 1)
+
+    m_i = tl.full([BLOCK_M], NEG_BIG, tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, D], tl.float32)
 
     # the live chunks: segment A = rows [0, end_a) (sink, window, plan up to the row's length),
     # segment B = rows [b3, total) (local); this program's share of them
@@ -159,42 +161,15 @@ def _split_kernel(
     cps = (n_live + n_splits - 1) // n_splits
     c_lo = split * cps
     c_hi = tl.minimum(c_lo + cps, n_live)
-    if HAS_PLAN:  # the first chunk's plan positions, loaded before anything waits on the query's rows or
-        # positions (the compiled code issues loads in program order and stalls at a value's first use): the
-        # first gather waits on these and on the query positions, now fetched side by side, not one after the
-        # other; each later chunk's are loaded a chunk ahead (RESULTS.md, session 32)
-        pos_nx = _plan_positions(POS, h, sp_h, sp_t, sp_k, _chunk_rows(c_lo, chunks_a, end_a, b3, total, BLOCK_N),
-                                 b2, b3, t0, n_pos_div, c_lo < c_hi)
-
-    # --- the block's query rows: row i = (token qb·TB + i // G, head i % G)
-    offs_m = tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, D)
-    t_q = t0 + offs_m // G  # [BLOCK_M]
-    g_q = offs_m % G
-    q_ok = (offs_m < TB * G) & (t_q < T)
-    q_ptr = Q + h * sq_h + g_q[:, None] * sq_g + t_q[:, None].to(tl.int64) * sq_t + offs_d[None, :]
-    if not HAS_PLAN:  # (with a plan: in the chunk loop, below)
-        q = tl.load(q_ptr, mask=q_ok[:, None], other=0.0)
-    qpos_q = tl.load(QPOS + t_q, mask=q_ok, other=0).to(tl.int64)
-    wlo_q = tl.minimum(tl.maximum(qpos_q - window + 1, s_end), n_ctx)  # frame_bounds
-    qpos_max = tl.max(tl.where(q_ok, qpos_q, -1), axis=0)
-    wlo_min = tl.min(tl.where(q_ok, wlo_q, n_ctx), axis=0)
-    if HAS_BYPASS:
-        byp_q = tl.load(BYP + h * sb_h + g_q * sb_g + t_q * sb_t, mask=q_ok, other=0) != 0
-    else:
-        byp_q = offs_m < 0
-
-    m_i = tl.full([BLOCK_M], NEG_BIG, tl.float32)
-    l_i = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, D], tl.float32)
-
     if CACHE > 0:  # the row cache of the context's values (one token): this step writes region `c_base`
         c_width = CACHE * n_pos
         c_base = (tl.load(QPOS).to(tl.int64) % CACHE) * n_pos
         c_hits = tl.zeros([BLOCK_N], tl.int32)
         c_rows = tl.zeros([BLOCK_N], tl.int32)
     for c in tl.range(c_lo, c_hi, num_stages=NUM_STAGES):
-        r = _chunk_rows(c, chunks_a, end_a, b3, total, BLOCK_N)
+        in_a = c < chunks_a
+        r = tl.where(in_a, c * BLOCK_N, b3 + (c - chunks_a) * BLOCK_N) + tl.arange(0, BLOCK_N)
+        r = tl.where(r < tl.where(in_a, end_a, total), r, total)  # row `total`: in no segment, masked
         in_sink = r < b1
         in_win = (r >= b1) & (r < b2)
         in_loc = (r >= b3) & (r < total)
@@ -204,9 +179,8 @@ def _split_kernel(
             in_plan = (r >= b2) & (r < b3)
             j = r - b2
             tt = t0 + j // n_pos_div  # the token whose plan this row belongs to
-            pos = pos_nx  # this chunk's, loaded a chunk ahead (the first before the loop)
-            pos_nx = _plan_positions(POS, h, sp_h, sp_t, sp_k, _chunk_rows(c + 1, chunks_a, end_a, b3, total, BLOCK_N),
-                                     b2, b3, t0, n_pos_div, c + 1 < c_hi)
+            pos = tl.load(POS + h * sp_h + tt.to(tl.int64) * sp_t + (j % n_pos_div) * sp_k,
+                          mask=in_plan, other=-1).to(tl.int64)
             qpos_tt = tl.load(QPOS + tt, mask=in_plan, other=0).to(tl.int64)
             wlo_tt = tl.minimum(tl.maximum(qpos_tt - window + 1, s_end), n_ctx)
             plan_ok = in_plan & (pos >= s_end) & (pos < wlo_tt)  # -1, sink and window duplicates: no
@@ -256,10 +230,6 @@ def _split_kernel(
                 valid = valid | (plan_ok[None, :] & (tt[None, :] == t_q[:, None]) & ~byp_q[:, None])
             valid = valid & q_ok[:, None] & row_ok[None, :]
 
-        if HAS_PLAN:  # the query rows, loaded here, after the chunk's rows were issued, not before the loop: hoisted
-            # there, its shared-memory copy for the dot waited for it before the first positions' load was issued;
-            # `c >= c_lo`, always true, keeps the compiler from hoisting it (later chunks find it in L1)
-            q = tl.load(q_ptr, mask=q_ok[:, None] & (c >= c_lo), other=0.0)
         k = k.to(q.dtype)
         v = v.to(q.dtype)
         if DOT_FP32:  # the interpreter's bf16 dot is wrong: fp32 operands holding the same values
