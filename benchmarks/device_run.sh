@@ -11,7 +11,7 @@
 #           s24attend | s24variants | s24regs | s24final | s24tests | s24stop | s25ncu | s25sel | s25final512 | s25knobs | s25pdl | s25attnpdl | s25saappdl | s25selsrc |
 #           s26ab | s26mask | s26probe | s26selw | s26push | s26final | s27ab | s27kivf | s27tests | s27kivfknobs | s27kivfsel |
 #           s28dot | s28kivf | s28knobs | s28exp | s28piv | s28tests | s28pf | s29tl | s29probe | s29keys | s29pdl | s29final | s29cb | s30scan | s30scan2 | s30tests | s30knobs | s30l2 | s30pdl |
-#           s31split | s31split2 | s31split3 | s31rerank | s31prefetch | s32floors | s32probe | s32loads | s32order | s32pos
+#           s31split | s31split2 | s31split3 | s31rerank | s31prefetch | s32floors | s32probe | s32loads | s32order | s32pos | s32floors3 | s32final
 #   (default: tests decode before_after)
 #   The device tool returns at most 8 files: past that, the run's JSON files come back as $OUT/json.tar.gz
 #   (and everything as $OUT/all.tar.gz if that is not enough).
@@ -1233,6 +1233,15 @@ for stage in $stages; do
       done
       python3 benchmarks/gpu_decode.py --lengths 524288 --batches 1 --backends triton --methods ctkvr \
         --out "$OUT/s32pos_new512" 2>&1 | tee -a "$OUT/gpu_decode_s32pos.log" | grep -E "graph|Error|error" ;;
+    s32floors3)  # session 32: gpu_floors.py again, with the probe's session-32 constexprs (FIFO_BLOCKS, LOADS_FIRST)
+      python3 benchmarks/gpu_floors.py 2>&1 | tee "$OUT/gpu_floors_s32floors3.log" | grep -E "probe|stream block_c=32" ;;
+    s32final)  # session 32, the final tree: the probe's table per program and load order against each off, once
+      python3 benchmarks/gpu_timeline.py --lengths 131072 --methods ctkvr ctkvr:probe_fifo_blocks=0 \
+        ctkvr:probe_fifo_blocks=0,probe_loads_first=0 --tag _s32final 2>&1 | tee "$OUT/gpu_timeline_s32final.log" \
+        | grep -E "graph|\| probe "
+      python3 benchmarks/gpu_decode.py --lengths 131072 --batches 1 8 --backends triton --methods ctkvr \
+        ctkvr:probe_fifo_blocks=0 ctkvr:probe_fifo_blocks=0,probe_loads_first=0 --reps 20 --out "$OUT/s32final" 2>&1 \
+        | tee "$OUT/gpu_decode_s32final.log" | grep -E "graph" ;;
     *) echo "unknown stage $stage" ;;
   esac
 done

@@ -23,7 +23,7 @@ CUDA graph of one launch replayed after the benchmarks' cold-L2 flush, medians):
 * `empty_chain`: five empty kernels in one graph: the gap between dependent launches.
 
 What it found (H200, 2026-11-30, benchmarks/RESULTS.md session 32): `stream` 6.9 µs against the probe's
-10.5; the probe's span without its FIFO table 8.4 µs. `gather` is NOT a floor: Triton compiled its loads
+9.7-11.0 (its variants); the probe's span without its FIFO table 8.4 µs. `gather` is NOT a floor: Triton compiled its loads
 as a chain (37 registers, each row's loads followed by their reduction before the next loads issue), so
 its 6.4-8.2 µs per program measure that chain; the split kernel itself took 5.6 µs per program on the same
 plan. A gather floor needs every load in flight at once (e.g. the split kernel's cp.async path).
@@ -222,14 +222,18 @@ def main() -> None:
     pq = torch.empty(KVH, G, D, dtype=BF, device=dev)
     nw = n * 4 // 32
     bitmap = torch.empty(KVH, nw, dtype=torch.int32, device=dev)
-    for picks, dedup, has_fifo in ((4, True, True), (0, True, True), (4, False, True), (4, True, False),
-                                   (0, False, False)):
-        rows.append(timed(f"probe picks={picks} dedup={int(dedup)} fifo={int(has_fifo)}",
-                          lambda picks=picks, dedup=dedup, has_fifo=has_fifo: _ctkvr_probe_kernel[(nb, KVH)](
+    variants = [(4, True, True, False, False), (0, True, True, False, False), (4, False, True, False, False),
+                (4, True, False, False, False), (0, False, False, False, False),
+                (4, True, True, True, True), (4, True, True, True, False), (4, True, False, False, True)]
+    for picks, dedup, has_fifo, blocks, first in variants:  # blocks, first: FIFO_BLOCKS, LOADS_FIRST (session 32)
+        rows.append(timed(f"probe picks={picks} dedup={int(dedup)} fifo={int(has_fifo)} fifo_blocks={int(blocks)} "
+                          f"loads_first={int(first)}",
+                          lambda picks=picks, dedup=dedup, has_fifo=has_fifo, blocks=blocks, first=first:
+                          _ctkvr_probe_kernel[(nb, KVH)](
             qp, cp, fifo, pushes, topv, topi, pq, bitmap, *qp.stride()[:3], *cp.stride()[:3], *fifo.stride()[:3],
             *pq.stride()[:2], 1, c_rows - 64, 64 if has_fifo else 0, nb, nw, -(-nw // nb),
             G=G, G_PAD=G, D=D, BLOCK_C=32, P=picks, P_PAD=4, HAS_FIFO=has_fifo, DEDUP=dedup, BLOCK_Z=256,
-            ONE_LOAD=True, **stamp_args("probe"), num_warps=4), a.reps, dev))
+            ONE_LOAD=True, FIFO_BLOCKS=blocks, LOADS_FIRST=first, **stamp_args("probe"), num_warps=4), a.reps, dev))
 
     if not small:  # the real kernels: ctkvr's probe and the split kernel on a 1,024-position plan
         from decoder.kernels.attention import frame_attention

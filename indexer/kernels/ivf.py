@@ -157,8 +157,9 @@ Session 32: where C % block_c == 0 the probe chooses a block's table (persisted 
 (`FIFO_BLOCKS`, `IvfConfig.probe_fifo_blocks`) instead of a [BLOCK_C, G, D] pointer select per element (176 ->
 167 registers: 3 programs per SM instead of 2), and issues the block's load before the query's and the push
 count's (the compiled code had waited for those two before issuing it). The probe's span at B = 1 stayed
-10.2-11.0 us and the step 59-61 us; B = 8 at 128K 196 -> 188 us (H200, benchmarks/RESULTS.md). A streaming read
-of the same 17.3 MB on the probe's grid takes 6.9 us (benchmarks/gpu_floors.py).
+10.2-11.0 us and the step 59-61 us; B = 8 at 128K 196 -> 188-190 us (H200, benchmarks/RESULTS.md). A streaming
+read of the same 17.3 MB on the probe's grid takes 6.9 us, the probe alone without its FIFO table 8.4
+(benchmarks/gpu_floors.py).
 
 kivf at 128K (ratio 0.05: k = 6554; C = 1448 fp32 centroids, nprobe = 290 for scan 4): probe 8 x 1448
 x 128 x 4 B = 5.9 MB; rerank ~4 x k = 26K probed keys per row -> 8 x 26K x 256 B = 54 MB of K rows
