@@ -62,6 +62,32 @@ s31_split_decode() {
     ctkvr:select_parts=1 ctkvr --out "$OUT/${tag}_512" 2>&1 | tee -a "$OUT/gpu_decode_$tag.log" \
     | grep -E "sdpa|graph|Error|error"
 }
+# s32_old FILE K TESTFILE TAG (session 32, the A/B stages): the GPU tests of tests/TESTFILE (-k K unless empty) into
+# gpu_tests_TAG.log, then /tmp/old = this tree with FILE replaced by .old/<FILE's name>_head.py
+s32_old() {
+  python3 -m pytest -q -p no:cacheprovider -o addopts="" "tests/$3" ${2:+-k "$2"} 2>&1 | tee "$OUT/gpu_tests_$4.log" \
+    | tail -2
+  rm -rf /tmp/old && mkdir -p /tmp/old && cp -r benchmarks decoder indexer storage tests /tmp/old/ \
+    && cp ".old/$(basename "$1" .py)_head.py" "/tmp/old/$1"
+}
+# s32_ab TAG I "METHODS" "NEW DECODE ARGS" "OLD DECODE ARGS" PATTERN: the I-th pair of this tree against /tmp/old,
+# a timeline at 128K of METHODS (ctkvr for the old tree) and gpu_decode at 128K (B = 1, 8), each in turn
+s32_ab() {
+  local tag=$1 i=$2
+  python3 benchmarks/gpu_timeline.py --lengths 131072 --methods $3 --tag "_${tag}_new$i" 2>&1 \
+    | tee -a "$OUT/gpu_timeline_$tag.log" | grep -E "$6"
+  (cd /tmp/old && python3 benchmarks/gpu_timeline.py --lengths 131072 --methods ctkvr --tag "_${tag}_old$i" \
+    --out "$OUT" 2>&1 | tee -a "$OUT/gpu_timeline_$tag.log" | grep -E "$6")
+  python3 benchmarks/gpu_decode.py --lengths 131072 --batches 1 8 $4 --out "$OUT/${tag}_new$i" 2>&1 \
+    | tee -a "$OUT/gpu_decode_$tag.log" | grep -E "graph|Error|error"
+  (cd /tmp/old && python3 benchmarks/gpu_decode.py --lengths 131072 --batches 1 8 $5 --out "$OUT/${tag}_old$i" 2>&1 \
+    | tee -a "$OUT/gpu_decode_$tag.log" | grep -E "graph|Error|error")
+}
+# s32_512 TAG "METHODS" NAME: gpu_decode at 512K, B = 1, of METHODS (in the current directory's tree)
+s32_512() {
+  python3 benchmarks/gpu_decode.py --lengths 524288 --batches 1 --backends triton --methods $2 --out "$OUT/${1}_$3" \
+    2>&1 | tee -a "$OUT/gpu_decode_$1.log" | grep -E "graph|Error|error"
+}
 for stage in $stages; do
   case $stage in
     tests)
@@ -1167,72 +1193,34 @@ for stage in $stages; do
     s32loads)  # session 32: the probe issuing its centroid rows' loads before the query's and the push count's
       # (and its table per program), against the tree before (.old/ivf_head.py = `git show 1130e35:indexer/kernels/ivf.py`),
       # alternating twice: CTkvr's kernel tests on the GPU, timelines at 128K, gpu_decode at 128K (B = 1, 8), 512K
-      python3 -m pytest -q -p no:cacheprovider -o addopts="" tests/test_kernels_ivf.py -k "ctkvr or probe" 2>&1 \
-        | tee "$OUT/gpu_tests_s32loads.log" | tail -2
-      rm -rf /tmp/old && mkdir -p /tmp/old && cp -r benchmarks decoder indexer storage tests /tmp/old/ \
-        && cp .old/ivf_head.py /tmp/old/indexer/kernels/ivf.py || exit 1
+      # (the session's call ran both timelines before both gpu_decode pairs)
+      s32_old indexer/kernels/ivf.py "ctkvr or probe" test_kernels_ivf.py s32loads || exit 1
       for i in 1 2; do
-        python3 benchmarks/gpu_timeline.py --lengths 131072 --methods ctkvr --tag "_s32loads_new$i" 2>&1 \
-          | tee -a "$OUT/gpu_timeline_s32loads.log" | grep -E "graph|\| probe |\| rerank "
-        (cd /tmp/old && python3 benchmarks/gpu_timeline.py --lengths 131072 --methods ctkvr --tag "_s32loads_old$i" \
-          --out "$OUT" 2>&1 | tee -a "$OUT/gpu_timeline_s32loads.log" | grep -E "graph|\| probe |\| rerank ")
+        s32_ab s32loads $i "ctkvr" "--backends triton --methods ctkvr" "--backends triton --methods ctkvr" \
+          "graph|\| probe |\| rerank "
       done
-      for i in 1 2; do
-        python3 benchmarks/gpu_decode.py --lengths 131072 --batches 1 8 --backends triton --methods ctkvr \
-          --out "$OUT/s32loads_new$i" 2>&1 | tee -a "$OUT/gpu_decode_s32loads.log" | grep -E "sdpa B|graph|Error|error"
-        (cd /tmp/old && python3 benchmarks/gpu_decode.py --lengths 131072 --batches 1 8 --backends triton \
-          --methods ctkvr --out "$OUT/s32loads_old$i" 2>&1 | tee -a "$OUT/gpu_decode_s32loads.log" \
-          | grep -E "sdpa B|graph|Error|error")
-      done
-      python3 benchmarks/gpu_decode.py --lengths 524288 --batches 1 --backends triton --methods ctkvr \
-        --out "$OUT/s32loads_new512" 2>&1 | tee -a "$OUT/gpu_decode_s32loads.log" | grep -E "sdpa B|graph|Error|error"
-      (cd /tmp/old && python3 benchmarks/gpu_decode.py --lengths 524288 --batches 1 --backends triton \
-        --methods ctkvr --out "$OUT/s32loads_old512" 2>&1 | tee -a "$OUT/gpu_decode_s32loads.log" \
-        | grep -E "sdpa B|graph|Error|error") ;;
+      s32_512 s32loads "ctkvr" new512
+      (cd /tmp/old && s32_512 s32loads "ctkvr" old512) ;;
     s32order)  # session 32: the probe's load order alone (IvfConfig.probe_loads_first) on and off, with the table
       # per program, against the tree before (.old/ivf_head.py, as s32loads), alternating twice: CTkvr's kernel tests
       # on the GPU, timelines at 128K, gpu_decode at 128K (B = 1, 8), 512K once
-      python3 -m pytest -q -p no:cacheprovider -o addopts="" tests/test_kernels_ivf.py -k "ctkvr or probe" 2>&1 \
-        | tee "$OUT/gpu_tests_s32order.log" | tail -2
-      rm -rf /tmp/old && mkdir -p /tmp/old && cp -r benchmarks decoder indexer storage tests /tmp/old/ \
-        && cp .old/ivf_head.py /tmp/old/indexer/kernels/ivf.py || exit 1
+      s32_old indexer/kernels/ivf.py "ctkvr or probe" test_kernels_ivf.py s32order || exit 1
       for i in 1 2; do
-        python3 benchmarks/gpu_timeline.py --lengths 131072 --methods ctkvr ctkvr:probe_loads_first=0 \
-          --tag "_s32order_new$i" 2>&1 | tee -a "$OUT/gpu_timeline_s32order.log" | grep -E "graph|\| probe "
-        (cd /tmp/old && python3 benchmarks/gpu_timeline.py --lengths 131072 --methods ctkvr --tag "_s32order_old$i" \
-          --out "$OUT" 2>&1 | tee -a "$OUT/gpu_timeline_s32order.log" | grep -E "graph|\| probe ")
-        python3 benchmarks/gpu_decode.py --lengths 131072 --batches 1 8 --backends triton --methods ctkvr \
-          ctkvr:probe_loads_first=0 --out "$OUT/s32order_new$i" 2>&1 | tee -a "$OUT/gpu_decode_s32order.log" \
-          | grep -E "graph|Error|error"
-        (cd /tmp/old && python3 benchmarks/gpu_decode.py --lengths 131072 --batches 1 8 --backends triton \
-          --methods ctkvr --out "$OUT/s32order_old$i" 2>&1 | tee -a "$OUT/gpu_decode_s32order.log" \
-          | grep -E "graph|Error|error")
+        s32_ab s32order $i "ctkvr ctkvr:probe_loads_first=0" \
+          "--backends triton --methods ctkvr ctkvr:probe_loads_first=0" "--backends triton --methods ctkvr" \
+          "graph|\| probe "
       done
-      python3 benchmarks/gpu_decode.py --lengths 524288 --batches 1 --backends triton --methods ctkvr \
-        ctkvr:probe_loads_first=0 --out "$OUT/s32order_new512" 2>&1 | tee -a "$OUT/gpu_decode_s32order.log" \
-        | grep -E "graph|Error|error" ;;
+      s32_512 s32order "ctkvr ctkvr:probe_loads_first=0" new512 ;;
     s32pos)  # session 32: the split kernel loading its first chunk's plan positions first and the query rows in the
       # chunk loop, against the tree before (.old/attention_head.py = `git show b4a1ec2:decoder/kernels/attention.py`),
       # alternating twice: the attention kernel tests on the GPU, ctkvr timelines at 128K, gpu_decode at 128K (B = 1,
-      # 8; ctkvr with one pipeline stage too; psa once), 512K once
-      python3 -m pytest -q -p no:cacheprovider -o addopts="" tests/test_triton_attention.py 2>&1 \
-        | tee "$OUT/gpu_tests_s32pos.log" | tail -2
-      rm -rf /tmp/old && mkdir -p /tmp/old && cp -r benchmarks decoder indexer storage tests /tmp/old/ \
-        && cp .old/attention_head.py /tmp/old/decoder/kernels/attention.py || exit 1
+      # 8; ctkvr with one pipeline stage too; psa once), 512K once. Documents a run of commit e607d50 (reverted)
+      s32_old decoder/kernels/attention.py "" test_triton_attention.py s32pos || exit 1
       for i in 1 2; do
-        python3 benchmarks/gpu_timeline.py --lengths 131072 --methods ctkvr --tag "_s32pos_new$i" 2>&1 \
-          | tee -a "$OUT/gpu_timeline_s32pos.log" | grep -E "graph|\| split |\| merge "
-        (cd /tmp/old && python3 benchmarks/gpu_timeline.py --lengths 131072 --methods ctkvr --tag "_s32pos_old$i" \
-          --out "$OUT" 2>&1 | tee -a "$OUT/gpu_timeline_s32pos.log" | grep -E "graph|\| split |\| merge ")
-        python3 benchmarks/gpu_decode.py --lengths 131072 --batches 1 8 --backends triton triton:num_stages=1 \
-          --methods ctkvr $([ $i = 1 ] && echo psa) --out "$OUT/s32pos_new$i" 2>&1 \
-          | tee -a "$OUT/gpu_decode_s32pos.log" | grep -E "graph|Error|error"
-        (cd /tmp/old && python3 benchmarks/gpu_decode.py --lengths 131072 --batches 1 8 --backends triton \
-          --methods ctkvr $([ $i = 1 ] && echo psa) --out "$OUT/s32pos_old$i" 2>&1 \
-          | tee -a "$OUT/gpu_decode_s32pos.log" | grep -E "graph|Error|error")
+        s32_ab s32pos $i "ctkvr" "--backends triton triton:num_stages=1 --methods ctkvr $([ $i = 1 ] && echo psa)" \
+          "--backends triton --methods ctkvr $([ $i = 1 ] && echo psa)" "graph|\| split |\| merge "
       done
-      python3 benchmarks/gpu_decode.py --lengths 524288 --batches 1 --backends triton --methods ctkvr \
-        --out "$OUT/s32pos_new512" 2>&1 | tee -a "$OUT/gpu_decode_s32pos.log" | grep -E "graph|Error|error" ;;
+      s32_512 s32pos "ctkvr" new512 ;;
     s32floors3)  # session 32: gpu_floors.py again, with the probe's session-32 constexprs (FIFO_BLOCKS, LOADS_FIRST)
       python3 benchmarks/gpu_floors.py 2>&1 | tee "$OUT/gpu_floors_s32floors3.log" | grep -E "probe|stream block_c=32" ;;
     s32final)  # session 32, the final tree: the probe's table per program and load order against each off, once
