@@ -11,7 +11,7 @@
 #           s24attend | s24variants | s24regs | s24final | s24tests | s24stop | s25ncu | s25sel | s25final512 | s25knobs | s25pdl | s25attnpdl | s25saappdl | s25selsrc |
 #           s26ab | s26mask | s26probe | s26selw | s26push | s26final | s27ab | s27kivf | s27tests | s27kivfknobs | s27kivfsel |
 #           s28dot | s28kivf | s28knobs | s28exp | s28piv | s28tests | s28pf | s29tl | s29probe | s29keys | s29pdl | s29final | s29cb | s30scan | s30scan2 | s30tests | s30knobs | s30l2 | s30pdl |
-#           s31split | s31split2 | s31split3 | s31rerank | s31prefetch | s32floors | s32probe | s32loads | s32order | s32pos | s32floors3 | s32final
+#           s31split | s31split2 | s31split3 | s31rerank | s31prefetch | s32floors | s32probe | s32loads | s32order | s32pos | s32floors3 | s32final | s33rerank
 #   (default: tests decode before_after)
 #   The device tool returns at most 8 files: past that, the run's JSON files come back as $OUT/json.tar.gz
 #   (and everything as $OUT/all.tar.gz if that is not enough).
@@ -1230,6 +1230,18 @@ for stage in $stages; do
       python3 benchmarks/gpu_decode.py --lengths 131072 --batches 1 8 --backends triton --methods ctkvr \
         ctkvr:probe_fifo_blocks=0 ctkvr:probe_fifo_blocks=0,probe_loads_first=0 --reps 20 --out "$OUT/s32final" 2>&1 \
         | tee "$OUT/gpu_decode_s32final.log" | grep -E "graph" ;;
+    s33rerank)  # prepared in session 32, for the next: the rerank reading the query position after its merge's and
+      # lists' loads (IvfConfig.rerank_loads_first, off by default) against the default, alternating twice: the IVF
+      # kernel tests on the GPU, timelines at 128K (ctkvr, kivf), gpu_decode at 128K (B = 1, 8) and 512K (B = 1)
+      python3 -m pytest -q -p no:cacheprovider -o addopts="" tests/test_kernels_ivf.py 2>&1 \
+        | tee "$OUT/gpu_tests_s33rerank.log" | tail -2
+      python3 benchmarks/gpu_timeline.py --lengths 131072 --methods ctkvr ctkvr:rerank_loads_first=1 ctkvr \
+        ctkvr:rerank_loads_first=1 kivf kivf:rerank_loads_first=1 --tag _s33rerank 2>&1 \
+        | tee "$OUT/gpu_timeline_s33rerank.log" | grep -E "graph|\| rerank |rerank phases"
+      python3 benchmarks/gpu_decode.py --lengths 131072 --batches 1 8 --backends triton --methods ctkvr \
+        ctkvr:rerank_loads_first=1 ctkvr ctkvr:rerank_loads_first=1 --out "$OUT/s33rerank" 2>&1 \
+        | tee "$OUT/gpu_decode_s33rerank.log" | grep -E "graph|Error|error"
+      s32_512 s33rerank "ctkvr ctkvr:rerank_loads_first=1 ctkvr" 512 ;;
     *) echo "unknown stage $stage" ;;
   esac
 done

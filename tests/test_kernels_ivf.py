@@ -153,6 +153,17 @@ def test_ctkvr_probe_reads_the_fifo_table_per_block(fifo_blocks, loads_first, mo
     assert fused.stats()["fifo_probe_share"] > 0  # FIFO entries were probed (and picked)
 
 
+def test_rerank_loading_the_query_position_late_plans_the_same(monkeypatch):
+    """`IvfConfig.rerank_loads_first`: the rerank's slot programs read the query position after their
+    merge's and lists' loads (its frame program at its start). The window bound it gives decides which
+    slots are selectable: cases where the frame excludes list positions, or all of them, and kivf's
+    source, plan the torch path's sets."""
+    cfg = ivf.IvfConfig(rerank_loads_first=True)
+    for i, case in enumerate(("decode", "frame_covers_everything", "question_then_decode")):
+        _run_ctkvr(case, seed=21 + i, cfg=cfg, monkeypatch=monkeypatch)
+    _run_kivf("decode", seed=24, cfg=cfg, monkeypatch=monkeypatch)
+
+
 def test_ctkvr_duplicates_are_counted_once():
     """Lists drawn from one small pool of positions: the union holds many duplicates (and each list
     several positions of the frame), the fused dedup must keep every position exactly once."""

@@ -159,7 +159,9 @@ Session 32: where C % block_c == 0 the probe chooses a block's table (persisted 
 count's (the compiled code had waited for those two before issuing it). The probe's span at B = 1 stayed
 10.2-11.0 us and the step 59-61 us; B = 8 at 128K 196 -> 188-190 us (H200, benchmarks/RESULTS.md). A streaming
 read of the same 17.3 MB on the probe's grid takes 6.9 us, the probe alone without its FIFO table 8.4
-(benchmarks/gpu_floors.py).
+(benchmarks/gpu_floors.py). Prepared and not yet timed: `IvfConfig.rerank_loads_first` (off), the rerank's
+slot programs reading the query position after their merge's and lists' loads; its static SASS now waits for
+that position (not otherwise in L2 at the rerank: the probe does not read it) before any of a program's loads.
 
 kivf at 128K (ratio 0.05: k = 6554; C = 1448 fp32 centroids, nprobe = 290 for scan 4): probe 8 x 1448
 x 128 x 4 B = 5.9 MB; rerank ~4 x k = 26K probed keys per row -> 8 x 26K x 256 B = 54 MB of K rows
@@ -879,11 +881,15 @@ def _rerank_kernel(
     P: tl.constexpr, P_PAD: tl.constexpr, BLOCK_T: tl.constexpr, LOG_P: tl.constexpr,
     SOURCE: tl.constexpr, DEDUP: tl.constexpr, HAS_FIFO: tl.constexpr, PRECISE: tl.constexpr,
     EAGER_ROWS: tl.constexpr = False, ONE_MASK: tl.constexpr = True, DOT: tl.constexpr = False,
-    DOT_FP32: tl.constexpr = False, PREFETCH: tl.constexpr = False, TS=None, STAMP: tl.constexpr = False,
+    DOT_FP32: tl.constexpr = False, PREFETCH: tl.constexpr = False, LOADS_FIRST: tl.constexpr = False, TS=None,
+    STAMP: tl.constexpr = False,
 ):
     """SOURCE 0 (CTkvr): SRC_A/B = the probe's block bests (values, ids), SRC_C/D = lists / FIFO
     lists. SOURCE 1 (kivf): SRC_A = order, SRC_B = SEL_START, SRC_C = SEL_CUM. PREFETCH (CTkvr): each
-    chunk issues the next chunk's list loads before its own work (`IvfConfig.rerank_prefetch`)."""
+    chunk issues the next chunk's list loads before its own work (`IvfConfig.rerank_prefetch`).
+    LOADS_FIRST (`IvfConfig.rerank_loads_first`): a slot program loads the query position after its
+    merge's and its first lists' loads (the compiled code issues loads in order and stalls at a value's
+    first use: without it every program waits for the query position before its merge's loads issue)."""
     s = tl.program_id(0)
     r = tl.program_id(1)
     stamp(TS, r * tl.num_programs(0) + s, 0, STAMP)
@@ -893,11 +899,15 @@ def _rerank_kernel(
     offs_d = tl.arange(0, D)
     ar_g = tl.arange(0, G_PAD)
     ar_u = tl.arange(0, BLOCK_U)
-    qp = tl.load(QPOS + t).to(tl.int32)
-    w_lo = tl.minimum(tl.maximum(qp - window + 1, s_end), n_ctx)  # frame_bounds
+    if not LOADS_FIRST:
+        qp = tl.load(QPOS + t).to(tl.int32)
+        w_lo = tl.minimum(tl.maximum(qp - window + 1, s_end), n_ctx)  # frame_bounds
     m_v = tl.full([G_PAD], NEG_BIG, tl.float32)
     l_v = tl.zeros([G_PAD], tl.float64)  # float64: see _lse_parts
     if s == n_slot_progs:
+        if LOADS_FIRST:
+            qp = tl.load(QPOS + t).to(tl.int32)
+            w_lo = tl.minimum(tl.maximum(qp - window + 1, s_end), n_ctx)
         # the frame: sink rows [0, s_end), window rows w_lo + [0, window) inside the context, local
         # slots j with n_ctx + j <= q_pos (frame_logsumexp); no logits are stored
         n_fr = s_end + window + n_loc
@@ -937,6 +947,9 @@ def _rerank_kernel(
             # the select reads no slot past them (`_select_kernel`, N_ROW)
             live_end = tl.load(SRC_C + r64 * (P_PAD + 1) + P) - s * chunks_per_prog * BLOCK_U
             n_ci = tl.minimum(tl.maximum((live_end + BLOCK_U - 1) // BLOCK_U, 0), chunks_per_prog)
+        if LOADS_FIRST:
+            qp = tl.load(QPOS + t).to(tl.int32)
+            w_lo = tl.minimum(tl.maximum(qp - window + 1, s_end), n_ctx)
         for ci in range(0, n_ci):
             u = (s * chunks_per_prog + ci) * BLOCK_U + ar_u
             in_u = u < U
@@ -1271,6 +1284,8 @@ class IvfConfig:
     rerank_stages: int = 1  # rerank: Triton's num_stages for its chunk loop (2: rerank 14.2 -> 16.0 us with the dot)
     rerank_prefetch: bool = True  # rerank (CTkvr): each chunk issues the next chunk's list loads before its own work
     # (the second chunk 4.7 -> 3.7 us, a program 13.8 -> 13.1, the kernel's end 0.3 us sooner at 128K; H200, session 31)
+    rerank_loads_first: bool = False  # rerank: the query position loaded after the merge's and the first lists'
+    # loads (static SASS: otherwise every program waits for it first); prepared in session 32, not yet timed on a GPU
     sample_select: bool = True  # select: `_select_sampled` (27.6 -> 19.5 us at 128K, H100; RESULTS.md); False: plain
     count_rows: int = 4  # select: consecutive keys per thread in the sampled select's counting pass and its band's
     # emit, a power of two (`_chunk_offsets`; 1: one key per thread per repetition of the chunk's layout). At 128K
@@ -1389,7 +1404,8 @@ def _rerank_and_select(q, kv, *, rows: int, u: int, sink: int, window: int, kp: 
         G=g, G_PAD=g_pad, D=d, BLOCK_U=cfg.block_u, P=p, P_PAD=p_pad, BLOCK_T=triton.next_power_of_2(max(n_top, 1)),
         LOG_P=log_p, SOURCE=source, DEDUP=dedup, HAS_FIFO=has_fifo, PRECISE=_precise(),
         EAGER_ROWS=cfg.eager_rows and dedup, ONE_MASK=source == 0, DOT=_dot_logits(q, ctx_k, cfg),
-        DOT_FP32=interpreted(), PREFETCH=cfg.rerank_prefetch and source == 0, **stamp_args("rerank"),
+        DOT_FP32=interpreted(), PREFETCH=cfg.rerank_prefetch and source == 0, LOADS_FIRST=cfg.rerank_loads_first,
+        **stamp_args("rerank"),
         num_warps=cfg.rerank_warps, num_stages=cfg.rerank_stages,
         **({"maxnreg": cfg.rerank_maxnreg} if cfg.rerank_maxnreg and q.device.type == "cuda" else {}),
     )
