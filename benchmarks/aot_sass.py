@@ -100,7 +100,7 @@ def sass_lines(k) -> list[str]:
 def compile_variant(kernel: str, overrides: dict, num_warps: int | None = None) -> dict:
     fn, ptrs, const, ones, div16, warps, stages = KERNELS[kernel]
     warps = num_warps or warps
-    const = {**const, **overrides}
+    const = {"TS": None, "STAMP": False, **const, **overrides}  # no timeline stamps (indexer/kernels/stamps.py)
     const = {k: v for k, v in const.items() if k in fn.arg_names}
     sig, attrs = {}, {}
     for i, name in enumerate(fn.arg_names):
