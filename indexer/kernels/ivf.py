@@ -869,6 +869,13 @@ def _list_pos(LISTS, FLISTS, h, sl_h, sl_c, sf_h, sf_c, u, ok, RHO, C, sel, P_PA
     return pa, pb
 
 
+@triton.jit
+def _window_lo(QPOS, t, window, s_end, n_ctx):
+    """Token t's position and the first context row of its window, the sink's end at least (frame_bounds)."""
+    qp = tl.load(QPOS + t).to(tl.int32)
+    return qp, tl.minimum(tl.maximum(qp - window + 1, s_end), n_ctx)
+
+
 @triton.jit(do_not_specialize=["T", "n_ctx", "n_loc", "s_end", "window", "U", "C", "RHO", "n_top", "NW",
                                "n_slot_progs", "chunks_per_prog"])
 def _rerank_kernel(
@@ -900,14 +907,12 @@ def _rerank_kernel(
     ar_g = tl.arange(0, G_PAD)
     ar_u = tl.arange(0, BLOCK_U)
     if not LOADS_FIRST:
-        qp = tl.load(QPOS + t).to(tl.int32)
-        w_lo = tl.minimum(tl.maximum(qp - window + 1, s_end), n_ctx)  # frame_bounds
+        qp, w_lo = _window_lo(QPOS, t, window, s_end, n_ctx)
     m_v = tl.full([G_PAD], NEG_BIG, tl.float32)
     l_v = tl.zeros([G_PAD], tl.float64)  # float64: see _lse_parts
     if s == n_slot_progs:
         if LOADS_FIRST:
-            qp = tl.load(QPOS + t).to(tl.int32)
-            w_lo = tl.minimum(tl.maximum(qp - window + 1, s_end), n_ctx)
+            qp, w_lo = _window_lo(QPOS, t, window, s_end, n_ctx)
         # the frame: sink rows [0, s_end), window rows w_lo + [0, window) inside the context, local
         # slots j with n_ctx + j <= q_pos (frame_logsumexp); no logits are stored
         n_fr = s_end + window + n_loc
@@ -948,8 +953,7 @@ def _rerank_kernel(
             live_end = tl.load(SRC_C + r64 * (P_PAD + 1) + P) - s * chunks_per_prog * BLOCK_U
             n_ci = tl.minimum(tl.maximum((live_end + BLOCK_U - 1) // BLOCK_U, 0), chunks_per_prog)
         if LOADS_FIRST:
-            qp = tl.load(QPOS + t).to(tl.int32)
-            w_lo = tl.minimum(tl.maximum(qp - window + 1, s_end), n_ctx)
+            qp, w_lo = _window_lo(QPOS, t, window, s_end, n_ctx)
         for ci in range(0, n_ci):
             u = (s * chunks_per_prog + ci) * BLOCK_U + ar_u
             in_u = u < U
