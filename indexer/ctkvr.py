@@ -55,11 +55,6 @@ Cost per layer and step: (C + F)·G·D for the cosines, C'·ρ for the union, (C
 request tokens)·G·D for the rerank; independent of n except through C and ρ (and the O(n) dedup
 table, written, never initialised).
 
-A budget of at least C'·ρ (`k` >= probe x list_size) keeps every candidate: the plan is the
-deduplicated union (the rerank's mass decides nothing but the push). On a GPU the fused plan then
-skips its select and, asked for (`KVView.attend_scale`), returns the union's attention with the plan
-(`Plan.attended`, the triton backend takes it): fewer launches, more values read (RESULTS.md).
-
 On a GPU the plan runs fused (`indexer/kernels/ivf.py`: probe, gather + dedup + rerank logits,
 group mass + top-K, 3 launches instead of ~130 small kernels; `update` is one more launch). This
 torch code is the reference and the CPU path; the fused plan selects the same positions per row
@@ -76,7 +71,7 @@ import torch
 import torch.nn.functional as F
 from pydantic import Field
 
-from indexer.base import Attended, BudgetParams, Plan, Planner, PrefillCapture, SparseMethod, register
+from indexer.base import BudgetParams, Plan, Planner, PrefillCapture, SparseMethod, register
 from indexer.selection import (
     candidate_mass, dedup_positions, frame_logsumexp, gather_rows, selectable, top_positions,
 )
@@ -257,12 +252,11 @@ class _CTkvrPlanner(Planner):
         fifo = None
         if self.params.fifo > 0:
             fifo = self._layer_fifo(layer, kvh, g, d, lists.shape[2], cent.shape[1], cent.dtype, q.device)
-        pos, pending, out = _ivf().ctkvr_plan(q, kv, cent, lists, fifo, sink=self.sink, window=self.window,
-                                              k=self.k, probe=self.params.probe, attend_scale=kv.attend_scale)
+        pos, pending = _ivf().ctkvr_plan(q, kv, cent, lists, fifo, sink=self.sink, window=self.window, k=self.k,
+                                         probe=self.params.probe)
         if fifo is not None:
             self._pending[layer] = _FusedPush(pending, kvh * t * min(self.params.probe, cent.shape[1]))
-        attended = None if out is None else Attended(q, self.sink, self.window, kv.attend_scale, out)
-        return Plan(pos, attended=attended)
+        return Plan(pos)
 
     def update(self, layer, k, v, positions):
         pending = self._pending.pop(layer, None)

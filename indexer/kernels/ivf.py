@@ -46,18 +46,6 @@ CTkvr, one layer and decode step (rows = KVH x T, one per KV head and query toke
    pushes % F, a chunk of a head's list per program; the last program (a ticket) adds the
    probe-share statistic and sets pushes += 1 (the torch path's 5-6 small ops).
 
-A CTkvr plan that keeps every candidate (k >= probe x rho: the plan is the deduplicated union, every
-recalled key attended as SAAP attends its buckets, no top-K) needs no plan select: the rerank writes
-each slot's position where that slot counts it (-1 elsewhere; `_rerank_kernel`'s ALL) and, when the
-caller asks for the plan's attention (`KVView.attend_scale` = 1 / sqrt(D)), loads the values with the
-keys and keeps each program's softmax state and P·V (ATTEND: the flash pattern q·kᵀ then P·V over the
-group's heads as 16 rows, `_attend_chunk`), which psa's `_attend_kernel` merges with the frame
-program's into `Plan.attended`. The select then runs for the FIFO push only (grid (rows, 1), PLANS
-off), after the merge. Which slot counts a position that several lists hold is the first to claim it,
-so the sets are the same run to run and the attention's sums may round differently. Its cost is the
-union's values (up to probe x rho rows per KV head instead of k); on the default model the union of
-short lists is a poor plan per key read (benchmarks/RESULTS_ctkvr_kivf.md).
-
 kivf: `_kivf_probe_kernel` (logits of the query heads against the C centroids + partial softmax
 state), `_kivf_clusters_kernel` (per row: the group-summed softmax, its top-nprobe by the same
 threshold search, the CSR slices of the chosen clusters with their running sizes), then
@@ -223,7 +211,6 @@ from indexer.kernels import Workspaces, interpreted  # also makes Triton 3.6's i
 from indexer.kernels.stamps import stamp, stamp_args
 
 NEG_BIG: tl.constexpr = tl.constexpr(-1.0e30)  # initial running max: finite, so exp(m_old - m_new) is never nan
-LOG2E: tl.constexpr = tl.constexpr(1.4426950408889634)  # ATTEND: partial states keep their maxima in base 2
 INT_MAX: tl.constexpr = tl.constexpr(2147483647)
 INT64_MAX: tl.constexpr = tl.constexpr(9223372036854775807)
 INT64_MIN: tl.constexpr = tl.constexpr(-9223372036854775808)
@@ -883,40 +870,6 @@ def _list_pos(LISTS, FLISTS, h, sl_h, sl_c, sf_h, sf_c, u, ok, RHO, C, sel, P_PA
 
 
 @triton.jit
-def _attend_chunk(m_a, l_a, acc, qm, kt, vt, keep, qk_scale, G: tl.constexpr, PRECISE: tl.constexpr,
-                  DOT_FP32: tl.constexpr):
-    """The attention's online state (m_a, l_a [G_DOT], acc [G_DOT, D] fp32; the group's heads as rows,
-    rows >= G unused) after a chunk of K rows kt and values vt [BLOCK_U, D], those where `keep`
-    [BLOCK_U]. The flash-attention pattern (s = q·kᵀ, then P·V with P rounded to the values' dtype, as
-    the attention kernel, decoder/kernels/attention.py): qm [G_DOT, D], the heads' queries, zero past G.
-    Its own product rather than the rerank's [BLOCK_U, G_PAD] logits: those would need a transpose into
-    P·V, and Triton 3.6 computed that form wrong on the H200 (session 33: a relative error of 1.0 at
-    D = 64, an illegal address at D = 128)."""
-    ar_q = tl.arange(0, qm.shape[0])
-    if DOT_FP32:  # the interpreter's 16-bit dot is wrong: fp32 operands holding the same values
-        sc = tl.dot(qm.to(tl.float32), tl.trans(kt.to(tl.float32)), input_precision="ieee")
-    elif kt.dtype == tl.float32:
-        sc = tl.dot(qm, tl.trans(kt), input_precision="ieee")
-    else:
-        sc = tl.dot(qm.to(kt.dtype), tl.trans(kt))  # [G_DOT, BLOCK_U] fp32
-    sc = tl.where((ar_q < G)[:, None] & keep[None, :], sc * qk_scale, float("-inf"))
-    m_new = tl.maximum(m_a, tl.max(sc, 1))
-    alpha = _exp(m_a - m_new, PRECISE)
-    pw = _exp(sc - m_new[:, None], PRECISE)
-    if DOT_FP32:
-        pr = _round_as(pw, vt.dtype)
-        pv = tl.dot(pr, vt.to(tl.float32), input_precision="ieee")
-    elif vt.dtype == tl.float32:
-        pr = pw
-        pv = tl.dot(pw, vt, input_precision="ieee")
-    else:
-        p16 = pw.to(vt.dtype)
-        pr = p16.to(tl.float32)
-        pv = tl.dot(p16, vt)  # [G_DOT, D] fp32
-    return m_new, l_a * alpha + tl.sum(pr, 1), acc * alpha[:, None] + pv
-
-
-@triton.jit
 def _window_lo(QPOS, t, window, s_end, n_ctx):
     """Token t's position and the first context row of its window, the sink's end at least (frame_bounds)."""
     qp = tl.load(QPOS + t).to(tl.int32)
@@ -927,32 +880,23 @@ def _window_lo(QPOS, t, window, s_end, n_ctx):
                                "n_slot_progs", "chunks_per_prog"])
 def _rerank_kernel(
     Q, CK, LK, QPOS, SRC_A, SRC_B, SRC_C, SRC_D, BITMAP, WS_S, WS_POS, WS_ML, HITS,
-    CV, LV, PLAN, AACC, AML, DACC, DML, USED,
     sq_h, sq_g, sq_t,  # q [KVH, G, T, D]
     sck_h, sck_n, slk_h, slk_n,  # ctx_k [KVH, N, D], loc_k [KVH, M, D]
-    scv_h, scv_n, slv_h, slv_n,  # ATTEND: ctx_v [KVH, N, D], loc_v [KVH, M, D]
     sa_h, sa_c, sb_h, sb_c,  # CTkvr: lists [KVH, C, RHO], FIFO lists [KVH, F, RHO]; kivf: order [KVH, N]
     T, n_ctx, n_loc, s_end, window, U, C, RHO, n_top, NW, n_slot_progs, chunks_per_prog, qk_scale,
     G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, BLOCK_U: tl.constexpr,
     P: tl.constexpr, P_PAD: tl.constexpr, BLOCK_T: tl.constexpr, LOG_P: tl.constexpr,
     SOURCE: tl.constexpr, DEDUP: tl.constexpr, HAS_FIFO: tl.constexpr, PRECISE: tl.constexpr,
     EAGER_ROWS: tl.constexpr = False, ONE_MASK: tl.constexpr = True, DOT: tl.constexpr = False,
-    DOT_FP32: tl.constexpr = False, PREFETCH: tl.constexpr = False, LOADS_FIRST: tl.constexpr = False,
-    ALL: tl.constexpr = False, ATTEND: tl.constexpr = False, TS=None, STAMP: tl.constexpr = False,
+    DOT_FP32: tl.constexpr = False, PREFETCH: tl.constexpr = False, LOADS_FIRST: tl.constexpr = False, TS=None,
+    STAMP: tl.constexpr = False,
 ):
     """SOURCE 0 (CTkvr): SRC_A/B = the probe's block bests (values, ids), SRC_C/D = lists / FIFO
     lists. SOURCE 1 (kivf): SRC_A = order, SRC_B = SEL_START, SRC_C = SEL_CUM. PREFETCH (CTkvr): each
     chunk issues the next chunk's list loads before its own work (`IvfConfig.rerank_prefetch`).
     LOADS_FIRST (`IvfConfig.rerank_loads_first`): a slot program loads the query position after its
     merge's and its first lists' loads (the compiled code issues loads in order and stalls at a value's
-    first use: without it every program waits for the query position before its merge's loads issue).
-    ALL (CTkvr whose plan keeps every candidate, K = U): the plan is the deduplicated union itself, so
-    each slot program writes PLAN [rows, U] (its position where this slot counts it, else -1) and no
-    plan select runs. ATTEND (with ALL): the plan's attention too, from the same logits: each program's
-    softmax state over its slots (the frame program's over the frame) with its values' P·V, as the
-    partial states that `_merge_states` (psa's `_attend_kernel`) combines: AACC [rows, G, n_slot_progs,
-    D] / AML [.., 2] for the slot programs, DACC [rows, G, D] / DML [.., 2] for the frame's, maxima in
-    base 2; USED [rows] = n_slot_progs."""
+    first use: without it every program waits for the query position before its merge's loads issue)."""
     s = tl.program_id(0)
     r = tl.program_id(1)
     stamp(TS, r * tl.num_programs(0) + s, 0, STAMP)
@@ -966,14 +910,6 @@ def _rerank_kernel(
         qp, w_lo = _window_lo(QPOS, t, window, s_end, n_ctx)
     m_v = tl.full([G_PAD], NEG_BIG, tl.float32)
     l_v = tl.zeros([G_PAD], tl.float64)  # float64: see _lse_parts
-    if ATTEND:  # the attention's own softmax state (`_attend_chunk`): the group's heads as G_DOT rows
-        G_DOT: tl.constexpr = 16 if G_PAD < 16 else G_PAD
-        ar_q = tl.arange(0, G_DOT)
-        qm = tl.load(Q + h * sq_h + t * sq_t + ar_q[:, None] * sq_g + offs_d[None, :], mask=(ar_q < G)[:, None],
-                     other=0.0)
-        m_a = tl.full([G_DOT], NEG_BIG, tl.float32)
-        l_a = tl.zeros([G_DOT], tl.float32)
-        acc = tl.zeros([G_DOT, D], tl.float32)
     if s == n_slot_progs:
         if LOADS_FIRST:
             qp, w_lo = _window_lo(QPOS, t, window, s_end, n_ctx)
@@ -993,19 +929,12 @@ def _rerank_kernel(
             ptr = tl.where(ctx_ok[:, None], CK + h * sck_h + row[:, None].to(tl.int64) * sck_n + offs_d[None, :],
                            LK + h * slk_h + slot[:, None].to(tl.int64) * slk_n + offs_d[None, :])
             kt = tl.load(ptr, mask=ok[:, None], other=0.0)
-            if ATTEND:
-                v_ptr = tl.where(ctx_ok[:, None],
-                                 CV + h * scv_h + row[:, None].to(tl.int64) * scv_n + offs_d[None, :],
-                                 LV + h * slv_h + slot[:, None].to(tl.int64) * slv_n + offs_d[None, :])
-                vt = tl.load(v_ptr, mask=ok[:, None], other=0.0)
             lg = _group_logits(kt, ok, Q + h * sq_h + t * sq_t, sq_g, qk_scale, G, G_PAD, D, BLOCK_U, ONE_MASK, DOT,
                                DOT_FP32)
             m_new = tl.maximum(m_v, tl.max(lg, 0))
             l_v = (l_v * _exp(m_v - m_new, PRECISE).to(tl.float64)
                    + tl.sum(_exp(lg - m_new[None, :], PRECISE).to(tl.float64), 0))
             m_v = m_new
-            if ATTEND:
-                m_a, l_a, acc = _attend_chunk(m_a, l_a, acc, qm, kt, vt, ok, qk_scale, G, PRECISE, DOT_FP32)
     else:
         if SOURCE == 0:
             sel = _merge_probe(SRC_A, SRC_B, r64 * n_top, n_top, P, P_PAD, BLOCK_T)  # [P_PAD] entry ids
@@ -1059,9 +988,6 @@ def _rerank_kernel(
             k_ptr = CK + h * sck_h + pos[:, None].to(tl.int64) * sck_n + offs_d[None, :]
             if EAGER_ROWS:  # load every selectable row before the dedup's atomic answers: the two overlap
                 kt = tl.load(k_ptr, mask=ok[:, None], other=0.0)
-            if ATTEND:  # the values with the keys (a position several lists hold is loaded by each slot)
-                vt = tl.load(CV + h * scv_h + pos[:, None].to(tl.int64) * scv_n + offs_d[None, :], mask=ok[:, None],
-                             other=0.0)
             first = ok
             if DEDUP:
                 # bit p_idx of the position's P_PAD bits: which probe ranks hold it. The slot of the
@@ -1079,8 +1005,6 @@ def _rerank_kernel(
                                DOT_FP32)
             tl.store(WS_S + (r64 * U + u[:, None]) * G + ar_g[None, :], lg, mask=in_u[:, None] & (ar_g < G)[None, :])
             tl.store(WS_POS + r64 * U + u, tl.where(ok, pos, -1), mask=in_u)
-            if ALL:  # the plan: each position once, in the slot that counts it (the first to claim it)
-                tl.store(PLAN + r64 * U + u, tl.where(first, pos, -1), mask=in_u)
             if DEDUP:
                 lg = tl.where(first[:, None], lg, float("-inf"))
             stamp(TS, r * tl.num_programs(0) + s, tl.minimum(3 + ci, 6), STAMP)
@@ -1088,26 +1012,9 @@ def _rerank_kernel(
             l_v = (l_v * _exp(m_v - m_new, PRECISE).to(tl.float64)
                    + tl.sum(_exp(lg - m_new[None, :], PRECISE).to(tl.float64), 0))
             m_v = m_new
-            if ATTEND:  # each position once: in the slot that counts it
-                m_a, l_a, acc = _attend_chunk(m_a, l_a, acc, qm, kt, vt, first, qk_scale, G, PRECISE, DOT_FP32)
     at = ((r64 * (n_slot_progs + 1) + s) * G_PAD + ar_g) * 2
     tl.store(WS_ML + at, m_v.to(tl.float64))
     tl.store(WS_ML + at + 1, l_v)
-    if ATTEND:  # the partial state, max in base 2 (`_merge_states`)
-        hg = r64 * G + ar_q  # [G_DOT]
-        g_ok = ar_q < G
-        m2 = m_a * LOG2E
-        if s == n_slot_progs:
-            tl.store(DACC + hg[:, None] * D + offs_d[None, :], acc, mask=g_ok[:, None])
-            tl.store(DML + hg * 2, m2, mask=g_ok)
-            tl.store(DML + hg * 2 + 1, l_a, mask=g_ok)
-        else:
-            hs = hg * n_slot_progs + s
-            tl.store(AACC + hs[:, None] * D + offs_d[None, :], acc, mask=g_ok[:, None])
-            tl.store(AML + hs * 2, m2, mask=g_ok)
-            tl.store(AML + hs * 2 + 1, l_a, mask=g_ok)
-            if s == 0:
-                tl.store(USED + r64, n_slot_progs)
     stamp(TS, r * tl.num_programs(0) + s, 1, STAMP)
 
 
@@ -1183,7 +1090,7 @@ def _select_kernel(
     G: tl.constexpr, G_PAD: tl.constexpr, BLOCK: tl.constexpr, BLOCK_S: tl.constexpr,
     HAS_PUSH: tl.constexpr, PRECISE: tl.constexpr, SAMPLE: tl.constexpr = False,
     DEDUP: tl.constexpr = False, PB: tl.constexpr = 1, HAS_N_ROW: tl.constexpr = False, SCAN_V: tl.constexpr = 1,
-    PLANS: tl.constexpr = True, TS=None, STAMP: tl.constexpr = False,
+    TS=None, STAMP: tl.constexpr = False,
 ):
     """Grid (rows, 1 + HAS_PUSH). Per row: lse per head over the parts (candidates + frame), mass of
     each slot = sum over heads of exp(logit - lse) (candidate_mass) as an int key (float bits + 1;
@@ -1196,8 +1103,7 @@ def _select_kernel(
     probed clusters' keys (U is the static width, the most any probe can hold: 1.5-1.9x on real
     layers); the mass pass, the search and the emit stop there (the rerank skips the rest). KS: 1, the
     keys' stride in a scratch row, a run-time argument so that SCAN_V (`IvfConfig.count_rows`) gets its
-    layout (`_chunk_offsets`). PLANS False (a plan that keeps every candidate, written by the rerank:
-    `_rerank_kernel`'s ALL): grid (rows, 1), the push rows' push only."""
+    layout (`_chunk_offsets`)."""
     r = tl.program_id(0).to(tl.int64)
     w = tl.program_id(1)
     prog = r * tl.num_programs(1) + w  # (timeline stamps: slots 0 start, 1 lse, 2 keys, 3-6 search, 7 end)
@@ -1207,11 +1113,7 @@ def _select_kernel(
     push_row = False
     if HAS_PUSH:
         push_row = t == T - 1
-    if PLANS:
-        go = (w == 0) | push_row
-    else:
-        go = push_row
-    if go:
+    if (w == 0) | push_row:
         row = SCR + (r * tl.num_programs(1) + w) * scr_row
         n = U
         if HAS_N_ROW:
@@ -1389,8 +1291,6 @@ class IvfConfig:
     rerank_loads_first: bool = False  # rerank: the query position loaded after the merge's and the first lists'
     # loads (static SASS: otherwise every program waits for it first). H200, session 33: the merge phase 2.8 -> 2.3
     # us, the first chunk 5.1 -> 5.4, the step the same (128K 60.3-60.7 against 60.1-61.3 us): off
-    merge_block: int = 64  # a plan that keeps every candidate, attended (`ctkvr_plan(attend_scale=)`): the merge's
-    merge_warps: int = 4  # partial states per chunk, and its warps (psa's `_attend_kernel`)
     sample_select: bool = True  # select: `_select_sampled` (27.6 -> 19.5 us at 128K, H100; RESULTS.md); False: plain
     count_rows: int = 4  # select: consecutive keys per thread in the sampled select's counting pass and its band's
     # emit, a power of two (`_chunk_offsets`; 1: one key per thread per repetition of the chunk's layout). At 128K
@@ -1476,21 +1376,13 @@ def _parts_block(n_parts: int) -> int:
 
 def _rerank_and_select(q, kv, *, rows: int, u: int, sink: int, window: int, kp: int, rho: int, source: int,
                        src: tuple, n_top: int, p: int, p_pad: int, log_p: int, dedup: bool, has_fifo: bool,
-                       bitmap, hits, push, cfg: IvfConfig, attend: bool = False):
-    """Kernels 2 and 3 (shared by CTkvr and kivf) -> (plan positions [KVH, T, kp] int32, the plan's
-    attention [KVH, G, T, D] in q's dtype or None). A CTkvr plan that keeps every candidate (kp == u)
-    is the deduplicated union itself: the rerank writes it, with `attend` also the partial states of
-    its attention at scale 1 / sqrt(D) (one more launch merges them), and the select runs for the push
-    only, after that merge."""
+                       bitmap, hits, push, cfg: IvfConfig):
+    """Kernels 2 and 3 (shared by CTkvr and kivf) -> plan positions [KVH, T, kp] int32."""
     kvh, g, t, d = q.shape
     dev = q.device
     n = kv.n_ctx
     ctx_k = _rows_contiguous(kv.ctx_k)
     loc_k = _rows_contiguous(kv.loc_k.to(ctx_k.dtype))  # one pointer type for the frame's rows
-    all_kept = source == 0 and kp == u
-    attend = attend and all_kept
-    ctx_v = _rows_contiguous(kv.ctx_v) if attend else ctx_k
-    loc_v = _rows_contiguous(kv.loc_v.to(ctx_v.dtype)) if attend else loc_k
     q_pos = kv.q_pos
     g_pad = triton.next_power_of_2(g)
     s_end = min(sink, n)
@@ -1498,27 +1390,19 @@ def _rerank_and_select(q, kv, *, rows: int, u: int, sink: int, window: int, kp: 
     n_slot = _cdiv(u, slots_per_prog)
     n_parts = n_slot + 1
     scr_row = 3 * u
-    n_sel = 2 if push is not None and not all_kept else 1  # select programs per row
-    f_sizes = {"s": rows * g * u}
-    if attend:  # the partial states: n_slot slot programs' and the frame's, per row and head
-        f_sizes.update(aacc=rows * g * n_slot * d, aml=rows * g * n_slot * 2, dacc=rows * g * d, dml=rows * g * 2)
-    f32 = _Carve(f_sizes)
-    i32 = _Carve({"pos": rows * u, "scr": rows * n_sel * scr_row, "used": rows})
+    n_sel = 2 if push is not None else 1  # select programs per row
+    f32 = _Carve({"s": rows * g * u})
+    i32 = _Carve({"pos": rows * u, "scr": rows * n_sel * scr_row})
     wf = f32.views(_workspace(dev, torch.float32, f32.total, "rerank"))
     wf["ml"] = _workspace(dev, torch.float64, rows * n_parts * g_pad * 2, "rerank")  # softmax states (_lse_parts)
     wi = i32.views(_workspace(dev, torch.int32, i32.total + 1, "rerank"))  # +1: never empty
     out = torch.empty(kvh, t, kp, dtype=torch.int32, device=dev)
-    att = torch.empty(kvh, g, t, d, dtype=q.dtype, device=dev) if attend else None
     placeholder = wi["pos"]
-    fp = wf["s"]  # never read where ATTEND is off
     _rerank_kernel[(n_parts, rows)](
         q, ctx_k, loc_k, q_pos, *src, bitmap if bitmap is not None else placeholder, wf["s"], wi["pos"], wf["ml"],
         hits if hits is not None else placeholder,
-        ctx_v, loc_v, out, *((wf["aacc"], wf["aml"], wf["dacc"], wf["dml"]) if attend else (fp, fp, fp, fp)),
-        wi["used"],
         q.stride(0), q.stride(1), q.stride(2),
         ctx_k.stride(0), ctx_k.stride(1), loc_k.stride(0), loc_k.stride(1),
-        ctx_v.stride(0), ctx_v.stride(1), loc_v.stride(0), loc_v.stride(1),
         *_src_strides(source, src),
         t, n, loc_k.shape[1], s_end, window, u, _src_c(source, src), rho if source == 0 else 1, n_top,
         bitmap.shape[-1] if bitmap is not None else 1, n_slot, cfg.chunks_per_prog, float(d ** -0.5),
@@ -1526,18 +1410,10 @@ def _rerank_and_select(q, kv, *, rows: int, u: int, sink: int, window: int, kp: 
         LOG_P=log_p, SOURCE=source, DEDUP=dedup, HAS_FIFO=has_fifo, PRECISE=_precise(),
         EAGER_ROWS=cfg.eager_rows and dedup, ONE_MASK=source == 0, DOT=_dot_logits(q, ctx_k, cfg),
         DOT_FP32=interpreted(), PREFETCH=cfg.rerank_prefetch and source == 0, LOADS_FIRST=cfg.rerank_loads_first,
-        ALL=all_kept, ATTEND=attend, **stamp_args("rerank"),
+        **stamp_args("rerank"),
         num_warps=cfg.rerank_warps, num_stages=cfg.rerank_stages,
         **({"maxnreg": cfg.rerank_maxnreg} if cfg.rerank_maxnreg and q.device.type == "cuda" else {}),
     )
-    if attend:
-        _merge_states()[(rows, g)](
-            wf["aacc"], wf["aml"], wf["dacc"], wf["dml"], wi["used"], att,
-            t, 1, att.stride(0), att.stride(1), att.stride(2), t, n_slot,
-            G=g, D=d, BLOCK_I=triton.next_power_of_2(min(cfg.merge_block, n_slot)), num_warps=cfg.merge_warps,
-        )
-    if all_kept and push is None:
-        return out, att
     has_n_row = source == 1  # kivf: the row's probed keys, SEL_CUM[r, P]
     sel_block, sel_warps = _select_shape(u, cfg)
     _select_kernel[(rows, n_sel)](
@@ -1546,18 +1422,9 @@ def _rerank_and_select(q, kv, *, rows: int, u: int, sink: int, window: int, kp: 
         t, u, n_parts, kp, rho, scr_row, bitmap.shape[-1] if bitmap is not None else 1, p_pad + 1, 1,
         G=g, G_PAD=g_pad, BLOCK=sel_block, BLOCK_S=_parts_block(n_parts), HAS_PUSH=push is not None,
         PRECISE=_precise(), SAMPLE=cfg.sample_select, DEDUP=dedup, PB=p_pad if dedup else 1, HAS_N_ROW=has_n_row,
-        SCAN_V=min(cfg.count_rows, sel_block), PLANS=not all_kept, **stamp_args("select"), num_warps=sel_warps,
+        SCAN_V=min(cfg.count_rows, sel_block), **stamp_args("select"), num_warps=sel_warps,
     )
-    return out, att
-
-
-def _merge_states():
-    """psa's merge of partial attention states (`indexer/kernels/psa.py`, `_attend_kernel`: a dense part's
-    state, then the first USED[row] of a row's K states, maxima in base 2) -> OUT [KVH, G, T, D]. Imported
-    here, at the call: psa's module imports this one's helpers."""
-    from indexer.kernels.psa import _attend_kernel
-
-    return _attend_kernel
+    return out
 
 
 def _src_strides(source: int, src: tuple) -> tuple:
@@ -1581,16 +1448,14 @@ def _rows_contiguous(x: torch.Tensor) -> torch.Tensor:
 
 
 def ctkvr_plan(q: torch.Tensor, kv, cent: torch.Tensor, lists: torch.Tensor, fifo, *, sink: int, window: int,
-               k: int, probe: int, cfg: IvfConfig | None = None, attend_scale: float | None = None):
+               k: int, probe: int, cfg: IvfConfig | None = None):
     """CTkvr's plan (indexer/ctkvr.py, `_CTkvrPlanner.plan`) in 3 launches.
 
     q [KVH, G, T, D]; kv: KVView; cent [KVH, C, G, D] unit-norm; lists [KVH, C, rho] int32; fifo: the
     layer's `_Fifo` (cent [KVH, F, G, D], lists [KVH, F, rho], pushes [1]) or None (no update).
-    Returns (positions [KVH, T, min(k, probe·rho)] int32, pending, attended) with pending = (query
-    [KVH, G, D] in the centroids' dtype, list [KVH, rho] int32, hits [KVH·T] int32: probed FIFO entries
-    per row) when fifo is given, else None. A plan that keeps every candidate (k >= probe·rho) is the
-    rerank's own (no plan select) and, with `attend_scale` = 1 / sqrt(D), `attended` is its attention
-    over the frame and the plan [KVH, G, T, D] in q's dtype (else None): 2 launches and the push's."""
+    Returns (positions [KVH, T, min(k, probe·rho)] int32, pending) with pending = (query [KVH, G, D]
+    in the centroids' dtype, list [KVH, rho] int32, hits [KVH·T] int32: probed FIFO entries per row)
+    when fifo is given, else None."""
     cfg = cfg or DEFAULT_CONFIG
     kvh, g, t, d = q.shape
     dev = q.device
@@ -1637,13 +1502,12 @@ def ctkvr_plan(q: torch.Tensor, kv, cent: torch.Tensor, lists: torch.Tensor, fif
         num_warps=cfg.probe_warps,
         **({"maxnreg": cfg.probe_maxnreg} if cfg.probe_maxnreg and q.device.type == "cuda" else {}),
     )
-    out, att = _rerank_and_select(
+    out = _rerank_and_select(
         q, kv, rows=rows, u=u, sink=sink, window=window, kp=kp, rho=rho, source=0,
         src=(topv, wi["topi"], lists, flists), n_top=n_top, p=p, p_pad=p_pad, log_p=1, dedup=True,
         has_fifo=has_fifo, bitmap=bitmap, hits=hits, push=push, cfg=cfg,
-        attend=attend_scale is not None and attend_scale == float(d ** -0.5),
     )
-    return out, ((pend_q, push.view(kvh, rho), hits) if has_fifo else None), att
+    return out, ((pend_q, push.view(kvh, rho), hits) if has_fifo else None)
 
 
 def fifo_push(fifo, pending, n_probed: int) -> None:
@@ -1710,7 +1574,7 @@ def kivf_plan(q: torch.Tensor, kv, cent: torch.Tensor, order: torch.Tensor, offs
         q, kv, rows=rows, u=u, sink=sink, window=window, kp=kp, rho=0, source=1,
         src=(order, wi["start"], wi["cum"], wi["cum"]), n_top=0, p=p, p_pad=p_pad,
         log_p=max(1, (p - 1).bit_length()), dedup=False, has_fifo=False, bitmap=None, hits=None, push=None, cfg=cfg,
-    )[0]
+    )
 
 
 __all__ = ["IvfConfig", "MAX_PROBE", "ctkvr_plan", "fifo_push", "kivf_plan", "unsupported", "clear_workspace"]
