@@ -11,7 +11,7 @@
 #           s24attend | s24variants | s24regs | s24final | s24tests | s24stop | s25ncu | s25sel | s25final512 | s25knobs | s25pdl | s25attnpdl | s25saappdl | s25selsrc |
 #           s26ab | s26mask | s26probe | s26selw | s26push | s26final | s27ab | s27kivf | s27tests | s27kivfknobs | s27kivfsel |
 #           s28dot | s28kivf | s28knobs | s28exp | s28piv | s28tests | s28pf | s29tl | s29probe | s29keys | s29pdl | s29final | s29cb | s30scan | s30scan2 | s30tests | s30knobs | s30l2 | s30pdl |
-#           s31split | s31split2 | s31split3 | s31rerank | s31prefetch | s32floors | s32probe | s32loads | s32order | s32pos | s32floors3 | s32final | s33rerank
+#           s31split | s31split2 | s31split3 | s31rerank | s31prefetch | s32floors | s32probe | s32loads | s32order | s32pos | s32floors3 | s32final | s33rerank | s33all | s33all2 | s33all3
 #   (default: tests decode before_after)
 #   The device tool returns at most 8 files: past that, the run's JSON files come back as $OUT/json.tar.gz
 #   (and everything as $OUT/all.tar.gz if that is not enough).
@@ -1242,6 +1242,43 @@ for stage in $stages; do
         ctkvr:rerank_loads_first=1 ctkvr ctkvr:rerank_loads_first=1 --out "$OUT/s33rerank" 2>&1 \
         | tee "$OUT/gpu_decode_s33rerank.log" | grep -E "graph|Error|error"
       s32_512 s33rerank "ctkvr ctkvr:rerank_loads_first=1 ctkvr" 512 ;;
+    s33all)  # needs commit a9b7e0d's kernels (reverted by badd802: `git revert badd802` first).
+      # session 33: CTkvr's plan keeping every candidate (k >= probe x rho = 10,240), attended in the rerank:
+      # the IVF kernel tests on the GPU, gpu_decode at 128K (B = 1 with the torch planner's agreement, B = 8) and
+      # 512K (B = 1) against the default operating point (k = 1024), and with the FIFO update off; a timeline at 128K
+      python3 -m pytest -q -p no:cacheprovider -o addopts="" tests/test_kernels_ivf.py 2>&1 \
+        | tee "$OUT/gpu_tests_s33all.log" | tail -3
+      python3 benchmarks/gpu_decode.py --lengths 131072 --batches 1 8 --backends triton --torch-plans --profile \
+        --methods ctkvr ctkvr@k=10240 ctkvr@k=10240,fifo=0 --out "$OUT/s33all" 2>&1 \
+        | tee "$OUT/gpu_decode_s33all.log" | grep -E "graph|Error|error|agreement"
+      s32_512 s33all "ctkvr ctkvr@k=10240 ctkvr@k=10240,fifo=0" 512
+      python3 benchmarks/gpu_timeline.py --lengths 131072 --methods ctkvr@k=10240 ctkvr@k=10240,fifo=0 ctkvr \
+        --tag _s33all 2>&1 | tee "$OUT/gpu_timeline_s33all.log" | grep -E "graph|\| (probe|rerank|select) " ;;
+    s33all2)  # needs commit a9b7e0d's kernels (reverted by badd802: `git revert badd802` first).
+      # s33all again after the attention's dot was rewritten (q·kᵀ then P·V, M = 16), with the rerank's
+      # register cap off / 128 (its 96 spills with the attention) and the FIFO update off
+      python3 -m pytest -q -p no:cacheprovider -o addopts="" tests/test_kernels_ivf.py -k "keeping_every or fused or graph" \
+        2>&1 | tee "$OUT/gpu_tests_s33all2.log" | tail -3
+      python3 benchmarks/gpu_decode.py --lengths 131072 --batches 1 8 --backends triton --torch-plans --profile \
+        --methods ctkvr ctkvr@k=10240 ctkvr@k=10240:rerank_maxnreg=0 ctkvr@k=10240:rerank_maxnreg=128 \
+        ctkvr@k=10240,fifo=0:rerank_maxnreg=0 --out "$OUT/s33all2" 2>&1 \
+        | tee "$OUT/gpu_decode_s33all2.log" | grep -E "graph|Error|error|agreement|kernels,"
+      s32_512 s33all2 "ctkvr ctkvr@k=10240:rerank_maxnreg=0 ctkvr@k=10240,fifo=0:rerank_maxnreg=0" 512
+      python3 benchmarks/gpu_timeline.py --lengths 131072 --methods ctkvr@k=10240:rerank_maxnreg=0 ctkvr \
+        ctkvr@k=10240,fifo=0:rerank_maxnreg=0 --tag _s33all2 2>&1 | tee "$OUT/gpu_timeline_s33all2.log" \
+        | grep -E "graph|\| (probe|rerank|select) |Error" ;;
+    s33all3)  # needs commit a9b7e0d's kernels (reverted by badd802: `git revert badd802` first).
+      # the plan keeping every candidate in one wave of rerank programs (5 or 4 chunks of 64 slots per
+      # program: 264 / 328 programs at 2 per SM, 233 registers) with and without the FIFO push, against the default
+      K=ctkvr@k=10240
+      python3 benchmarks/gpu_decode.py --lengths 131072 --batches 1 --backends triton --profile --methods ctkvr \
+        "$K,fifo=0:rerank_maxnreg=0" "$K,fifo=0:rerank_maxnreg=0,chunks_per_prog=5" \
+        "$K,fifo=0:rerank_maxnreg=0,chunks_per_prog=4" "$K:rerank_maxnreg=0,chunks_per_prog=5" ctkvr \
+        --out "$OUT/s33all3" 2>&1 | tee "$OUT/gpu_decode_s33all3.log" | grep -E "graph|Error|error|kernels,"
+      s32_512 s33all3 "ctkvr $K,fifo=0:rerank_maxnreg=0,chunks_per_prog=5 $K:rerank_maxnreg=0,chunks_per_prog=5" 512
+      python3 benchmarks/gpu_timeline.py --lengths 131072 --methods "$K,fifo=0:rerank_maxnreg=0,chunks_per_prog=5" \
+        "$K:rerank_maxnreg=0,chunks_per_prog=5" --tag _s33all3 2>&1 | tee "$OUT/gpu_timeline_s33all3.log" \
+        | grep -E "graph|\| (probe|rerank|select) |Error" ;;
     *) echo "unknown stage $stage" ;;
   esac
 done
