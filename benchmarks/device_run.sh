@@ -11,7 +11,7 @@
 #           s24attend | s24variants | s24regs | s24final | s24tests | s24stop | s25ncu | s25sel | s25final512 | s25knobs | s25pdl | s25attnpdl | s25saappdl | s25selsrc |
 #           s26ab | s26mask | s26probe | s26selw | s26push | s26final | s27ab | s27kivf | s27tests | s27kivfknobs | s27kivfsel |
 #           s28dot | s28kivf | s28knobs | s28exp | s28piv | s28tests | s28pf | s29tl | s29probe | s29keys | s29pdl | s29final | s29cb | s30scan | s30scan2 | s30tests | s30knobs | s30l2 | s30pdl |
-#           s31split | s31split2 | s31split3 | s31rerank | s31prefetch | s32floors | s32probe | s32loads | s32order | s32pos | s32floors3 | s32final | s33rerank | s33all | s33all2 | s33all3
+#           s31split | s31split2 | s31split3 | s31rerank | s31prefetch | s32floors | s32probe | s32loads | s32order | s32pos | s32floors3 | s32final | s33rerank | s33all | s33all2 | s33all3 | s33fifo | s33lists
 #   (default: tests decode before_after)
 #   The device tool returns at most 8 files: past that, the run's JSON files come back as $OUT/json.tar.gz
 #   (and everything as $OUT/all.tar.gz if that is not enough).
@@ -1279,6 +1279,22 @@ for stage in $stages; do
       python3 benchmarks/gpu_timeline.py --lengths 131072 --methods "$K,fifo=0:rerank_maxnreg=0,chunks_per_prog=5" \
         "$K:rerank_maxnreg=0,chunks_per_prog=5" --tag _s33all3 2>&1 | tee "$OUT/gpu_timeline_s33all3.log" \
         | grep -E "graph|\| (probe|rerank|select) |Error" ;;
+    s33fifo)  # session 33: what CTkvr's FIFO push costs the default step (its select programs run beside the
+      # plan's): the default against the update off (fifo=0), alternating, 128K at B = 1 and 8, 512K at B = 1
+      python3 benchmarks/gpu_decode.py --lengths 131072 --batches 1 8 --backends triton --profile \
+        --methods ctkvr ctkvr@fifo=0 ctkvr ctkvr@fifo=0 --out "$OUT/s33fifo" 2>&1 \
+        | tee "$OUT/gpu_decode_s33fifo.log" | grep -E "graph|Error|error|kernels,"
+      s32_512 s33fifo "ctkvr ctkvr@fifo=0" 512 ;;
+    s33lists)  # session 33: the rerank reading one list per chunk (IvfConfig.rerank_chunk_lists) against the
+      # per-slot choice, alternating twice: CTkvr's kernel tests on the GPU, gpu_decode at 128K (B = 1, 8), 512K, timelines
+      python3 -m pytest -q -p no:cacheprovider -o addopts="" tests/test_kernels_ivf.py -k "ctkvr or probe or one_list" \
+        2>&1 | tee "$OUT/gpu_tests_s33lists.log" | tail -2
+      python3 benchmarks/gpu_decode.py --lengths 131072 --batches 1 8 --backends triton --profile \
+        --methods ctkvr:rerank_chunk_lists=0 ctkvr ctkvr:rerank_chunk_lists=0 ctkvr --out "$OUT/s33lists" 2>&1 \
+        | tee "$OUT/gpu_decode_s33lists.log" | grep -E "graph|Error|error|kernels,"
+      s32_512 s33lists "ctkvr:rerank_chunk_lists=0 ctkvr" 512
+      python3 benchmarks/gpu_timeline.py --lengths 131072 --methods ctkvr:rerank_chunk_lists=0 ctkvr --tag _s33lists \
+        2>&1 | tee "$OUT/gpu_timeline_s33lists.log" | grep -E "graph|\| rerank |rerank phases" ;;
     *) echo "unknown stage $stage" ;;
   esac
 done

@@ -153,6 +153,20 @@ def test_ctkvr_probe_reads_the_fifo_table_per_block(fifo_blocks, loads_first, mo
     assert fused.stats()["fifo_probe_share"] > 0  # FIFO entries were probed (and picked)
 
 
+@pytest.mark.parametrize("chunk_lists, block_u, prefetch", [(True, 16, True), (True, 32, False), (False, 16, True)])
+def test_ctkvr_rerank_reads_one_list_per_chunk(chunk_lists, block_u, prefetch, monkeypatch):
+    """Lists of 64 in chunks of 16 or 32: every chunk's slots are items of one list, so the rerank
+    picks its entry and table (persisted or FIFO) once per chunk (`rerank_chunk_lists`), with and
+    without the next chunk's lists prefetched; the FIFO ring wraps, so chunks of FIFO lists are read
+    (case "decode"), and a question step of 3 tokens has rows of its own lists. The same plans and FIFO
+    as the torch planner, and as the per-slot choice."""
+    cfg = ivf.IvfConfig(block_u=block_u, rerank_chunk_lists=chunk_lists, rerank_prefetch=prefetch)
+    shares = [_run_ctkvr(case, seed=zlib.crc32(case.encode()) % 1000, cfg=cfg,  # seeds whose steps probe the FIFO
+                         monkeypatch=monkeypatch)[1].stats()["fifo_probe_share"]
+              for case in ("decode", "question_then_decode")]
+    assert shares[0] > 0  # FIFO entries were probed: chunks of FIFO lists were read
+
+
 def test_rerank_loading_the_query_position_late_plans_the_same(monkeypatch):
     """`IvfConfig.rerank_loads_first`: the rerank's slot programs read the query position after their
     merge's and lists' loads (its frame program at its start). The window bound it gives decides which

@@ -850,12 +850,27 @@ def _group_logits(kt, ok, QROW, sq_g, qk_scale, G: tl.constexpr, G_PAD: tl.const
 
 @triton.jit
 def _list_pos(LISTS, FLISTS, h, sl_h, sl_c, sf_h, sf_c, u, ok, RHO, C, sel, P_PAD: tl.constexpr,
-              HAS_FIFO: tl.constexpr):
+              HAS_FIFO: tl.constexpr, u0=0, ONE_LIST: tl.constexpr = False):
     """CTkvr's candidate slots u (slot u = item u % RHO of the list of the row's probe rank u // RHO:
     entry sel[rank], a persisted list below C, else the FIFO ring's) -> their positions as two loads,
     lists' and FIFO lists', each -1 where the other holds the slot (and both where not ok):
     `tl.maximum` of the two is the position. Two values, so a caller can keep them in flight and
-    combine them where it needs them."""
+    combine them where it needs them. ONE_LIST (`IvfConfig.rerank_chunk_lists`, where the chunk's slots
+    u0 + [0, BLOCK_U) are items of one list: RHO % BLOCK_U == 0): the list's entry and its table are
+    chosen once per chunk, as scalars, and the positions are one contiguous load (returned twice)."""
+    if ONE_LIST:
+        rank = _rank_of(u0, RHO, P_PAD)
+        entry = tl.sum(tl.where(tl.arange(0, P_PAD) == rank, sel, 0), 0)
+        item = u - rank * RHO
+        if HAS_FIFO:
+            if entry >= C:
+                row = FLISTS + h * sf_h + (entry - C).to(tl.int64) * sf_c
+            else:
+                row = LISTS + h * sl_h + entry.to(tl.int64) * sl_c
+        else:
+            row = LISTS + h * sl_h + entry.to(tl.int64) * sl_c
+        pa = tl.load(row + item, mask=ok, other=-1)
+        return pa, pa
     p_idx = _rank_of(u, RHO, P_PAD)
     item = u - p_idx * RHO
     entry = tl.sum(tl.where(p_idx[:, None] == tl.arange(0, P_PAD)[None, :], sel[None, :], 0), 1)
@@ -888,15 +903,17 @@ def _rerank_kernel(
     P: tl.constexpr, P_PAD: tl.constexpr, BLOCK_T: tl.constexpr, LOG_P: tl.constexpr,
     SOURCE: tl.constexpr, DEDUP: tl.constexpr, HAS_FIFO: tl.constexpr, PRECISE: tl.constexpr,
     EAGER_ROWS: tl.constexpr = False, ONE_MASK: tl.constexpr = True, DOT: tl.constexpr = False,
-    DOT_FP32: tl.constexpr = False, PREFETCH: tl.constexpr = False, LOADS_FIRST: tl.constexpr = False, TS=None,
-    STAMP: tl.constexpr = False,
+    DOT_FP32: tl.constexpr = False, PREFETCH: tl.constexpr = False, LOADS_FIRST: tl.constexpr = False,
+    ONE_LIST: tl.constexpr = False, TS=None, STAMP: tl.constexpr = False,
 ):
     """SOURCE 0 (CTkvr): SRC_A/B = the probe's block bests (values, ids), SRC_C/D = lists / FIFO
     lists. SOURCE 1 (kivf): SRC_A = order, SRC_B = SEL_START, SRC_C = SEL_CUM. PREFETCH (CTkvr): each
     chunk issues the next chunk's list loads before its own work (`IvfConfig.rerank_prefetch`).
     LOADS_FIRST (`IvfConfig.rerank_loads_first`): a slot program loads the query position after its
     merge's and its first lists' loads (the compiled code issues loads in order and stalls at a value's
-    first use: without it every program waits for the query position before its merge's loads issue)."""
+    first use: without it every program waits for the query position before its merge's loads issue).
+    ONE_LIST (CTkvr, `IvfConfig.rerank_chunk_lists`): a chunk's slots are items of one list (RHO %
+    BLOCK_U == 0), so its probe rank, entry and table are scalars (`_list_pos`)."""
     s = tl.program_id(0)
     r = tl.program_id(1)
     stamp(TS, r * tl.num_programs(0) + s, 0, STAMP)
@@ -947,7 +964,7 @@ def _rerank_kernel(
             if PREFETCH:  # the first chunk's list loads; each chunk issues the next one's (below)
                 u0 = s * chunks_per_prog * BLOCK_U + ar_u
                 pa_nx, pb_nx = _list_pos(SRC_C, SRC_D, h, sa_h, sa_c, sb_h, sb_c, u0, u0 < U, RHO, C, sel, P_PAD,
-                                         HAS_FIFO)
+                                         HAS_FIFO, s * chunks_per_prog * BLOCK_U, ONE_LIST)
         if SOURCE == 1:  # kivf: the chunks past the probed clusters' keys (the static width's padding) are skipped:
             # the select reads no slot past them (`_select_kernel`, N_ROW)
             live_end = tl.load(SRC_C + r64 * (P_PAD + 1) + P) - s * chunks_per_prog * BLOCK_U
@@ -955,17 +972,23 @@ def _rerank_kernel(
         if LOADS_FIRST:
             qp, w_lo = _window_lo(QPOS, t, window, s_end, n_ctx)
         for ci in range(0, n_ci):
-            u = (s * chunks_per_prog + ci) * BLOCK_U + ar_u
+            c_u0 = (s * chunks_per_prog + ci) * BLOCK_U
+            u = c_u0 + ar_u
             in_u = u < U
             if SOURCE == 0:
-                p_idx = _rank_of(u, RHO, P_PAD)
+                if ONE_LIST:
+                    p_idx = _rank_of(c_u0, RHO, P_PAD)
+                else:
+                    p_idx = _rank_of(u, RHO, P_PAD)
                 if PREFETCH:
                     pos = tl.maximum(pa_nx, pb_nx)
                     u_nx = u + BLOCK_U
                     pa_nx, pb_nx = _list_pos(SRC_C, SRC_D, h, sa_h, sa_c, sb_h, sb_c, u_nx,
-                                             (u_nx < U) & (ci + 1 < n_ci), RHO, C, sel, P_PAD, HAS_FIFO)
+                                             (u_nx < U) & (ci + 1 < n_ci), RHO, C, sel, P_PAD, HAS_FIFO,
+                                             c_u0 + BLOCK_U, ONE_LIST)
                 else:
-                    pa, pb = _list_pos(SRC_C, SRC_D, h, sa_h, sa_c, sb_h, sb_c, u, in_u, RHO, C, sel, P_PAD, HAS_FIFO)
+                    pa, pb = _list_pos(SRC_C, SRC_D, h, sa_h, sa_c, sb_h, sb_c, u, in_u, RHO, C, sel, P_PAD, HAS_FIFO,
+                                       c_u0, ONE_LIST)
                     pos = tl.maximum(pa, pb)
             else:
                 # the probed cluster holding slot u: the last i with SEL_CUM[i] <= u (binary search)
@@ -1291,6 +1314,8 @@ class IvfConfig:
     rerank_loads_first: bool = False  # rerank: the query position loaded after the merge's and the first lists'
     # loads (static SASS: otherwise every program waits for it first). H200, session 33: the merge phase 2.8 -> 2.3
     # us, the first chunk 5.1 -> 5.4, the step the same (128K 60.3-60.7 against 60.1-61.3 us): off
+    rerank_chunk_lists: bool = True  # rerank (CTkvr): where rho % block_u == 0 a chunk's slots are one list's items:
+    # its entry and table (persisted or FIFO) chosen once per chunk, its positions one contiguous load (session 33)
     sample_select: bool = True  # select: `_select_sampled` (27.6 -> 19.5 us at 128K, H100; RESULTS.md); False: plain
     count_rows: int = 4  # select: consecutive keys per thread in the sampled select's counting pass and its band's
     # emit, a power of two (`_chunk_offsets`; 1: one key per thread per repetition of the chunk's layout). At 128K
@@ -1410,7 +1435,7 @@ def _rerank_and_select(q, kv, *, rows: int, u: int, sink: int, window: int, kp: 
         LOG_P=log_p, SOURCE=source, DEDUP=dedup, HAS_FIFO=has_fifo, PRECISE=_precise(),
         EAGER_ROWS=cfg.eager_rows and dedup, ONE_MASK=source == 0, DOT=_dot_logits(q, ctx_k, cfg),
         DOT_FP32=interpreted(), PREFETCH=cfg.rerank_prefetch and source == 0, LOADS_FIRST=cfg.rerank_loads_first,
-        **stamp_args("rerank"),
+        ONE_LIST=cfg.rerank_chunk_lists and source == 0 and rho % cfg.block_u == 0, **stamp_args("rerank"),
         num_warps=cfg.rerank_warps, num_stages=cfg.rerank_stages,
         **({"maxnreg": cfg.rerank_maxnreg} if cfg.rerank_maxnreg and q.device.type == "cuda" else {}),
     )
