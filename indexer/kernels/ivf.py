@@ -159,9 +159,14 @@ Session 32: where C % block_c == 0 the probe chooses a block's table (persisted 
 count's (the compiled code had waited for those two before issuing it). The probe's span at B = 1 stayed
 10.2-11.0 us and the step 59-61 us; B = 8 at 128K 196 -> 188-190 us (H200, benchmarks/RESULTS.md). A streaming
 read of the same 17.3 MB on the probe's grid takes 6.9 us, the probe alone without its FIFO table 8.4
-(benchmarks/gpu_floors.py). Prepared and not yet timed: `IvfConfig.rerank_loads_first` (off), the rerank's
+(benchmarks/gpu_floors.py). Timed in session 33, no change (off): `IvfConfig.rerank_loads_first`, the rerank's
 slot programs reading the query position after their merge's and lists' loads; its static SASS now waits for
 that position (not otherwise in L2 at the rerank: the probe does not read it) before any of a program's loads.
+Session 33: where rho % block_u == 0 a rerank chunk's slots are items of one list, so its rank, entry and table
+(persisted or FIFO) are chosen once per chunk and its positions are one contiguous load (`_list_pos`'s ONE_LIST,
+`IvfConfig.rerank_chunk_lists`; 2,576 -> 1,936 static instructions): the rerank 15.6 -> 12.0 us at 128K, the step 60-61
+-> 58 us, B = 8 191 -> 175 us, 512K 60.5 -> 57.4 (H200, benchmarks/RESULTS.md). Measured and dropped (commit a9b7e0d,
+reverted): a plan keeping every candidate written and attended by the rerank (70 us with the FIFO push, 49-50 without).
 
 kivf at 128K (ratio 0.05: k = 6554; C = 1448 fp32 centroids, nprobe = 290 for scan 4): probe 8 x 1448
 x 128 x 4 B = 5.9 MB; rerank ~4 x k = 26K probed keys per row -> 8 x 26K x 256 B = 54 MB of K rows
