@@ -161,9 +161,10 @@ def test_ctkvr_rerank_reads_one_list_per_chunk(chunk_lists, block_u, prefetch, m
     (case "decode"), and a question step of 3 tokens has rows of its own lists. The same plans and FIFO
     as the torch planner, and as the per-slot choice."""
     cfg = ivf.IvfConfig(block_u=block_u, rerank_chunk_lists=chunk_lists, rerank_prefetch=prefetch)
+    cases = ("decode", "question_then_decode") if block_u == 16 and chunk_lists else ("decode",)  # (CI time)
     shares = [_run_ctkvr(case, seed=zlib.crc32(case.encode()) % 1000, cfg=cfg,  # seeds whose steps probe the FIFO
                          monkeypatch=monkeypatch)[1].stats()["fifo_probe_share"]
-              for case in ("decode", "question_then_decode")]
+              for case in cases]
     assert shares[0] > 0  # FIFO entries were probed: chunks of FIFO lists were read
 
 
