@@ -158,8 +158,8 @@ def test_ctkvr_rerank_reads_one_list_per_chunk(chunk_lists, block_u, prefetch, m
     """Lists of 64 in chunks of 16 or 32: every chunk's slots are items of one list, so the rerank
     picks its entry and table (persisted or FIFO) once per chunk (`rerank_chunk_lists`), with and
     without the next chunk's lists prefetched; the FIFO ring wraps, so chunks of FIFO lists are read
-    (case "decode"), and a question step of 3 tokens has rows of its own lists. The same plans and FIFO
-    as the torch planner, and as the per-slot choice."""
+    (case "decode"; with chunks of 16 also a question step of 3 tokens, rows of their own lists). The
+    same plans and FIFO as the torch planner's."""
     cfg = ivf.IvfConfig(block_u=block_u, rerank_chunk_lists=chunk_lists, rerank_prefetch=prefetch)
     cases = ("decode", "question_then_decode") if block_u == 16 and chunk_lists else ("decode",)  # (CI time)
     shares = [_run_ctkvr(case, seed=zlib.crc32(case.encode()) % 1000, cfg=cfg,  # seeds whose steps probe the FIFO
