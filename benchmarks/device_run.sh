@@ -11,7 +11,7 @@
 #           s24attend | s24variants | s24regs | s24final | s24tests | s24stop | s25ncu | s25sel | s25final512 | s25knobs | s25pdl | s25attnpdl | s25saappdl | s25selsrc |
 #           s26ab | s26mask | s26probe | s26selw | s26push | s26final | s27ab | s27kivf | s27tests | s27kivfknobs | s27kivfsel |
 #           s28dot | s28kivf | s28knobs | s28exp | s28piv | s28tests | s28pf | s29tl | s29probe | s29keys | s29pdl | s29final | s29cb | s30scan | s30scan2 | s30tests | s30knobs | s30l2 | s30pdl |
-#           s31split | s31split2 | s31split3 | s31rerank | s31prefetch | s32floors | s32probe | s32loads | s32order | s32pos | s32floors3 | s32final | s33rerank | s33all | s33all2 | s33all3 | s33fifo | s33lists
+#           s31split | s31split2 | s31split3 | s31rerank | s31prefetch | s32floors | s32probe | s32loads | s32order | s32pos | s32floors3 | s32final | s33rerank | s33all | s33all2 | s33all3 | s33fifo | s33lists | s34attn | s34attn2 | s34attend | s34attend2 | s34diag | s34pdl | s34w16 | s34final
 #   (default: tests decode before_after)
 #   The device tool returns at most 8 files: past that, the run's JSON files come back as $OUT/json.tar.gz
 #   (and everything as $OUT/all.tar.gz if that is not enough).
@@ -1295,6 +1295,69 @@ for stage in $stages; do
       s32_512 s33lists "ctkvr:rerank_chunk_lists=0 ctkvr" 512
       python3 benchmarks/gpu_timeline.py --lengths 131072 --methods ctkvr:rerank_chunk_lists=0 ctkvr --tag _s33lists \
         2>&1 | tee "$OUT/gpu_timeline_s33lists.log" | grep -E "graph|\| rerank |rerank phases" ;;
+    s34attn)  # session 34: the attention's launch knobs on CTkvr's 1,024-position plan (9 chunks of 128 rows per KV
+      # head: 72 programs of one chunk each at B = 1): 64- and 32-row chunks (144 / 288 programs), 8 warps, 3 stages
+      python3 benchmarks/gpu_decode.py --lengths 131072 --batches 1 --profile --methods ctkvr --backends triton \
+        triton:block_n=64 triton:block_n=64,num_warps=2 triton:block_n=32 triton:block_n=32,num_warps=2 \
+        triton:num_warps=8 triton:num_stages=3 triton --out "$OUT/s34attn" 2>&1 \
+        | tee "$OUT/gpu_decode_s34attn.log" | grep -E "graph|Error|error|_split|_merge" ;;
+    s34attn2)  # session 34: 64-row chunks over 2 warps (s34attn: the split 7.0 -> 5.8 us for ctkvr) and its neighbours,
+      # for ctkvr, psa and saap at 128K, B = 1 and 8 (a default for every method's decode step?)
+      python3 benchmarks/gpu_decode.py --lengths 131072 --batches 1 8 --profile --methods ctkvr psa saap --backends \
+        triton triton:block_n=64,num_warps=2 triton:num_warps=2 triton:block_n=64,num_warps=1 triton:block_n=32,num_warps=1 \
+        triton:block_n=64,num_warps=2,num_stages=3 triton:block_n=64,num_warps=2,num_stages=1 triton --out "$OUT/s34attn2" \
+        2>&1 | tee "$OUT/gpu_decode_s34attn2.log" | grep -E "graph|Error|error" ;;
+    s34attend)  # session 34: CTkvr's plan attended (IvfConfig.attend) against the split and merge launches after it;
+      # s34attend, s34attend2 and s34diag ran a first version (the attention's programs inside the select's launch,
+      # roles by ticket; measured and replaced, RESULTS.md): here they run the tree's (_attend_kernel under PDL)
+      # launches after it, alternating twice: the IVF kernel tests on the GPU, gpu_decode at 128K (B = 1, 8), 512K, timelines
+      python3 -m pytest -q -p no:cacheprovider -o addopts="" tests/test_kernels_ivf.py -k "ctkvr or attends or graph" \
+        2>&1 | tee "$OUT/gpu_tests_s34attend.log" | tail -3
+      python3 benchmarks/gpu_decode.py --lengths 131072 --batches 1 8 --backends triton --profile \
+        --methods ctkvr:attend=0 ctkvr ctkvr:attend=0 ctkvr --out "$OUT/s34attend" 2>&1 \
+        | tee "$OUT/gpu_decode_s34attend.log" | grep -E "graph|Error|error|kernels,"
+      s32_512 s34attend "ctkvr:attend=0 ctkvr ctkvr:attend=0 ctkvr" 512
+      python3 benchmarks/gpu_timeline.py --lengths 131072 --methods ctkvr:attend=0 ctkvr --tag _s34attend 2>&1 \
+        | tee "$OUT/gpu_timeline_s34attend.log" | grep -vE "^\|---" ;;
+    s34attend2)  # session 34 (see s34attend): polls paused (nanosleep) and the merge's loads from L2
+      # (.cg, not volatile), against attend=0, and its knobs: programs per row, chunk, pause
+      python3 -m pytest -q -p no:cacheprovider -o addopts="" tests/test_kernels_ivf.py -k "attends or graph" \
+        2>&1 | tee "$OUT/gpu_tests_s34attend2.log" | tail -2
+      python3 benchmarks/gpu_decode.py --lengths 131072 --batches 1 --backends triton --profile \
+        --methods ctkvr:attend=0 ctkvr ctkvr:attend_workers=16 ctkvr:attend_block=128 \
+        ctkvr:attend_block=32,attend_workers=32 ctkvr:attend_sleep_ns=0 ctkvr:attend_sleep_ns=1000 ctkvr:attend=0 ctkvr \
+        --out "$OUT/s34attend2" 2>&1 | tee "$OUT/gpu_decode_s34attend2.log" | grep -E "graph|Error|error"
+      python3 benchmarks/gpu_timeline.py --lengths 131072 --methods ctkvr ctkvr:attend_workers=16 ctkvr:attend_block=128 \
+        --tag _s34attend2 2>&1 | tee "$OUT/gpu_timeline_s34attend2.log" | grep -vE "^\|---|rerank" ;;
+    s34diag)  # session 34 (see s34attend): what slowed the select attending in its own launch (the attention compiled
+      # in: 72 KB of shared memory; or the waiting programs): attend_workers=1 (32 programs) against 13 and attend=0
+      python3 benchmarks/gpu_timeline.py --lengths 131072 --methods ctkvr:attend=0 ctkvr:attend_workers=1 ctkvr \
+        ctkvr:attend_workers=4 --tag _s34diag 2>&1 | tee "$OUT/gpu_timeline_s34diag.log" | grep -vE "^\|---|rerank" ;;
+    s34pdl)  # session 34: the plan attended by its own launch (_attend_kernel) under PDL, the select compiled without
+      # it (s34diag: the attention inside the select launch cost the select's programs ~2 us), against attend=0
+      python3 -m pytest -q -p no:cacheprovider -o addopts="" tests/test_kernels_ivf.py -k "attends or graph" \
+        2>&1 | tee "$OUT/gpu_tests_s34pdl.log" | tail -2
+      python3 benchmarks/gpu_decode.py --lengths 131072 --batches 1 --backends triton --profile \
+        --methods ctkvr:attend=0 ctkvr ctkvr:attend=0 ctkvr ctkvr:attend_workers=16 ctkvr:attend_pdl=0 \
+        --out "$OUT/s34pdl" 2>&1 | tee "$OUT/gpu_decode_s34pdl.log" | grep -E "graph|Error|error"
+      s32_512 s34pdl "ctkvr:attend=0 ctkvr ctkvr:attend=0 ctkvr" 512
+      python3 benchmarks/gpu_timeline.py --lengths 131072 --methods ctkvr:attend=0 ctkvr --tag _s34pdl 2>&1 \
+        | tee "$OUT/gpu_timeline_s34pdl.log" | grep -vE "^\|---|rerank" ;;
+    s34w16)  # session 34: the attended plan with one 64-position chunk per program (attend_workers=16: 152 programs
+      # with the select's) against attend=0, alternating, 128K and 512K
+      python3 benchmarks/gpu_decode.py --lengths 131072 524288 --batches 1 --backends triton \
+        --methods ctkvr:attend=0 ctkvr:attend_workers=16 ctkvr:attend=0 ctkvr:attend_workers=16 \
+        ctkvr:attend_workers=16,attend_sleep_ns=64 --out "$OUT/s34w16" 2>&1 | tee "$OUT/gpu_decode_s34w16.log" \
+        | grep -E "graph|Error|error" ;;
+    s34final)  # session 34: the attended plan's defaults (a chunk per program, 64 ns polls, the select letting it in
+      # after its mass pass) against attend=0, alternating, 128K and 512K; 8 warps, no pause; the tests; timelines
+      python3 -m pytest -q -p no:cacheprovider -o addopts="" tests/test_kernels_ivf.py -k "attends or graph" \
+        2>&1 | tee "$OUT/gpu_tests_s34final.log" | tail -2
+      python3 benchmarks/gpu_decode.py --lengths 131072 524288 --batches 1 --backends triton \
+        --methods ctkvr:attend=0 ctkvr ctkvr:attend=0 ctkvr ctkvr:attend_warps=8 ctkvr:attend_sleep_ns=0 \
+        --out "$OUT/s34final" 2>&1 | tee "$OUT/gpu_decode_s34final.log" | grep -E "graph|Error|error"
+      python3 benchmarks/gpu_timeline.py --lengths 131072 --methods ctkvr:attend=0 ctkvr --tag _s34final 2>&1 \
+        | tee "$OUT/gpu_timeline_s34final.log" | grep -vE "^\|---|rerank" ;;
     *) echo "unknown stage $stage" ;;
   esac
 done

@@ -236,7 +236,7 @@ class KVView:
     every other reader ignores it.
     attend_scale: set by a caller whose backend takes a planner's attention (`AttentionBackend.
     takes_attended`) to the scale it will attend with: a planner that can attend its plan while it
-    searches (psa's fused plan) may then return the result as `Plan.attended`. None: plan only.
+    searches (psa's and CTkvr's fused plans) may then return the result as `Plan.attended`. None: plan only.
     """
 
     ctx_k: torch.Tensor
@@ -332,7 +332,8 @@ class Attended:
     """A plan's attention computed by its planner: the exact attention of `query` over the frame
     (sink, window, every visible request-local token) and the plan's positions at `scale`, what an
     attention backend's `run(query, kv, plan, sink, window, scale)` computes, up to summation order.
-    psa's fused plan computes it from the scores its exact sums take anyway, so a step needs no
+    psa's fused plan computes it from the scores its exact sums take anyway, CTkvr's in a launch that
+    starts while its select runs (`indexer/kernels/ivf.py`), so a step needs no
     attention launches after the plan (`indexer/kernels/psa.py`). It is valid for exactly that query
     tensor and frame: `serves` checks them, and a backend runs as usual where they differ (a plan made
     ahead from a predicted query never carries one).

@@ -56,7 +56,9 @@ request tokens)·G·D for the rerank; independent of n except through C and ρ (
 table, written, never initialised).
 
 On a GPU the plan runs fused (`indexer/kernels/ivf.py`: probe, gather + dedup + rerank logits,
-group mass + top-K, 3 launches instead of ~130 small kernels; `update` is one more launch). This
+group mass + top-K, 3 launches instead of ~130 small kernels; `update` is one more launch). Asked
+for its attention (`KVView.attend_scale`: one request alone in its step, one token), it returns it
+as `Plan.attended` from a fourth launch that attends the plan as the select publishes it. This
 torch code is the reference and the CPU path; the fused plan selects the same positions per row
 (in candidate order rather than best first: no consumer depends on the order; ties and rounding:
 the kernel module's docstring). `planner.fused`: None = fused for CUDA tensors (the default), True =
@@ -71,7 +73,7 @@ import torch
 import torch.nn.functional as F
 from pydantic import Field
 
-from indexer.base import BudgetParams, Plan, Planner, PrefillCapture, SparseMethod, register
+from indexer.base import Attended, BudgetParams, Plan, Planner, PrefillCapture, SparseMethod, register
 from indexer.selection import (
     candidate_mass, dedup_positions, frame_logsumexp, gather_rows, selectable, top_positions,
 )
@@ -252,11 +254,12 @@ class _CTkvrPlanner(Planner):
         fifo = None
         if self.params.fifo > 0:
             fifo = self._layer_fifo(layer, kvh, g, d, lists.shape[2], cent.shape[1], cent.dtype, q.device)
-        pos, pending = _ivf().ctkvr_plan(q, kv, cent, lists, fifo, sink=self.sink, window=self.window, k=self.k,
-                                         probe=self.params.probe)
+        pos, pending, out = _ivf().ctkvr_plan(q, kv, cent, lists, fifo, sink=self.sink, window=self.window,
+                                              k=self.k, probe=self.params.probe, attend_scale=kv.attend_scale)
         if fifo is not None:
             self._pending[layer] = _FusedPush(pending, kvh * t * min(self.params.probe, cent.shape[1]))
-        return Plan(pos)
+        attended = None if out is None else Attended(q, self.sink, self.window, kv.attend_scale, out)
+        return Plan(pos, attended=attended)
 
     def update(self, layer, k, v, positions):
         pending = self._pending.pop(layer, None)

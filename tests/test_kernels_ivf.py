@@ -18,6 +18,7 @@ index first, the kernel's rule), since the CPU torch.topk breaks ties in another
 
 from __future__ import annotations
 
+import dataclasses
 import zlib
 from types import SimpleNamespace
 
@@ -140,6 +141,68 @@ def test_ctkvr_fused_plan_with_tiny_blocks(monkeypatch):
     its band (ping-pong), for the push and the plan sets alike."""
     for i, case in enumerate(TINY_CASES):
         _run_ctkvr(case, seed=5 + i, cfg=TINY, monkeypatch=monkeypatch)
+
+
+# The plan's attention in the select launch (`ctkvr_plan(attend_scale=)`, asked by `KVView.attend_scale`)
+
+# relative L2 against torch_ref over the plan's positions: fp32 measured ~3e-7 on the interpreter; bf16 at most
+# ~5e-3 (its output and P rounded to bf16, as the triton backend's 3.6-3.8e-3 against float64)
+ATTEND_TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2}
+ATTEND_CFGS = {"default": ivf.IvfConfig(),  # on the interpreter: one plan program per row, beside the frame's
+               "three_programs": ivf.IvfConfig(attend_block=16, attend_workers=3),  # chunks 0, 3, 6.. per program
+               "tiny": dataclasses.replace(TINY, attend_block=16, attend_workers=2)}
+
+
+def _rel(a, b):
+    return float((a.double() - b.double()).norm() / b.double().norm())
+
+
+@pytest.mark.parametrize("case, cfg_name, dtype", [
+    ("decode", "default", torch.float32), ("decode", "three_programs", torch.float32),
+    ("decode", "three_programs", torch.bfloat16), ("no_fifo", "three_programs", torch.float32),
+    ("group_of_3_d64", "three_programs", torch.float32), ("k_beyond_candidates", "three_programs", torch.float32),
+    ("frame_covers_everything", "default", torch.float32), ("tiny_plan_inside_push", "tiny", torch.float32)])
+def test_ctkvr_plan_attends_in_its_select(case, cfg_name, dtype, monkeypatch):
+    """Asked for its attention, CTkvr's fused one-token plan returns the attention of q over the frame
+    and its positions, as torch_ref computes it over the returned plan; the plan itself and the FIFO
+    ring are those of the same planner not asked (exactly: the same select), a step of several tokens
+    carries no attention, and the workspace's tickets and flags are reset by every plan (the steps reuse
+    it). Cases: the FIFO push's select beside the plan's (2 select programs per row) or not, a group
+    of 3 heads, fewer candidates than k (-1 slots), a frame covering the context (an empty plan: the
+    frame's attention alone), several chunks per attention program."""
+    from decoder.backends.torch_ref import TorchRef
+    from indexer.base import Plan
+
+    monkeypatch.setattr(ivf, "DEFAULT_CONFIG", ATTEND_CFGS[cfg_name])
+    (kvh, g, d, n), params, ts = CTKVR_CASES[case]
+    m = get_method("ctkvr")
+    p = m.Params(**params)
+    cap = _capture(zlib.crc32(case.encode()) % 1000, kvh, g, d, n, dtype)
+    index = _reader(m.build(cap, p))
+    ctx = DecodeContext(n, _spec(kvh, g, d), 16)
+    asked, plain = m.open(index, p, ctx), m.open(index, p, ctx)
+    asked.fused = plain.fused = True
+    scale = d ** -0.5 * 0.9
+    attended = 0
+    for i, (q, kv) in enumerate(_steps(3, kvh, g, d, n, ts, dtype=dtype, ctx=(cap.k[0], cap.v[0]))):
+        kv_a = dataclasses.replace(kv, attend_scale=scale)
+        got, want = asked.plan(0, q, kv_a), plain.plan(0, q, kv)
+        assert torch.equal(got.positions, want.positions), f"{case} step {i}: the plan changed"
+        if q.shape[2] > 1:
+            assert got.attended is None
+        else:
+            assert got.attended is not None and got.attended.serves(q, asked.sink, asked.window, scale)
+            loc_k = torch.nan_to_num(kv.loc_k)  # torch_ref multiplies the invisible slots by 0: no NaN there
+            ref = TorchRef().run(q, dataclasses.replace(kv, loc_k=loc_k), Plan(got.positions), asked.sink,
+                                 asked.window, scale)
+            err = _rel(got.attended.out, ref)
+            assert got.attended.out.dtype == dtype and err < ATTEND_TOL[dtype], f"{case} step {i}: {err:.2e}"
+            attended += 1
+        if p.fifo:
+            asked.update(0, None, None, kv.q_pos)
+            plain.update(0, None, None, kv.q_pos)
+            _assert_same_fifo(asked, plain, f"{case} step {i}")
+    assert attended == ts.count(1)
 
 
 @pytest.mark.parametrize("fifo_blocks, loads_first", [(True, True), (True, False), (False, True)])
@@ -357,7 +420,7 @@ def test_select_kernel_ties_take_the_lowest_slots(kp, rho, search, live):
     d = lambda x: x.to(DEVICE)  # noqa: E731
     t = 1  # every row is a last token's row (T = 1: one row per KV head)
     args = [d(logits), d(pos), d(ml), d(scr), d(out), d(push)]
-    ivf._select_kernel[(rows, 2)](*args, args[1], d(n_row), t, u, 1, kp, rho, 3 * u, 1, 1, 1, G=g, G_PAD=g,
+    ivf._select_kernel[(rows, 2)](*args, args[1], d(n_row), args[1], t, u, 1, kp, rho, 3 * u, 1, 1, 1, G=g, G_PAD=g,
                                   BLOCK=block, BLOCK_S=32, HAS_PUSH=True, PRECISE=DEVICE == "cuda",
                                   SAMPLE=search != "bisection", HAS_N_ROW=live,
                                   SCAN_V=4 if search == "sampled_rows" else 1, num_warps=4)
@@ -635,5 +698,17 @@ def test_fused_plans_make_no_host_sync_and_replay_in_a_graph(name):
     want = b.plan(0, q, kv).positions
     torch.cuda.synchronize()
     assert torch.equal(_sorted_rows(got), _sorted_rows(want))
+    if name == "ctkvr":  # asked for its attention (the select launch's waiting programs), replayed: the same bits
+        kv_a = dataclasses.replace(kv, attend_scale=d ** -0.5)
+        graph_a = torch.cuda.CUDAGraph()
+        with torch.cuda.stream(side):
+            a.plan(0, q, kv_a)
+            with torch.cuda.graph(graph_a):
+                got_a = a.plan(0, q, kv_a).attended.out
+        torch.cuda.current_stream().wait_stream(side)
+        graph_a.replay()
+        want_a = b.plan(0, q, kv_a).attended.out
+        torch.cuda.synchronize()
+        assert torch.equal(got_a, want_a)
     b.fused = False  # and the torch path plans the same positions on the GPU
     assert torch.equal(_sorted_rows(want), _sorted_rows(b.plan(0, q, kv).positions))

@@ -46,6 +46,21 @@ CTkvr, one layer and decode step (rows = KVH x T, one per KV head and query toke
    pushes % F, a chunk of a head's list per program; the last program (a ticket) adds the
    probe-share statistic and sets pushes += 1 (the torch path's 5-6 small ops).
 
+The plan's attention (`ctkvr_plan(attend_scale=)`, asked by the caller through `KVView.attend_scale`
+when its backend takes `Plan.attended`: one request alone in a step; one token; `attends`): a fourth
+launch, `_attend_kernel`, grid (n_work, rows), replaces the attention backend's split and merge
+launches. The select's plan program publishes its row (a flag per row, release, after the plan's
+stores; `_select_kernel`'s PUBLISH) and, launched with programmatic dependent launch, the attention's
+programs start while the select runs (every select program lets them in after its mass pass, so each
+program they wait for is running: no order of the two grids deadlocks). Program a < n_work - 1 of a row
+polls the row's flag (plain loads 64 ns apart, then one acquire), then attends one chunk of 64 plan
+positions (K and V rows, q·kᵀ and P·V on tensor cores with the attention kernel's rounding,
+`_attend_chunk`); the row's last program attends the frame without waiting. Each stores its softmax state,
+and the last of the row's programs to take a ticket merges them in program order (reproducible bits)
+into the output. The flags and tickets are zeroed by the rerank's frame programs (the launch before).
+Kept out of the select's own launch: compiled into it, the attention's tiles took the select 256 B ->
+72 KB of shared memory and its programs ~2 us longer (H200, session 34; with 32 or 152 programs alike).
+
 kivf: `_kivf_probe_kernel` (logits of the query heads against the C centroids + partial softmax
 state), `_kivf_clusters_kernel` (per row: the group-summed softmax, its top-nprobe by the same
 threshold search, the CSR slices of the chosen clusters with their running sizes), then
@@ -162,6 +177,10 @@ read of the same 17.3 MB on the probe's grid takes 6.9 us, the probe alone witho
 (benchmarks/gpu_floors.py). Timed in session 33, no change (off): `IvfConfig.rerank_loads_first`, the rerank's
 slot programs reading the query position after their merge's and lists' loads; its static SASS now waits for
 that position (not otherwise in L2 at the rerank: the probe does not read it) before any of a program's loads.
+Session 34: the plan attended by `_attend_kernel` (above) instead of the backend's split and merge: at 128K the
+step 56.0-56.3 -> 54.9 us (2.80x SDPA), at 512K 57.3-57.4 -> 55.4-55.7 (9.99-10.04x against SDPA's 556.5; H200,
+benchmarks/RESULTS.md); the select's programs pay ~1.5 us of it (its counting pass beside the waiting programs,
+the flag's release).
 Session 33: where rho % block_u == 0 a rerank chunk's slots are items of one list, so its rank, entry and table
 (persisted or FIFO) are chosen once per chunk and its positions are one contiguous load (`_list_pos`'s ONE_LIST,
 `IvfConfig.rerank_chunk_lists`; 2,576 -> 1,936 static instructions): the rerank 15.6 -> 12.0 us at 128K, the step 60-61
@@ -211,8 +230,10 @@ import torch
 import triton
 import triton.language as tl
 from triton.language.extra import libdevice
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from indexer.kernels import Workspaces, interpreted  # also makes Triton 3.6's interpreter work with NumPy 2.4
+from indexer.kernels.pdl import pdl_launch
 from indexer.kernels.stamps import stamp, stamp_args
 
 NEG_BIG: tl.constexpr = tl.constexpr(-1.0e30)  # initial running max: finite, so exp(m_old - m_new) is never nan
@@ -896,10 +917,144 @@ def _window_lo(QPOS, t, window, s_end, n_ctx):
     return qp, tl.minimum(tl.maximum(qp - window + 1, s_end), n_ctx)
 
 
+@triton.jit
+def _attend_chunk(m_a, l_a, acc, qm, kt, vt, keep, qk_scale, G: tl.constexpr, PRECISE: tl.constexpr,
+                  DOT_FP32: tl.constexpr):
+    """The attention's online state (m_a, l_a [G_DOT], acc [G_DOT, D] fp32; the group's heads as rows,
+    rows >= G unused) after a chunk of K rows kt and values vt [BLOCK, D], those where `keep` [BLOCK].
+    The flash-attention pattern with the attention kernel's rounding (decoder/kernels/attention.py:
+    s = q·kᵀ, then P·V with P rounded to the values' dtype, l summing the same rounded P): qm [G_DOT,
+    D], the heads' queries, zero past G. (Session 33 found Triton 3.6 computing P·V wrong on the H200
+    with the values as the product's first operand; this is the form it computes right.)"""
+    ar_q = tl.arange(0, qm.shape[0])
+    if DOT_FP32:  # the interpreter's 16-bit dot is wrong: fp32 operands holding the same values
+        sc = tl.dot(qm.to(tl.float32), tl.trans(kt.to(tl.float32)), input_precision="ieee")
+    elif kt.dtype == tl.float32:
+        sc = tl.dot(qm, tl.trans(kt), input_precision="ieee")
+    else:
+        sc = tl.dot(qm.to(kt.dtype), tl.trans(kt))  # [G_DOT, BLOCK] fp32
+    sc = tl.where((ar_q < G)[:, None] & keep[None, :], sc * qk_scale, float("-inf"))
+    m_new = tl.maximum(m_a, tl.max(sc, 1))
+    alpha = _exp(m_a - m_new, PRECISE)
+    pw = _exp(sc - m_new[:, None], PRECISE)
+    if DOT_FP32:
+        pr = _round_as(pw, vt.dtype)
+        pv = tl.dot(pr, vt.to(tl.float32), input_precision="ieee")
+    elif vt.dtype == tl.float32:
+        pr = pw
+        pv = tl.dot(pw, vt, input_precision="ieee")
+    else:
+        p16 = pw.to(vt.dtype)
+        pr = p16.to(tl.float32)
+        pv = tl.dot(p16, vt)  # [G_DOT, D] fp32
+    return m_new, l_a * alpha + tl.sum(pr, 1), acc * alpha[:, None] + pv
+
+
+@triton.jit
+def _attend_part(Q, CK, CV, LK, LV, QPOS, PLAN, CTRL, PACC, PML, ATT, sq_h, sq_g, sq_t, sck_h, sck_n, scv_h, scv_n,
+                 slk_h, slk_n, slv_h, slv_n, sa_h, sa_g, sa_t, r, a, n_work, n_rows, T, n_ctx, n_loc, s_end, window,
+                 KP, scale, G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, G_DOT: tl.constexpr,
+                 BLOCK_A: tl.constexpr, W_PAD: tl.constexpr, PRECISE: tl.constexpr, DOT_FP32: tl.constexpr,
+                 SLEEP_NS: tl.constexpr = 0, TS=None, STAMP: tl.constexpr = False):
+    """Attention program a of row r (`_attend_kernel`; one token per row): the last of the row's n_work
+    programs attends the frame (sink, window, visible request-local rows: the rows and masks of the
+    attention backend and of the rerank's frame program) at once; program a < n_work - 1 waits until the
+    row's plan is published (CTRL[r], `_select_kernel`'s PUBLISH), then attends its chunks a, a + n_work
+    - 1, ... of BLOCK_A plan positions (valid: s_end <= pos < w_lo, -1 never). Each stores its softmax
+    state (max, sum per head; acc [G, D]) in PML / PACC [rows, n_work, G_PAD, ...]; the last of the
+    row's programs to take its ticket (CTRL[n_rows + r]) merges the n_work states in program order (the
+    same sums on every run) into ATT [KVH, G, T, D] in its dtype."""
+    stamp(TS, r * n_work + a, 0, STAMP)  # (timeline: 0 start, 2 plan published, 3 attended, 1 end)
+    h = r // T
+    t = r % T
+    ar_q = tl.arange(0, G_DOT)
+    offs_d = tl.arange(0, D)
+    ar = tl.arange(0, BLOCK_A)
+    qm = tl.load(Q + h * sq_h + t * sq_t + ar_q[:, None] * sq_g + offs_d[None, :], mask=(ar_q < G)[:, None], other=0.0)
+    qp, w_lo = _window_lo(QPOS, t, window, s_end, n_ctx)
+    m_a = tl.full([G_DOT], NEG_BIG, tl.float32)
+    l_a = tl.zeros([G_DOT], tl.float32)
+    acc = tl.zeros([G_DOT, D], tl.float32)
+    if a == n_work - 1:  # the frame, as `_rerank_kernel`'s frame program walks it
+        stamp(TS, r * n_work + a, 2, STAMP)
+        n_fr = s_end + window + n_loc
+        for c0 in range(0, n_fr, BLOCK_A):
+            j = c0 + ar
+            in_s = j < s_end
+            in_w = (j >= s_end) & (j < s_end + window)
+            in_l = (j >= s_end + window) & (j < n_fr)
+            row = tl.where(in_s, j, w_lo + j - s_end)
+            ctx_ok = in_s | (in_w & (row < n_ctx))
+            slot = j - s_end - window
+            ok = ctx_ok | (in_l & (n_ctx + slot <= qp))
+            k_ptr = tl.where(ctx_ok[:, None], CK + h * sck_h + row[:, None].to(tl.int64) * sck_n + offs_d[None, :],
+                             LK + h * slk_h + slot[:, None].to(tl.int64) * slk_n + offs_d[None, :])
+            v_ptr = tl.where(ctx_ok[:, None], CV + h * scv_h + row[:, None].to(tl.int64) * scv_n + offs_d[None, :],
+                             LV + h * slv_h + slot[:, None].to(tl.int64) * slv_n + offs_d[None, :])
+            kt = tl.load(k_ptr, mask=ok[:, None], other=0.0)
+            vt = tl.load(v_ptr, mask=ok[:, None], other=0.0)
+            m_a, l_a, acc = _attend_chunk(m_a, l_a, acc, qm, kt, vt, ok, scale, G, PRECISE, DOT_FP32)
+    else:
+        # the row's select program has started (an earlier ticket): it will publish. Polled by plain loads
+        # (not atomics, which all go to the flag's L2 slice) with a pause between them, then one acquire
+        ready = tl.load(CTRL + r, volatile=True)
+        while ready == 0:
+            if SLEEP_NS > 0:
+                ready = tl.inline_asm_elementwise(f"nanosleep.u32 {SLEEP_NS}; ld.volatile.global.u32 $0, [$1];",
+                                                  "=r,l", [CTRL + r], dtype=tl.int32, is_pure=False, pack=1)
+            else:
+                ready = tl.load(CTRL + r, volatile=True)
+        tl.atomic_add(CTRL + r, 0, sem="acquire")
+        stamp(TS, r * n_work + a, 2, STAMP)
+        for c in range(a, (KP + BLOCK_A - 1) // BLOCK_A, n_work - 1):
+            j = c * BLOCK_A + ar
+            pos = tl.load(PLAN + r * KP + j, mask=j < KP, other=-1, cache_modifier=".cg")  # another SM's stores
+            ok = (pos >= s_end) & (pos < w_lo)
+            kt = tl.load(CK + h * sck_h + pos[:, None].to(tl.int64) * sck_n + offs_d[None, :], mask=ok[:, None],
+                         other=0.0)
+            vt = tl.load(CV + h * scv_h + pos[:, None].to(tl.int64) * scv_n + offs_d[None, :], mask=ok[:, None],
+                         other=0.0)
+            m_a, l_a, acc = _attend_chunk(m_a, l_a, acc, qm, kt, vt, ok, scale, G, PRECISE, DOT_FP32)
+    stamp(TS, r * n_work + a, 3, STAMP)
+    part = r * n_work + a
+    g_ok = ar_q < G
+    tl.store(PACC + (part * G_PAD + ar_q[:, None]) * D + offs_d[None, :], acc, mask=g_ok[:, None])
+    tl.store(PML + (part * G_PAD + ar_q) * 2, m_a, mask=g_ok)
+    tl.store(PML + (part * G_PAD + ar_q) * 2 + 1, l_a, mask=g_ok)
+    tl.debug_barrier()  # every thread's state stores before the ticket
+    if tl.atomic_add(CTRL + n_rows + r, 1, sem="acq_rel") == n_work - 1:
+        _merge_parts(PACC, PML, ATT, r * n_work, h, t, n_work, sa_h, sa_g, sa_t, G, G_PAD, D, W_PAD, PRECISE)
+    stamp(TS, r * n_work + a, 1, STAMP)
+
+
+@triton.jit
+def _merge_parts(PACC, PML, ATT, base, h, t, n_work, sa_h, sa_g, sa_t, G: tl.constexpr, G_PAD: tl.constexpr,
+                 D: tl.constexpr, W_PAD: tl.constexpr, PRECISE: tl.constexpr):
+    """The n_work softmax states of a row (`_attend_part`) merged in one tile: out = sum_w acc_w
+    exp(m_w - M) / sum_w l_w exp(m_w - M), M the largest max, stored as ATT[h, :, t, :] in its dtype.
+    The states are other programs' stores, published by their tickets: read from L2 (".cg"; volatile
+    loads were issued one after another: a 9 µs merge on the H200, session 34)."""
+    ar_w = tl.arange(0, W_PAD)
+    ar_g = tl.arange(0, G_PAD)
+    offs_d = tl.arange(0, D)
+    okw = ar_w < n_work
+    part = base + ar_w
+    at = (part[:, None] * G_PAD + ar_g[None, :]) * 2
+    m = tl.load(PML + at, mask=okw[:, None], other=NEG_BIG, cache_modifier=".cg")
+    l_s = tl.load(PML + at + 1, mask=okw[:, None], other=0.0, cache_modifier=".cg")
+    mx = tl.max(m, 0)
+    wt = tl.where(okw[:, None], _exp(m - mx[None, :], PRECISE), 0.0)  # [W_PAD, G_PAD]
+    acc = tl.load(PACC + (part[:, None, None] * G_PAD + ar_g[None, :, None]) * D + offs_d[None, None, :],
+                  mask=okw[:, None, None], other=0.0, cache_modifier=".cg")
+    o = tl.sum(acc * wt[:, :, None], 0) / tl.sum(l_s * wt, 0)[:, None]
+    tl.store(ATT + h * sa_h + ar_g[:, None] * sa_g + t * sa_t + offs_d[None, :], o.to(ATT.dtype.element_ty),
+             mask=(ar_g < G)[:, None])
+
+
 @triton.jit(do_not_specialize=["T", "n_ctx", "n_loc", "s_end", "window", "U", "C", "RHO", "n_top", "NW",
                                "n_slot_progs", "chunks_per_prog"])
 def _rerank_kernel(
-    Q, CK, LK, QPOS, SRC_A, SRC_B, SRC_C, SRC_D, BITMAP, WS_S, WS_POS, WS_ML, HITS,
+    Q, CK, LK, QPOS, SRC_A, SRC_B, SRC_C, SRC_D, BITMAP, WS_S, WS_POS, WS_ML, HITS, CTRL,
     sq_h, sq_g, sq_t,  # q [KVH, G, T, D]
     sck_h, sck_n, slk_h, slk_n,  # ctx_k [KVH, N, D], loc_k [KVH, M, D]
     sa_h, sa_c, sb_h, sb_c,  # CTkvr: lists [KVH, C, RHO], FIFO lists [KVH, F, RHO]; kivf: order [KVH, N]
@@ -909,7 +1064,7 @@ def _rerank_kernel(
     SOURCE: tl.constexpr, DEDUP: tl.constexpr, HAS_FIFO: tl.constexpr, PRECISE: tl.constexpr,
     EAGER_ROWS: tl.constexpr = False, ONE_MASK: tl.constexpr = True, DOT: tl.constexpr = False,
     DOT_FP32: tl.constexpr = False, PREFETCH: tl.constexpr = False, LOADS_FIRST: tl.constexpr = False,
-    ONE_LIST: tl.constexpr = False, TS=None, STAMP: tl.constexpr = False,
+    ONE_LIST: tl.constexpr = False, ZERO_CTRL: tl.constexpr = False, TS=None, STAMP: tl.constexpr = False,
 ):
     """SOURCE 0 (CTkvr): SRC_A/B = the probe's block bests (values, ids), SRC_C/D = lists / FIFO
     lists. SOURCE 1 (kivf): SRC_A = order, SRC_B = SEL_START, SRC_C = SEL_CUM. PREFETCH (CTkvr): each
@@ -918,7 +1073,9 @@ def _rerank_kernel(
     merge's and its first lists' loads (the compiled code issues loads in order and stalls at a value's
     first use: without it every program waits for the query position before its merge's loads issue).
     ONE_LIST (CTkvr, `IvfConfig.rerank_chunk_lists`): a chunk's slots are items of one list (RHO %
-    BLOCK_U == 0), so its probe rank, entry and table are scalars (`_list_pos`)."""
+    BLOCK_U == 0), so its probe rank, entry and table are scalars (`_list_pos`). ZERO_CTRL: the plan is
+    attended (`_attend_kernel`): each frame program zeroes its row's plan flag and merge ticket, CTRL[r]
+    and CTRL[rows + r]."""
     s = tl.program_id(0)
     r = tl.program_id(1)
     stamp(TS, r * tl.num_programs(0) + s, 0, STAMP)
@@ -933,6 +1090,9 @@ def _rerank_kernel(
     m_v = tl.full([G_PAD], NEG_BIG, tl.float32)
     l_v = tl.zeros([G_PAD], tl.float64)  # float64: see _lse_parts
     if s == n_slot_progs:
+        if ZERO_CTRL:
+            tl.store(CTRL + r, 0)
+            tl.store(CTRL + tl.num_programs(1) + r, 0)
         if LOADS_FIRST:
             qp, w_lo = _window_lo(QPOS, t, window, s_end, n_ctx)
         # the frame: sink rows [0, s_end), window rows w_lo + [0, window) inside the context, local
@@ -1113,12 +1273,12 @@ def _row_keys(WS_S, WS_POS, WS_ML, row, r, U, n, n_parts, BITMAP, NW, RHO, G: tl
 
 @triton.jit(do_not_specialize=["T", "U", "n_parts", "KP", "RHO", "scr_row", "NW", "sn_r", "KS"])
 def _select_kernel(
-    WS_S, WS_POS, WS_ML, SCR, OUT, PUSH, BITMAP, N_ROW,
+    WS_S, WS_POS, WS_ML, SCR, OUT, PUSH, BITMAP, N_ROW, CTRL,
     T, U, n_parts, KP, RHO, scr_row, NW, sn_r, KS,
     G: tl.constexpr, G_PAD: tl.constexpr, BLOCK: tl.constexpr, BLOCK_S: tl.constexpr,
     HAS_PUSH: tl.constexpr, PRECISE: tl.constexpr, SAMPLE: tl.constexpr = False,
     DEDUP: tl.constexpr = False, PB: tl.constexpr = 1, HAS_N_ROW: tl.constexpr = False, SCAN_V: tl.constexpr = 1,
-    TS=None, STAMP: tl.constexpr = False,
+    PUBLISH: tl.constexpr = False, PDL: tl.constexpr = False, TS=None, STAMP: tl.constexpr = False,
 ):
     """Grid (rows, 1 + HAS_PUSH). Per row: lse per head over the parts (candidates + frame), mass of
     each slot = sum over heads of exp(logit - lse) (candidate_mass) as an int key (float bits + 1;
@@ -1131,7 +1291,10 @@ def _select_kernel(
     probed clusters' keys (U is the static width, the most any probe can hold: 1.5-1.9x on real
     layers); the mass pass, the search and the emit stop there (the rerank skips the rest). KS: 1, the
     keys' stride in a scratch row, a run-time argument so that SCAN_V (`IvfConfig.count_rows`) gets its
-    layout (`_chunk_offsets`)."""
+    layout (`_chunk_offsets`). PUBLISH (the plan attended by `_attend_kernel`, launched next): a plan's
+    program sets CTRL[r] = 1 (release) once the row is written; PDL: every program lets that launch
+    start after its mass pass (its programs then wait for the flags while this one searches; let in at
+    the start, they slowed the lse and mass pass by ~0.5 us on the H200, session 34)."""
     r = tl.program_id(0).to(tl.int64)
     w = tl.program_id(1)
     prog = r * tl.num_programs(1) + w  # (timeline stamps: slots 0 start, 1 lse, 2 keys, 3-6 search, 7 end)
@@ -1148,6 +1311,8 @@ def _select_kernel(
             n = tl.minimum(tl.load(N_ROW + r * sn_r), U)
         key_min, n_valid, key_hi = _row_keys(WS_S, WS_POS, WS_ML, row, r, U, n, n_parts, BITMAP, NW, RHO, G, G_PAD,
                                              BLOCK, BLOCK_S, PRECISE, SAMPLE, DEDUP, PB, TS, prog, STAMP)
+        if PDL:
+            gdc_launch_dependents()
         stamp(TS, prog, 2, STAMP)
         if push_row & (w == 0):
             k = RHO
@@ -1161,7 +1326,32 @@ def _select_kernel(
         else:
             thr, take = _top_threshold(row, n, k, key_min, n_valid, key_hi, BLOCK)
             _emit(row, WS_POS + r * U, n, thr, take, k, out, BLOCK)
+        if PUBLISH:
+            if w == tl.num_programs(1) - 1:  # the plan's program (one token: program 1 of 2 with the push)
+                tl.debug_barrier()  # every thread's plan stores before the flag
+                tl.atomic_xchg(CTRL + r, 1, sem="release")
         stamp(TS, prog, 7, STAMP)
+    elif PDL:  # (a program with nothing to select lets it in too: the launch waits for every program's)
+        gdc_launch_dependents()
+
+
+@triton.jit(do_not_specialize=["T", "KP", "n_ctx", "n_loc", "s_end", "window"])
+def _attend_kernel(Q, CK, CV, LK, LV, QPOS, PLAN, CTRL, PACC, PML, ATT, sq_h, sq_g, sq_t, sck_h, sck_n, scv_h, scv_n,
+                   slk_h, slk_n, slv_h, slv_n, sa_h, sa_g, sa_t, T, n_ctx, n_loc, s_end, window, KP, scale,
+                   G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, G_DOT: tl.constexpr, BLOCK_A: tl.constexpr,
+                   W_PAD: tl.constexpr, PRECISE: tl.constexpr, DOT_FP32: tl.constexpr, SLEEP_NS: tl.constexpr = 0,
+                   PDL: tl.constexpr = False, TS=None, STAMP: tl.constexpr = False):
+    """Grid (n_work, rows): CTkvr's plan attended (`_attend_part`), launched right after the select
+    that publishes the rows (PUBLISH). With PDL it starts while the select runs (every select program
+    let it in at its start, so each one it waits for is running: no deadlock), and each program ends
+    by waiting for the select's completion (`gdc_wait`), so what follows this launch on the stream sees
+    the select's writes (the FIFO push's list) as after a plain launch."""
+    _attend_part(Q, CK, CV, LK, LV, QPOS, PLAN, CTRL, PACC, PML, ATT, sq_h, sq_g, sq_t, sck_h, sck_n, scv_h, scv_n,
+                 slk_h, slk_n, slv_h, slv_n, sa_h, sa_g, sa_t, tl.program_id(1).to(tl.int64), tl.program_id(0),
+                 tl.num_programs(0), tl.num_programs(1), T, n_ctx, n_loc, s_end, window, KP, scale, G, G_PAD, D,
+                 G_DOT, BLOCK_A, W_PAD, PRECISE, DOT_FP32, SLEEP_NS, TS, STAMP)
+    if PDL:
+        gdc_wait()
 
 
 @triton.jit
@@ -1321,6 +1511,12 @@ class IvfConfig:
     # us, the first chunk 5.1 -> 5.4, the step the same (128K 60.3-60.7 against 60.1-61.3 us): off
     rerank_chunk_lists: bool = True  # rerank (CTkvr): where rho % block_u == 0 a chunk's slots are one list's items:
     # its entry and table (persisted or FIFO) chosen once per chunk, its positions one contiguous load (session 33)
+    attend: bool = True  # CTkvr, one token, asked (`ctkvr_plan(attend_scale=)`): the plan attended by `_attend_kernel`
+    attend_block: int = 64  # its attention programs' chunk of plan positions
+    attend_workers: int | None = None  # the plan's attention programs per row (None: `_attend_programs`)
+    attend_sleep_ns: int = 64  # their pause between two polls of the plan's flag (GPU; 0: none)
+    attend_warps: int = 4
+    attend_pdl: bool = True  # launched under PDL (Hopper+): it starts while the select runs, not after it
     sample_select: bool = True  # select: `_select_sampled` (27.6 -> 19.5 us at 128K, H100; RESULTS.md); False: plain
     count_rows: int = 4  # select: consecutive keys per thread in the sampled select's counting pass and its band's
     # emit, a power of two (`_chunk_offsets`; 1: one key per thread per repetition of the chunk's layout). At 128K
@@ -1406,13 +1602,18 @@ def _parts_block(n_parts: int) -> int:
 
 def _rerank_and_select(q, kv, *, rows: int, u: int, sink: int, window: int, kp: int, rho: int, source: int,
                        src: tuple, n_top: int, p: int, p_pad: int, log_p: int, dedup: bool, has_fifo: bool,
-                       bitmap, hits, push, cfg: IvfConfig):
-    """Kernels 2 and 3 (shared by CTkvr and kivf) -> plan positions [KVH, T, kp] int32."""
+                       bitmap, hits, push, cfg: IvfConfig, attend_scale: float | None = None):
+    """Kernels 2 and 3 (shared by CTkvr and kivf) -> (plan positions [KVH, T, kp] int32, the plan's
+    attention [KVH, G, T, D] in q's dtype or None). With `attend_scale` (CTkvr, one token: `attends`)
+    a fourth launch, `_attend_kernel`, attends the frame and the plan at that scale."""
     kvh, g, t, d = q.shape
     dev = q.device
     n = kv.n_ctx
     ctx_k = _rows_contiguous(kv.ctx_k)
     loc_k = _rows_contiguous(kv.loc_k.to(ctx_k.dtype))  # one pointer type for the frame's rows
+    attend = attend_scale is not None and attends(q, kv, source, cfg)
+    ctx_v = _rows_contiguous(kv.ctx_v) if attend else ctx_k
+    loc_v = _rows_contiguous(kv.loc_v.to(ctx_v.dtype)) if attend else loc_k
     q_pos = kv.q_pos
     g_pad = triton.next_power_of_2(g)
     s_end = min(sink, n)
@@ -1421,16 +1622,19 @@ def _rerank_and_select(q, kv, *, rows: int, u: int, sink: int, window: int, kp: 
     n_parts = n_slot + 1
     scr_row = 3 * u
     n_sel = 2 if push is not None else 1  # select programs per row
-    f32 = _Carve({"s": rows * g * u})
-    i32 = _Carve({"pos": rows * u, "scr": rows * n_sel * scr_row})
+    n_work = _attend_programs(dev, rows, n_sel, kp, cfg) if attend else 1  # attention programs per row
+    f32 = _Carve({"s": rows * g * u, "pacc": rows * n_work * g_pad * d if attend else 0,
+                  "pml": rows * n_work * g_pad * 2 if attend else 0})
+    i32 = _Carve({"pos": rows * u, "scr": rows * n_sel * scr_row, "ctrl": 2 * rows})
     wf = f32.views(_workspace(dev, torch.float32, f32.total, "rerank"))
     wf["ml"] = _workspace(dev, torch.float64, rows * n_parts * g_pad * 2, "rerank")  # softmax states (_lse_parts)
     wi = i32.views(_workspace(dev, torch.int32, i32.total + 1, "rerank"))  # +1: never empty
     out = torch.empty(kvh, t, kp, dtype=torch.int32, device=dev)
+    att = torch.empty(kvh, g, t, d, dtype=q.dtype, device=dev) if attend else None
     placeholder = wi["pos"]
     _rerank_kernel[(n_parts, rows)](
         q, ctx_k, loc_k, q_pos, *src, bitmap if bitmap is not None else placeholder, wf["s"], wi["pos"], wf["ml"],
-        hits if hits is not None else placeholder,
+        hits if hits is not None else placeholder, wi["ctrl"],
         q.stride(0), q.stride(1), q.stride(2),
         ctx_k.stride(0), ctx_k.stride(1), loc_k.stride(0), loc_k.stride(1),
         *_src_strides(source, src),
@@ -1440,21 +1644,54 @@ def _rerank_and_select(q, kv, *, rows: int, u: int, sink: int, window: int, kp: 
         LOG_P=log_p, SOURCE=source, DEDUP=dedup, HAS_FIFO=has_fifo, PRECISE=_precise(),
         EAGER_ROWS=cfg.eager_rows and dedup, ONE_MASK=source == 0, DOT=_dot_logits(q, ctx_k, cfg),
         DOT_FP32=interpreted(), PREFETCH=cfg.rerank_prefetch and source == 0, LOADS_FIRST=cfg.rerank_loads_first,
-        ONE_LIST=cfg.rerank_chunk_lists and source == 0 and rho % cfg.block_u == 0, **stamp_args("rerank"),
+        ONE_LIST=cfg.rerank_chunk_lists and source == 0 and rho % cfg.block_u == 0, ZERO_CTRL=attend,
+        **stamp_args("rerank"),
         num_warps=cfg.rerank_warps, num_stages=cfg.rerank_stages,
         **({"maxnreg": cfg.rerank_maxnreg} if cfg.rerank_maxnreg and q.device.type == "cuda" else {}),
     )
     has_n_row = source == 1  # kivf: the row's probed keys, SEL_CUM[r, P]
     sel_block, sel_warps = _select_shape(u, cfg)
+    pdl = pdl_launch(dev, cfg.attend_pdl) if attend else {}
     _select_kernel[(rows, n_sel)](
         wf["s"], wi["pos"], wf["ml"], wi["scr"], out, push if push is not None else out,
-        bitmap if bitmap is not None else placeholder, src[2][p:] if has_n_row else placeholder,
+        bitmap if bitmap is not None else placeholder, src[2][p:] if has_n_row else placeholder, wi["ctrl"],
         t, u, n_parts, kp, rho, scr_row, bitmap.shape[-1] if bitmap is not None else 1, p_pad + 1, 1,
         G=g, G_PAD=g_pad, BLOCK=sel_block, BLOCK_S=_parts_block(n_parts), HAS_PUSH=push is not None,
         PRECISE=_precise(), SAMPLE=cfg.sample_select, DEDUP=dedup, PB=p_pad if dedup else 1, HAS_N_ROW=has_n_row,
-        SCAN_V=min(cfg.count_rows, sel_block), **stamp_args("select"), num_warps=sel_warps,
+        SCAN_V=min(cfg.count_rows, sel_block), PUBLISH=attend, PDL=bool(pdl), **stamp_args("select"),
+        num_warps=sel_warps,
     )
-    return out
+    if attend:
+        _attend_kernel[(n_work, rows)](
+            q, ctx_k, ctx_v, loc_k, loc_v, q_pos, out, wi["ctrl"], wf["pacc"], wf["pml"], att,
+            q.stride(0), q.stride(1), q.stride(2), ctx_k.stride(0), ctx_k.stride(1), ctx_v.stride(0), ctx_v.stride(1),
+            loc_k.stride(0), loc_k.stride(1), loc_v.stride(0), loc_v.stride(1), att.stride(0), att.stride(1),
+            att.stride(2), t, n, loc_k.shape[1], s_end, window, kp, float(attend_scale),
+            G=g, G_PAD=g_pad, D=d, G_DOT=max(16, g_pad), BLOCK_A=cfg.attend_block, W_PAD=triton.next_power_of_2(n_work),
+            PRECISE=_precise(), DOT_FP32=interpreted(), SLEEP_NS=0 if interpreted() else cfg.attend_sleep_ns,
+            PDL=bool(pdl), **stamp_args("attend"), num_warps=cfg.attend_warps, **pdl,
+        )
+    return out, att
+
+
+def attends(q: torch.Tensor, kv, source: int, cfg: IvfConfig) -> bool:
+    """Whether a plan asked for its attention computes it (`_attend_kernel`): CTkvr (source 0),
+    `IvfConfig.attend`, one token (a decode step), the values beside the keys (on q's device, in their
+    dtype; not behind a host tier's row cache)."""
+    return (cfg.attend and source == 0 and q.shape[2] == 1 and kv.v_cache is None
+            and kv.ctx_v.device == q.device and kv.ctx_v.dtype == kv.ctx_k.dtype)
+
+
+def _attend_programs(dev: torch.device, rows: int, n_sel: int, kp: int, cfg: IvfConfig) -> int:
+    """Attention programs per row (`_attend_kernel`): the frame's, and one per plan chunk of
+    `attend_block` positions (one chunk each: a program's first chunk costs most of its time) while
+    the launch and the select's stay within two programs per SM, at least one; `attend_workers`
+    overrides the plan's count."""
+    chunks = _cdiv(kp, cfg.attend_block)
+    if cfg.attend_workers:
+        return min(cfg.attend_workers, chunks) + 1
+    sms = torch.cuda.get_device_properties(dev).multi_processor_count if dev.type == "cuda" else 4
+    return max(1, min(chunks, 2 * sms // rows - n_sel - 1)) + 1
 
 
 def _src_strides(source: int, src: tuple) -> tuple:
@@ -1478,14 +1715,16 @@ def _rows_contiguous(x: torch.Tensor) -> torch.Tensor:
 
 
 def ctkvr_plan(q: torch.Tensor, kv, cent: torch.Tensor, lists: torch.Tensor, fifo, *, sink: int, window: int,
-               k: int, probe: int, cfg: IvfConfig | None = None):
+               k: int, probe: int, cfg: IvfConfig | None = None, attend_scale: float | None = None):
     """CTkvr's plan (indexer/ctkvr.py, `_CTkvrPlanner.plan`) in 3 launches.
 
     q [KVH, G, T, D]; kv: KVView; cent [KVH, C, G, D] unit-norm; lists [KVH, C, rho] int32; fifo: the
     layer's `_Fifo` (cent [KVH, F, G, D], lists [KVH, F, rho], pushes [1]) or None (no update).
-    Returns (positions [KVH, T, min(k, probe·rho)] int32, pending) with pending = (query [KVH, G, D]
-    in the centroids' dtype, list [KVH, rho] int32, hits [KVH·T] int32: probed FIFO entries per row)
-    when fifo is given, else None."""
+    Returns (positions [KVH, T, min(k, probe·rho)] int32, pending, attended) with pending = (query
+    [KVH, G, D] in the centroids' dtype, list [KVH, rho] int32, hits [KVH·T] int32: probed FIFO entries
+    per row) when fifo is given, else None; attended = the attention of q over the frame and the plan at
+    `attend_scale` [KVH, G, T, D] in q's dtype where `attend_scale` is given and the plan `attends`
+    (else None)."""
     cfg = cfg or DEFAULT_CONFIG
     kvh, g, t, d = q.shape
     dev = q.device
@@ -1532,12 +1771,12 @@ def ctkvr_plan(q: torch.Tensor, kv, cent: torch.Tensor, lists: torch.Tensor, fif
         num_warps=cfg.probe_warps,
         **({"maxnreg": cfg.probe_maxnreg} if cfg.probe_maxnreg and q.device.type == "cuda" else {}),
     )
-    out = _rerank_and_select(
+    out, att = _rerank_and_select(
         q, kv, rows=rows, u=u, sink=sink, window=window, kp=kp, rho=rho, source=0,
         src=(topv, wi["topi"], lists, flists), n_top=n_top, p=p, p_pad=p_pad, log_p=1, dedup=True,
-        has_fifo=has_fifo, bitmap=bitmap, hits=hits, push=push, cfg=cfg,
+        has_fifo=has_fifo, bitmap=bitmap, hits=hits, push=push, cfg=cfg, attend_scale=attend_scale,
     )
-    return out, ((pend_q, push.view(kvh, rho), hits) if has_fifo else None)
+    return out, ((pend_q, push.view(kvh, rho), hits) if has_fifo else None), att
 
 
 def fifo_push(fifo, pending, n_probed: int) -> None:
@@ -1604,7 +1843,7 @@ def kivf_plan(q: torch.Tensor, kv, cent: torch.Tensor, order: torch.Tensor, offs
         q, kv, rows=rows, u=u, sink=sink, window=window, kp=kp, rho=0, source=1,
         src=(order, wi["start"], wi["cum"], wi["cum"]), n_top=0, p=p, p_pad=p_pad,
         log_p=max(1, (p - 1).bit_length()), dedup=False, has_fifo=False, bitmap=None, hits=None, push=None, cfg=cfg,
-    )
+    )[0]
 
 
 __all__ = ["IvfConfig", "MAX_PROBE", "ctkvr_plan", "fifo_push", "kivf_plan", "unsupported", "clear_workspace"]
