@@ -11,7 +11,7 @@
 #           s24attend | s24variants | s24regs | s24final | s24tests | s24stop | s25ncu | s25sel | s25final512 | s25knobs | s25pdl | s25attnpdl | s25saappdl | s25selsrc |
 #           s26ab | s26mask | s26probe | s26selw | s26push | s26final | s27ab | s27kivf | s27tests | s27kivfknobs | s27kivfsel |
 #           s28dot | s28kivf | s28knobs | s28exp | s28piv | s28tests | s28pf | s29tl | s29probe | s29keys | s29pdl | s29final | s29cb | s30scan | s30scan2 | s30tests | s30knobs | s30l2 | s30pdl |
-#           s31split | s31split2 | s31split3 | s31rerank | s31prefetch | s32floors | s32probe | s32loads | s32order | s32pos | s32floors3 | s32final | s33rerank | s33all | s33all2 | s33all3 | s33fifo | s33lists | s34attn | s34attn2 | s34attend | s34attend2 | s34diag | s34pdl | s34w16 | s34final
+#           s31split | s31split2 | s31split3 | s31rerank | s31prefetch | s32floors | s32probe | s32loads | s32order | s32pos | s32floors3 | s32final | s33rerank | s33all | s33all2 | s33all3 | s33fifo | s33lists | s34attn | s34attn2 | s34attend | s34attend2 | s34diag | s34pdl | s34w16 | s34final | s34check
 #   (default: tests decode before_after)
 #   The device tool returns at most 8 files: past that, the run's JSON files come back as $OUT/json.tar.gz
 #   (and everything as $OUT/all.tar.gz if that is not enough).
@@ -87,6 +87,17 @@ s32_ab() {
 s32_512() {
   python3 benchmarks/gpu_decode.py --lengths 524288 --batches 1 --backends triton --methods $2 --out "$OUT/${1}_$3" \
     2>&1 | tee -a "$OUT/gpu_decode_$1.log" | grep -E "graph|Error|error"
+}
+# ivf_ab TAG "A B" K (sessions 33-34): the IVF kernel tests selected by -k K on the GPU, then the methods A and B
+# alternating twice: gpu_decode at 128K (B = 1, 8) with profiles, at 512K (B = 1), and timelines at 128K
+ivf_ab() {
+  python3 -m pytest -q -p no:cacheprovider -o addopts="" tests/test_kernels_ivf.py -k "$3" 2>&1 \
+    | tee "$OUT/gpu_tests_$1.log" | tail -2
+  python3 benchmarks/gpu_decode.py --lengths 131072 --batches 1 8 --backends triton --profile --methods $2 $2 \
+    --out "$OUT/$1" 2>&1 | tee "$OUT/gpu_decode_$1.log" | grep -E "graph|Error|error|kernels,"
+  s32_512 "$1" "$2 $2" 512
+  python3 benchmarks/gpu_timeline.py --lengths 131072 --methods $2 --tag "_$1" 2>&1 \
+    | tee "$OUT/gpu_timeline_$1.log" | grep -vE "^\|---"
 }
 for stage in $stages; do
   case $stage in
@@ -1287,14 +1298,7 @@ for stage in $stages; do
       s32_512 s33fifo "ctkvr ctkvr@fifo=0" 512 ;;
     s33lists)  # session 33: the rerank reading one list per chunk (IvfConfig.rerank_chunk_lists) against the
       # per-slot choice, alternating twice: CTkvr's kernel tests on the GPU, gpu_decode at 128K (B = 1, 8), 512K, timelines
-      python3 -m pytest -q -p no:cacheprovider -o addopts="" tests/test_kernels_ivf.py -k "ctkvr or probe or one_list" \
-        2>&1 | tee "$OUT/gpu_tests_s33lists.log" | tail -2
-      python3 benchmarks/gpu_decode.py --lengths 131072 --batches 1 8 --backends triton --profile \
-        --methods ctkvr:rerank_chunk_lists=0 ctkvr ctkvr:rerank_chunk_lists=0 ctkvr --out "$OUT/s33lists" 2>&1 \
-        | tee "$OUT/gpu_decode_s33lists.log" | grep -E "graph|Error|error|kernels,"
-      s32_512 s33lists "ctkvr:rerank_chunk_lists=0 ctkvr" 512
-      python3 benchmarks/gpu_timeline.py --lengths 131072 --methods ctkvr:rerank_chunk_lists=0 ctkvr --tag _s33lists \
-        2>&1 | tee "$OUT/gpu_timeline_s33lists.log" | grep -E "graph|\| rerank |rerank phases" ;;
+      ivf_ab s33lists "ctkvr:rerank_chunk_lists=0 ctkvr" "ctkvr or probe or one_list" ;;
     s34attn)  # session 34: the attention's launch knobs on CTkvr's 1,024-position plan (9 chunks of 128 rows per KV
       # head: 72 programs of one chunk each at B = 1): 64- and 32-row chunks (144 / 288 programs), 8 warps, 3 stages
       python3 benchmarks/gpu_decode.py --lengths 131072 --batches 1 --profile --methods ctkvr --backends triton \
@@ -1307,18 +1311,10 @@ for stage in $stages; do
         triton triton:block_n=64,num_warps=2 triton:num_warps=2 triton:block_n=64,num_warps=1 triton:block_n=32,num_warps=1 \
         triton:block_n=64,num_warps=2,num_stages=3 triton:block_n=64,num_warps=2,num_stages=1 triton --out "$OUT/s34attn2" \
         2>&1 | tee "$OUT/gpu_decode_s34attn2.log" | grep -E "graph|Error|error" ;;
-    s34attend)  # session 34: CTkvr's plan attended (IvfConfig.attend) against the split and merge launches after it;
-      # s34attend, s34attend2 and s34diag ran a first version (the attention's programs inside the select's launch,
-      # roles by ticket; measured and replaced, RESULTS.md): here they run the tree's (_attend_kernel under PDL)
-      # launches after it, alternating twice: the IVF kernel tests on the GPU, gpu_decode at 128K (B = 1, 8), 512K, timelines
-      python3 -m pytest -q -p no:cacheprovider -o addopts="" tests/test_kernels_ivf.py -k "ctkvr or attends or graph" \
-        2>&1 | tee "$OUT/gpu_tests_s34attend.log" | tail -3
-      python3 benchmarks/gpu_decode.py --lengths 131072 --batches 1 8 --backends triton --profile \
-        --methods ctkvr:attend=0 ctkvr ctkvr:attend=0 ctkvr --out "$OUT/s34attend" 2>&1 \
-        | tee "$OUT/gpu_decode_s34attend.log" | grep -E "graph|Error|error|kernels,"
-      s32_512 s34attend "ctkvr:attend=0 ctkvr ctkvr:attend=0 ctkvr" 512
-      python3 benchmarks/gpu_timeline.py --lengths 131072 --methods ctkvr:attend=0 ctkvr --tag _s34attend 2>&1 \
-        | tee "$OUT/gpu_timeline_s34attend.log" | grep -vE "^\|---" ;;
+    s34attend)  # session 34: CTkvr's plan attended (IvfConfig.attend) against the split and merge launches after it,
+      # alternating twice (ivf_ab). s34attend, s34attend2 and s34diag ran a first version (the attention's programs
+      # inside the select's launch, roles by ticket; measured and replaced, RESULTS.md): here they run the tree's
+      ivf_ab s34attend "ctkvr:attend=0 ctkvr" "ctkvr or attends or graph" ;;
     s34attend2)  # session 34 (see s34attend): polls paused (nanosleep) and the merge's loads from L2
       # (.cg, not volatile), against attend=0, and its knobs: programs per row, chunk, pause
       python3 -m pytest -q -p no:cacheprovider -o addopts="" tests/test_kernels_ivf.py -k "attends or graph" \
@@ -1358,6 +1354,13 @@ for stage in $stages; do
         --out "$OUT/s34final" 2>&1 | tee "$OUT/gpu_decode_s34final.log" | grep -E "graph|Error|error"
       python3 benchmarks/gpu_timeline.py --lengths 131072 --methods ctkvr:attend=0 ctkvr --tag _s34final 2>&1 \
         | tee "$OUT/gpu_timeline_s34final.log" | grep -vE "^\|---|rerank" ;;
+    s34check)  # session 34: the final tree (the frame's rows from one helper, `_frame_rows`, in the rerank and the
+      # attention): the IVF kernel tests of the attended plan and the graph, gpu_decode at 128K and 512K
+      python3 -m pytest -q -p no:cacheprovider -o addopts="" tests/test_kernels_ivf.py -k "attends or graph or one_list" \
+        2>&1 | tee "$OUT/gpu_tests_s34check.log" | tail -2
+      python3 benchmarks/gpu_decode.py --lengths 131072 524288 --batches 1 --backends triton \
+        --methods ctkvr:attend=0 ctkvr --out "$OUT/s34check" 2>&1 | tee "$OUT/gpu_decode_s34check.log" \
+        | grep -E "graph|Error|error" ;;
     *) echo "unknown stage $stage" ;;
   esac
 done

@@ -918,6 +918,20 @@ def _window_lo(QPOS, t, window, s_end, n_ctx):
 
 
 @triton.jit
+def _frame_rows(j, s_end, window, n_loc, n_ctx, w_lo, qp):
+    """Slot j of a token's frame (`frame_bounds`): sink rows [0, s_end), window rows w_lo + [0, window)
+    inside the context, then local slots with n_ctx + slot <= q_pos. Returns (context row, local slot,
+    whether a context row, whether visible at all)."""
+    in_s = j < s_end
+    in_w = (j >= s_end) & (j < s_end + window)
+    in_l = (j >= s_end + window) & (j < s_end + window + n_loc)
+    row = tl.where(in_s, j, w_lo + j - s_end)
+    ctx_ok = in_s | (in_w & (row < n_ctx))
+    slot = j - s_end - window
+    return row, slot, ctx_ok, ctx_ok | (in_l & (n_ctx + slot <= qp))
+
+
+@triton.jit
 def _attend_chunk(m_a, l_a, acc, qm, kt, vt, keep, qk_scale, G: tl.constexpr, PRECISE: tl.constexpr,
                   DOT_FP32: tl.constexpr):
     """The attention's online state (m_a, l_a [G_DOT], acc [G_DOT, D] fp32; the group's heads as rows,
@@ -979,14 +993,7 @@ def _attend_part(Q, CK, CV, LK, LV, QPOS, PLAN, CTRL, PACC, PML, ATT, sq_h, sq_g
         stamp(TS, r * n_work + a, 2, STAMP)
         n_fr = s_end + window + n_loc
         for c0 in range(0, n_fr, BLOCK_A):
-            j = c0 + ar
-            in_s = j < s_end
-            in_w = (j >= s_end) & (j < s_end + window)
-            in_l = (j >= s_end + window) & (j < n_fr)
-            row = tl.where(in_s, j, w_lo + j - s_end)
-            ctx_ok = in_s | (in_w & (row < n_ctx))
-            slot = j - s_end - window
-            ok = ctx_ok | (in_l & (n_ctx + slot <= qp))
+            row, slot, ctx_ok, ok = _frame_rows(c0 + ar, s_end, window, n_loc, n_ctx, w_lo, qp)
             k_ptr = tl.where(ctx_ok[:, None], CK + h * sck_h + row[:, None].to(tl.int64) * sck_n + offs_d[None, :],
                              LK + h * slk_h + slot[:, None].to(tl.int64) * slk_n + offs_d[None, :])
             v_ptr = tl.where(ctx_ok[:, None], CV + h * scv_h + row[:, None].to(tl.int64) * scv_n + offs_d[None, :],
@@ -1099,15 +1106,7 @@ def _rerank_kernel(
         # slots j with n_ctx + j <= q_pos (frame_logsumexp); no logits are stored
         n_fr = s_end + window + n_loc
         for c0 in range(0, n_fr, BLOCK_U):
-            j = c0 + ar_u
-            in_s = j < s_end
-            in_w = (j >= s_end) & (j < s_end + window)
-            in_l = (j >= s_end + window) & (j < n_fr)
-            row = tl.where(in_s, j, w_lo + j - s_end)
-            ctx_ok = in_s | (in_w & (row < n_ctx))
-            slot = j - s_end - window
-            loc_ok = in_l & (n_ctx + slot <= qp)
-            ok = ctx_ok | loc_ok
+            row, slot, ctx_ok, ok = _frame_rows(c0 + ar_u, s_end, window, n_loc, n_ctx, w_lo, qp)
             ptr = tl.where(ctx_ok[:, None], CK + h * sck_h + row[:, None].to(tl.int64) * sck_n + offs_d[None, :],
                            LK + h * slk_h + slot[:, None].to(tl.int64) * slk_n + offs_d[None, :])
             kt = tl.load(ptr, mask=ok[:, None], other=0.0)
