@@ -205,6 +205,22 @@ def test_ctkvr_plan_attends_in_its_select(case, cfg_name, dtype, monkeypatch):
     assert attended == ts.count(1)
 
 
+def test_ctkvr_attends_only_where_it_can():
+    """`attends`: CTkvr's plan computes its attention for one token with the values on the query's
+    device in the keys' dtype, not for kivf, a step of several tokens, values behind a host tier's row
+    cache, values in another dtype, or with `IvfConfig.attend` off (the backend then runs as usual)."""
+    q1, q2 = torch.zeros(2, 4, 1, 32), torch.zeros(2, 4, 2, 32)
+    k = torch.zeros(2, 10, 32)
+    kv = KVView(k, k.clone(), k[:, :4], k[:, :4], torch.arange(10, 11))
+    on = ivf.IvfConfig()
+    assert ivf.attends(q1, kv, 0, on)
+    assert not ivf.attends(q1, kv, 1, on)  # kivf
+    assert not ivf.attends(q2, kv, 0, on)
+    assert not ivf.attends(q1, dataclasses.replace(kv, v_cache=object()), 0, on)
+    assert not ivf.attends(q1, dataclasses.replace(kv, ctx_v=k.half()), 0, on)
+    assert not ivf.attends(q1, kv, 0, ivf.IvfConfig(attend=False))
+
+
 @pytest.mark.parametrize("fifo_blocks, loads_first", [(True, True), (True, False), (False, True)])
 def test_ctkvr_probe_reads_the_fifo_table_per_block(fifo_blocks, loads_first, monkeypatch):
     """48 centroids in blocks of 16: every probe block is all persisted or all FIFO entries, so the
