@@ -1002,8 +1002,9 @@ def _attend_part(Q, CK, CV, LK, LV, QPOS, PLAN, CTRL, PACC, PML, ATT, sq_h, sq_g
             vt = tl.load(v_ptr, mask=ok[:, None], other=0.0)
             m_a, l_a, acc = _attend_chunk(m_a, l_a, acc, qm, kt, vt, ok, scale, G, PRECISE, DOT_FP32)
     else:
-        # the row's select program has started (an earlier ticket): it will publish. Polled by plain loads
-        # (not atomics, which all go to the flag's L2 slice) with a pause between them, then one acquire
+        # the row's select program runs (PDL lets this launch in only once every select program has passed its
+        # mass pass; without PDL this launch follows the select): it will publish. Polled by plain loads (not
+        # atomics, which all go to the flag's L2 slice) with a pause between them, then one acquire
         ready = tl.load(CTRL + r, volatile=True)
         while ready == 0:
             if SLEEP_NS > 0:
