@@ -178,8 +178,8 @@ read of the same 17.3 MB on the probe's grid takes 6.9 us, the probe alone witho
 slot programs reading the query position after their merge's and lists' loads; its static SASS now waits for
 that position (not otherwise in L2 at the rerank: the probe does not read it) before any of a program's loads.
 Session 34: the plan attended by `_attend_kernel` (above) instead of the backend's split and merge: at 128K the
-step 56.0-56.3 -> 54.9 us (2.80x SDPA), at 512K 57.3-57.4 -> 55.4-55.7 (9.99-10.04x against SDPA's 556.5; H200,
-benchmarks/RESULTS.md); the select's programs pay ~1.5 us of it (its counting pass beside the waiting programs,
+step 56.0-56.8 -> 54.9-55.4 us (2.75-2.80x SDPA), at 512K 57.3-57.8 -> 55.2-55.7 (9.92-10.04x over three calls;
+H200, benchmarks/RESULTS.md); the select's programs pay ~1.5 us of it (its counting pass beside the waiting programs,
 the flag's release).
 Session 33: where rho % block_u == 0 a rerank chunk's slots are items of one list, so its rank, entry and table
 (persisted or FIFO) are chosen once per chunk and its positions are one contiguous load (`_list_pos`'s ONE_LIST,
