@@ -11,8 +11,7 @@ the softmax state's store).
 Same layer, inputs, index and request as `gpu_decode.py` (one 8B layer, bf16, B = 1, the triton
 backend), graph-captured, replayed with a cold L2. Stamps cost a barrier and three stores per point:
 the step is timed with them and without them (a second graph of the same step) in the same run, so the
-overhead is on record. Kernels stamped: CTkvr's probe, the IVF rerank and select (or, split, its slices and
-search: `IvfConfig.split_select`), CTkvr's attended plan
+overhead is on record. Kernels stamped: CTkvr's probe, the IVF rerank and select, CTkvr's attended plan
 (`_attend_kernel`: its programs' wait for the plan, their rows, the state's store and merge) or the attention's
 split and merge (other methods' kernels take no stamps: their rows show the attention only).
 
@@ -49,15 +48,11 @@ from decoder.backends import get_backend  # noqa: E402
 from indexer.base import PrefillCapture  # noqa: E402
 from indexer.kernels.stamps import recording  # noqa: E402
 
-ORDER = ["probe", "rerank", "slices", "select", "search", "attend", "split", "merge"]
-END_SLOT = {"select": 7, "search": 7, "slices": 7}  # the slot a kernel stamps at its end (1 elsewhere)
+ORDER = ["probe", "rerank", "select", "attend", "split", "merge"]
+END_SLOT = {"select": 7}  # the slot a kernel stamps at its end (1 elsewhere)
 PHASES = {  # per kernel: (phase, from slot, to slot) as the kernel stamps them
     "select": [("lse", 0, 1), ("keys", 1, 2), ("bracket", 2, 3), ("count", 3, 4), ("bisect", 4, 5), ("emit", 5, 6),
                ("tail", 6, 7), ("total", 0, 7)],
-    # the split select (`IvfConfig.split_select`, one launch): its slice programs, and its search programs ("search":
-    # waiting for the slices, the band searched and emitted, or a fallback's phases as the select's from slot 3 on)
-    "slices": [("lse", 0, 1), ("bracket", 1, 2), ("count", 2, 3), ("wait_store", 3, 7), ("total", 0, 7)],
-    "search": [("wait", 0, 1), ("band", 1, 2), ("tail", 2, 7), ("total", 0, 7)],
     "rerank": [("merge", 0, 2), ("chunk0", 2, 3), ("chunk1", 3, 4), ("tail", 4, 1), ("total", 0, 1)],
     # CTkvr's plan attended in its select launch (`_attend_part`): waiting for the plan, its rows, the state's store
     # and (the row's last program) the merge
@@ -89,7 +84,7 @@ def analyse(stamps: dict[str, torch.Tensor], push: bool) -> dict:
     the select runs two programs per row, (row, 0) the FIFO push's and (row, 1) the plan's (CTkvr's
     one-token steps); else one, the plan's."""
     t0 = min(int(b[:, 0, 0][b[:, 0, 0] > 0].min()) for b in stamps.values() if len(b))
-    out, phases, res = {}, {"plan": {}, "push": {}, "rerank": {}, "attend": {}, "slices": {}}, []
+    out, phases, res = {}, {"plan": {}, "push": {}, "rerank": {}, "attend": {}}, []
     for name in ORDER:
         b = stamps.get(name)
         if b is None or not len(b):
@@ -110,7 +105,7 @@ def analyse(stamps: dict[str, torch.Tensor], push: bool) -> dict:
             for i in ran.nonzero().flatten().tolist():
                 row = b[i]
                 clk_ns = (row[end, 0] - row[0, 0]).item() / max(1, (row[end, 1] - row[0, 1]).item())
-                kind = name if name not in ("select", "search") else "push" if push and i % 2 == 0 else "plan"
+                kind = name if name != "select" else "push" if push and i % 2 == 0 else "plan"
                 for ph, a, z in PHASES[name]:
                     if row[a, 1] > 0 and row[z, 1] > 0:
                         phases[kind].setdefault(ph, []).append((row[z, 1] - row[a, 1]).item() * clk_ns / 1e3)
@@ -146,7 +141,7 @@ def run(n: int, spec_name: str, reps: int) -> dict:
             kernels[name] = {k: med([x[k] for x in got]) for k in got[0]}
     gaps = {k: med([p["gaps_us"][k] for p in per if k in p["gaps_us"]]) for k in per[0]["gaps_us"]}
     phases = {}
-    for kind in ("plan", "push", "rerank", "attend", "slices"):
+    for kind in ("plan", "push", "rerank", "attend"):
         vals = {}
         for p in per:
             for ph, xs in p["phases"][kind].items():
@@ -170,7 +165,7 @@ def report(row: dict) -> None:
     print("gaps (us): " + ", ".join(f"{k} {v:.2f}" for k, v in row["gaps_us"].items()))
     for kind, ph in row["select_phases_us"].items():
         if ph:
-            print(f"{'select ' * (kind not in ('rerank', 'attend', 'slices'))}{kind} phases (us, median / max): "
+            print(f"{'select ' * (kind not in ('rerank', 'attend'))}{kind} phases (us, median / max): "
                   + ", ".join(f"{k} {v['median']:.2f}/{v['max']:.2f}" for k, v in ph.items()))
 
 

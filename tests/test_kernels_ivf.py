@@ -143,37 +143,6 @@ def test_ctkvr_fused_plan_with_tiny_blocks(monkeypatch):
         _run_ctkvr(case, seed=5 + i, cfg=TINY, monkeypatch=monkeypatch)
 
 
-SPLITS = {"unsplit": dataclasses.replace(TINY, split_select=False),  # the mass pass in the select's own programs
-          "slices_of_16": dataclasses.replace(TINY, split_block=16)}  # 6-12 slices per selection
-
-
-@pytest.mark.parametrize("case", ["tiny_push_inside_plan", "tiny_plan_inside_push", "question_then_decode"])
-def test_ctkvr_split_select_plans_as_the_unsplit_one(case, monkeypatch):
-    """The select over slices (`IvfConfig.split_select`, several slices per row here; a request alone
-    in its step, `KVView.attend_scale`) plans what the torch path plans, and exactly what the one-program
-    select plans (the same positions in the same order, the same FIFO ring), over decode and question
-    steps."""
-    (kvh, g, d, n), params, ts = CTKVR_CASES[case]
-    m = get_method("ctkvr")
-    p = m.Params(**params)
-    cap = _capture(41, kvh, g, d, n)
-    index = _reader(m.build(cap, p))
-    ctx = DecodeContext(n, _spec(kvh, g, d), 16)
-    planners = {name: m.open(index, p, ctx) for name in (*SPLITS, "torch")}
-    for i, (q, kv) in enumerate(_steps(41, kvh, g, d, n, ts, ctx=(cap.k[0], cap.v[0]))):
-        kv = dataclasses.replace(kv, attend_scale=d ** -0.5)
-        plans = {}
-        for name, planner in planners.items():
-            planner.fused = name != "torch"
-            monkeypatch.setattr(ivf, "DEFAULT_CONFIG", SPLITS.get(name, TINY))
-            plans[name] = planner.plan(0, q, kv).positions
-            planner.update(0, None, None, kv.q_pos)
-        assert torch.equal(plans["slices_of_16"], plans["unsplit"]), f"{case} step {i}"
-        _assert_same_plan(plans["slices_of_16"], plans["torch"], f"{case} step {i}")
-        _assert_same_fifo(planners["unsplit"], planners["slices_of_16"], f"{case} step {i}")
-        _assert_same_fifo(planners["torch"], planners["slices_of_16"], f"{case} step {i}")
-
-
 # The plan's attention in the select launch (`ctkvr_plan(attend_scale=)`, asked by `KVView.attend_scale`)
 
 # relative L2 against torch_ref over the plan's positions: fp32 measured ~3e-7 on the interpreter; bf16 at most
@@ -405,7 +374,7 @@ def _kivf_capture(seed, kvh, g, d, n):
     return PrefillCapture(q=q, k=k, v=v, positions=torch.arange(n), spec=_spec(kvh, g, d))
 
 
-def _run_kivf(case, seed, cfg=None, monkeypatch=None, alone=False):
+def _run_kivf(case, seed, cfg=None, monkeypatch=None):
     (kvh, g, d, n), params, ts = KIVF_CASES[case]
     if cfg is not None:
         monkeypatch.setattr(ivf, "DEFAULT_CONFIG", cfg)
@@ -418,8 +387,6 @@ def _run_kivf(case, seed, cfg=None, monkeypatch=None, alone=False):
     ref, fused = m.open(index, p, ctx), m.open(index, p, ctx)
     ref.fused, fused.fused = False, True
     for i, (q, kv) in enumerate(_steps(seed, kvh, g, d, n, ts, ctx=(cap.k[0], cap.v[0]))):
-        if alone:  # the request alone in its step: the split select where it applies (`ivf.splits`)
-            kv = dataclasses.replace(kv, attend_scale=d ** -0.5)
         _assert_same_plan(fused.plan(0, q, kv).positions, ref.plan(0, q, kv).positions, f"{case} step {i}")
     return fused
 
@@ -429,9 +396,8 @@ def test_kivf_fused_plan_equals_torch(case):
     _run_kivf(case, seed=zlib.crc32(case.encode()) % 1000 + 1)
 
 
-@pytest.mark.parametrize("split", sorted(SPLITS))
-def test_kivf_fused_plan_with_tiny_blocks(split, monkeypatch):
-    _run_kivf("question", seed=7, cfg=SPLITS[split], monkeypatch=monkeypatch, alone=True)
+def test_kivf_fused_plan_with_tiny_blocks(monkeypatch):
+    _run_kivf("question", seed=7, cfg=TINY, monkeypatch=monkeypatch)
 
 
 @pytest.mark.parametrize("live", [False, True], ids=["all_slots", "live_prefix"])
@@ -484,69 +450,6 @@ def test_select_kernel_ties_take_the_lowest_slots(kp, rho, search, live):
             else:
                 assert got[: len(want)].tolist() == [x for x in pos[r].tolist() if x in set(want)]  # slot order
             assert (got[len(want):] == -1).all()
-
-
-def _select_inputs(rows, g, u, n_row, gen):
-    """The select's inputs for `test_split_select_writes_what_the_unsplit_one_writes`: the rerank's
-    logits [rows, U, G] and positions [rows, U], and one softmax-state part per head over each row's live
-    valid slots [rows, 1, G, 2] (float64)."""
-    logits = torch.randn(rows, u, g, generator=gen) * 2
-    pos = torch.randperm(4 * rows * u, generator=gen)[: rows * u].view(rows, u).to(torch.int32)
-    pos[1, torch.rand(u, generator=gen) < 0.3] = -1  # empty slots
-    logits[2] = -torch.randint(0, 4, (u, 1), generator=gen).float()  # 4 classes: ties across the K-th place
-    pos[3, 30:] = -1  # fewer valid slots than either K: no search
-    logits[5] = logits[5].sort(dim=0, descending=True).values  # the best keys all in the first slices
-    live = (torch.arange(u)[None, :] < n_row[:, None]) & (pos >= 0)
-    logits = logits.masked_fill(~live[..., None], float("-inf"))
-    m = logits.amax(1)  # [rows, G]
-    lsum = torch.exp(logits - m[:, None, :]).sum(1)
-    ml = torch.stack([m, lsum], -1)[:, None].double().contiguous()  # [rows, 1, G, 2]
-    logits = torch.where(live[..., None], logits, torch.full_like(logits, 5.0))  # stale past a live prefix
-    return logits.contiguous(), pos, ml
-
-
-def test_split_select_writes_what_the_unsplit_one_writes():
-    """The split select (`IvfConfig.split_select`: `_slices_kernel`, R slice programs and a search
-    program per selection of each row) writes the same plan and push rows as the one-program select
-    (`_select_kernel`), in the same order (which the attention's rounding follows), over Gaussian rows,
-    empty slots, exact ties across the K-th place, fewer valid slots than K, a live prefix (kivf's
-    N_ROW) with stale slots past it, and the best keys all in the first slices; its searches took the
-    slices' band for some selections and fell back on the stored keys for others (the path each search
-    writes to HDR[r, 7, w])."""
-    rows, g, u, block, kp, rho, sl = 6, 2, 512, 256, 40, 100, 64
-    r_pad = 8
-    gen = torch.Generator().manual_seed(29)
-    n_row = torch.tensor([u, u, u, u, 300, u], dtype=torch.int32)
-    logits, pos, ml = _select_inputs(rows, g, u, n_row, gen)
-    d = lambda x: x.to(DEVICE)  # noqa: E731
-    common = dict(G=g, G_PAD=g, BLOCK=block, BLOCK_S=16, HAS_PUSH=True, PRECISE=DEVICE == "cuda", HAS_N_ROW=True,
-                  SCAN_V=4)
-    got = {}
-    for split in (False, True):
-        ins = [d(logits), d(pos), d(ml)]
-        scr = d(torch.zeros(rows * 2 * 3 * u, dtype=torch.int32))
-        out, push = d(torch.full((rows, kp), -7, dtype=torch.int32)), d(torch.full((rows, rho), -7, dtype=torch.int32))
-        nr = d(n_row)
-        hdr = d(torch.full((rows * 8 * r_pad,), -7, dtype=torch.int32))
-        if split:
-            band = d(torch.full((rows * 2 * 2 * u,), -7, dtype=torch.int32))  # poisoned: only what is written is read
-            stat = d(torch.zeros(rows * (2 * r_pad + 1), dtype=torch.int64))  # (the rerank zeroes it)
-            ivf._slices_kernel[(u // sl + 2, rows)](*ins, scr, out, push, band, hdr, stat, ins[1], ins[1], nr, 1, u, 1,
-                                                     kp, rho, 3 * u, 1, 1, 1, sl, u // sl, BLOCK_P=sl, R_PAD=r_pad,
-                                                     **common, num_warps=4)
-        else:
-            ivf._select_kernel[(rows, 2)](*ins, scr, out, push, ins[1], nr, ins[1], 1, u, 1, kp, rho, 3 * u, 1, 1, 1,
-                                          SAMPLE=True, **common, num_warps=4)
-        got[split] = out.cpu(), push.cpu(), hdr.cpu().view(rows, 8, r_pad)[:, 7, :2]
-    assert torch.equal(got[True][0], got[False][0]) and torch.equal(got[True][1], got[False][1])
-    for r in (2, 3):  # exact ranks: the classes' masses tie exactly; row 3 has 30 valid slots
-        ranked = sorted((-float(logits[r, i, 0]), i) for i in range(u) if pos[r, i] >= 0)
-        for row, k in ((got[True][0][r], kp), (got[True][1][r], rho)):
-            want = [int(pos[r, i]) for _, i in ranked[:k]]
-            assert sorted(row[: len(want)].tolist()) == sorted(want) and (row[len(want):] == -1).all(), r
-    path = got[True][2].tolist()  # [row][push, plan]
-    assert path[0] == path[1] == path[4] == path[5] == [1, 1]  # Gaussian rows (a live prefix, skewed): the band
-    assert path[3] == [0, 0] and 0 in path[2]  # no search needed; a band of ties larger than a block
 
 
 import triton  # noqa: E402 - after the importorskip above
@@ -825,47 +728,3 @@ def test_fused_plans_make_no_host_sync_and_replay_in_a_graph(name):
         assert torch.equal(got_a, want_a)
     b.fused = False  # and the torch path plans the same positions on the GPU
     assert torch.equal(_sorted_rows(want), _sorted_rows(b.plan(0, q, kv).positions))
-
-
-@pytest.mark.gpu
-def test_split_select_plans_as_the_unsplit_one_at_the_8b_shape(monkeypatch):
-    """On CUDA at the benchmarks' shape (8 KV heads of 4, D 128, bf16; probe 4 x 2,560 = 10,240 slots per
-    row, k 1,024: the sampled search, 10 slices), the split select plans exactly what the one-program
-    select plans (positions and their order, the FIFO ring) step after step, and replays in a CUDA graph
-    to the same positions and the same attention bits."""
-    kvh, g, d, n = 8, 4, 128, 16384
-    m = get_method("ctkvr")
-    p = m.Params(k=1024, list_size=2560, probe=4)
-    cap = _capture(3, kvh, g, d, n, torch.bfloat16)
-    index = _reader(m.build(cap, p))
-    ctx = DecodeContext(n, _spec(kvh, g, d), 16)
-    cfgs = {"split": ivf.IvfConfig(), "unsplit": ivf.IvfConfig(split_select=False)}
-    planners = {name: m.open(index, p, ctx) for name in cfgs}
-    steps = list(_steps(4, kvh, g, d, n, [1] * 4, dtype=torch.bfloat16, ctx=(cap.k[0], cap.v[0])))
-    for i, (q, kv) in enumerate(steps):
-        plans = {}
-        kv = dataclasses.replace(kv, attend_scale=d ** -0.5)  # alone in its step: the split select (`ivf.splits`)
-        for name, planner in planners.items():
-            monkeypatch.setattr(ivf, "DEFAULT_CONFIG", cfgs[name])
-            plans[name] = planner.plan(0, q, kv).positions
-            planner.update(0, None, None, kv.q_pos)
-        assert torch.equal(plans["split"], plans["unsplit"]), f"step {i}"
-        assert (plans["split"] >= 0).sum() > 0.9 * plans["split"].numel()
-        _assert_same_fifo(planners["unsplit"], planners["split"], f"step {i}")
-    monkeypatch.setattr(ivf, "DEFAULT_CONFIG", cfgs["split"])
-    q, kv = steps[-1]
-    kv = dataclasses.replace(kv, attend_scale=d ** -0.5)
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.stream(side):
-        planners["split"].plan(0, q, kv)
-        with torch.cuda.graph(graph):
-            got = planners["split"].plan(0, q, kv)
-    torch.cuda.current_stream().wait_stream(side)
-    graph.replay()
-    monkeypatch.setattr(ivf, "DEFAULT_CONFIG", cfgs["unsplit"])
-    want = planners["unsplit"].plan(0, q, kv)
-    torch.cuda.synchronize()
-    assert torch.equal(got.positions, want.positions)
-    assert torch.equal(got.attended.out, want.attended.out)  # the same plan in the same order: the same bits

@@ -313,15 +313,12 @@ def _sample_bracket(BUF, off, n, K, key_lo, key_hi, BLOCK: tl.constexpr):
     m = 3·sqrt(t) + 2, `a` is a key value with between t + m and t + 1.5·m sample keys >= it, `b` one
     with between t - 1.5·m and t - m: two bisections over the sample in lockstep, both counts packed
     in one int32 reduction per step (BLOCK < 2^16). A guess only: the caller counts the real keys."""
+    tl.static_assert(BLOCK < 65536)
     ar = tl.arange(0, BLOCK)
     s = tl.load(BUF + off + (ar.to(tl.int64) * n) // BLOCK)  # stored keys: every thread reads alike
-    return _bracket_of(s, n, K, key_lo, key_hi, BLOCK)
-
-
-@triton.jit
-def _bracket_init(n_vs, s_min, s_max, n, K, key_hi, BLOCK: tl.constexpr):
-    """A `_sample_bracket` search's targets and starting state for K over a sample with n_vs valid
-    keys in [s_min, s_max]: (t_a, t_b, slack, lo_a, hi_a, lo_b, hi_b, done_a, done_b)."""
+    n_vs = tl.sum((s > 0).to(tl.int32), 0)
+    s_min = tl.min(tl.where(s > 0, s, INT_MAX), 0)
+    s_max = tl.max(s, 0)
     t = K.to(tl.float32) * BLOCK / n.to(tl.float32)
     m = 3.0 * tl.sqrt(t) + 2.0
     t_a = tl.ceil(t + m).to(tl.int32)  # a: count(sample >= a) >= t_a
@@ -337,71 +334,28 @@ def _bracket_init(n_vs, s_min, s_max, n, K, key_hi, BLOCK: tl.constexpr):
         hi_b = key_hi
     elif n_vs <= t_b:
         hi_b = s_min
-    return t_a, t_b, slack, lo_a, hi_a, lo_b, hi_b, done_a, done_b
-
-
-@triton.jit
-def _bracket_step(c_a, c_b, mid_a, mid_b, t_a, t_b, slack, lo_a, hi_a, lo_b, hi_b, done_a, done_b):
-    """One step of a `_sample_bracket` search from the sample's counts >= mid_a and >= mid_b."""
-    if done_a == 0:
-        if c_a >= t_a:
-            lo_a = mid_a
-            done_a = (c_a <= t_a + slack).to(tl.int32)
-        else:
-            hi_a = mid_a
-        done_a = done_a | (hi_a - lo_a <= 1).to(tl.int32)
-    if done_b == 0:
-        if c_b <= t_b:
-            hi_b = mid_b
-            done_b = (c_b >= t_b - slack).to(tl.int32)
-        else:
-            lo_b = mid_b
-        done_b = done_b | (hi_b - lo_b <= 1).to(tl.int32)
-    return lo_a, hi_a, lo_b, hi_b, done_a, done_b
-
-
-@triton.jit
-def _bracket_of(s, n, K, key_lo, key_hi, BLOCK: tl.constexpr):
-    """`_sample_bracket` over its sample `s` (the keys of slots i·n // BLOCK, i < BLOCK) in registers."""
-    tl.static_assert(BLOCK < 65536)
-    n_vs = tl.sum((s > 0).to(tl.int32), 0)
-    s_min = tl.min(tl.where(s > 0, s, INT_MAX), 0)
-    s_max = tl.max(s, 0)
-    t_a, t_b, slack, lo_a, hi_a, lo_b, hi_b, done_a, done_b = _bracket_init(n_vs, s_min, s_max, n, K, key_hi, BLOCK)
     while (done_a == 0) | (done_b == 0):
         mid_a = lo_a + (hi_a - lo_a) // 2
         mid_b = lo_b + (hi_b - lo_b) // 2
         c = tl.sum((s >= mid_a).to(tl.int32) + ((s >= mid_b).to(tl.int32) << 16), 0)
-        lo_a, hi_a, lo_b, hi_b, done_a, done_b = _bracket_step(c & 0xFFFF, c >> 16, mid_a, mid_b, t_a, t_b, slack,
-                                                               lo_a, hi_a, lo_b, hi_b, done_a, done_b)
-    return tl.where(n_vs < t_a, key_lo, lo_a), hi_b
-
-
-@triton.jit
-def _brackets_of(s, n, K0, K1, key_lo, key_hi, BLOCK: tl.constexpr):
-    """`_bracket_of` for two K at once (the split select's push and plan, `_slices_kernel`): the four
-    searches in lockstep, their counts packed in one int64 reduction per step; each search takes the
-    steps it takes alone, so each (a, b) is `_bracket_of`'s. K0 == K1: one selection, no extra steps."""
-    tl.static_assert(BLOCK < 65536)
-    n_vs = tl.sum((s > 0).to(tl.int32), 0)
-    s_min = tl.min(tl.where(s > 0, s, INT_MAX), 0)
-    s_max = tl.max(s, 0)
-    t_a0, t_b0, sl0, lo_a0, hi_a0, lo_b0, hi_b0, dn_a0, dn_b0 = _bracket_init(n_vs, s_min, s_max, n, K0, key_hi, BLOCK)
-    t_a1, t_b1, sl1, lo_a1, hi_a1, lo_b1, hi_b1, dn_a1, dn_b1 = _bracket_init(n_vs, s_min, s_max, n, K1, key_hi, BLOCK)
-    while (dn_a0 == 0) | (dn_b0 == 0) | (dn_a1 == 0) | (dn_b1 == 0):
-        mid_a0 = lo_a0 + (hi_a0 - lo_a0) // 2
-        mid_b0 = lo_b0 + (hi_b0 - lo_b0) // 2
-        mid_a1 = lo_a1 + (hi_a1 - lo_a1) // 2
-        mid_b1 = lo_b1 + (hi_b1 - lo_b1) // 2
-        c = tl.sum((s >= mid_a0).to(tl.int64) + ((s >= mid_b0).to(tl.int64) << 16)
-                   + ((s >= mid_a1).to(tl.int64) << 32) + ((s >= mid_b1).to(tl.int64) << 48), 0)
-        lo_a0, hi_a0, lo_b0, hi_b0, dn_a0, dn_b0 = _bracket_step(
-            (c & 0xFFFF).to(tl.int32), ((c >> 16) & 0xFFFF).to(tl.int32), mid_a0, mid_b0, t_a0, t_b0, sl0,
-            lo_a0, hi_a0, lo_b0, hi_b0, dn_a0, dn_b0)
-        lo_a1, hi_a1, lo_b1, hi_b1, dn_a1, dn_b1 = _bracket_step(
-            ((c >> 32) & 0xFFFF).to(tl.int32), ((c >> 48) & 0xFFFF).to(tl.int32), mid_a1, mid_b1, t_a1, t_b1, sl1,
-            lo_a1, hi_a1, lo_b1, hi_b1, dn_a1, dn_b1)
-    return tl.where(n_vs < t_a0, key_lo, lo_a0), hi_b0, tl.where(n_vs < t_a1, key_lo, lo_a1), hi_b1
+        c_a = c & 0xFFFF
+        c_b = c >> 16
+        if done_a == 0:
+            if c_a >= t_a:
+                lo_a = mid_a
+                done_a = (c_a <= t_a + slack).to(tl.int32)
+            else:
+                hi_a = mid_a
+            done_a = done_a | (hi_a - lo_a <= 1).to(tl.int32)
+        if done_b == 0:
+            if c_b <= t_b:
+                hi_b = mid_b
+                done_b = (c_b >= t_b - slack).to(tl.int32)
+            else:
+                lo_b = mid_b
+            done_b = done_b | (hi_b - lo_b <= 1).to(tl.int32)
+    a = tl.where(n_vs < t_a, key_lo, lo_a)
+    return a, hi_b
 
 
 @triton.jit
@@ -1106,9 +1060,9 @@ def _merge_parts(PACC, PML, ATT, base, h, t, n_work, sa_h, sa_g, sa_t, G: tl.con
 
 
 @triton.jit(do_not_specialize=["T", "n_ctx", "n_loc", "s_end", "window", "U", "C", "RHO", "n_top", "NW",
-                               "n_slot_progs", "chunks_per_prog", "n_stat"])
+                               "n_slot_progs", "chunks_per_prog"])
 def _rerank_kernel(
-    Q, CK, LK, QPOS, SRC_A, SRC_B, SRC_C, SRC_D, BITMAP, WS_S, WS_POS, WS_ML, HITS, CTRL, STAT, n_stat,
+    Q, CK, LK, QPOS, SRC_A, SRC_B, SRC_C, SRC_D, BITMAP, WS_S, WS_POS, WS_ML, HITS, CTRL,
     sq_h, sq_g, sq_t,  # q [KVH, G, T, D]
     sck_h, sck_n, slk_h, slk_n,  # ctx_k [KVH, N, D], loc_k [KVH, M, D]
     sa_h, sa_c, sb_h, sb_c,  # CTkvr: lists [KVH, C, RHO], FIFO lists [KVH, F, RHO]; kivf: order [KVH, N]
@@ -1118,8 +1072,7 @@ def _rerank_kernel(
     SOURCE: tl.constexpr, DEDUP: tl.constexpr, HAS_FIFO: tl.constexpr, PRECISE: tl.constexpr,
     EAGER_ROWS: tl.constexpr = False, ONE_MASK: tl.constexpr = True, DOT: tl.constexpr = False,
     DOT_FP32: tl.constexpr = False, PREFETCH: tl.constexpr = False, LOADS_FIRST: tl.constexpr = False,
-    ONE_LIST: tl.constexpr = False, ZERO_CTRL: tl.constexpr = False, ZERO_STAT: tl.constexpr = False, TS=None,
-    STAMP: tl.constexpr = False,
+    ONE_LIST: tl.constexpr = False, ZERO_CTRL: tl.constexpr = False, TS=None, STAMP: tl.constexpr = False,
 ):
     """SOURCE 0 (CTkvr): SRC_A/B = the probe's block bests (values, ids), SRC_C/D = lists / FIFO
     lists. SOURCE 1 (kivf): SRC_A = order, SRC_B = SEL_START, SRC_C = SEL_CUM. PREFETCH (CTkvr): each
@@ -1130,8 +1083,7 @@ def _rerank_kernel(
     ONE_LIST (CTkvr, `IvfConfig.rerank_chunk_lists`): a chunk's slots are items of one list (RHO %
     BLOCK_U == 0), so its probe rank, entry and table are scalars (`_list_pos`). ZERO_CTRL: the plan is
     attended (`_attend_kernel`): each frame program zeroes its row's plan flag and merge ticket, CTRL[r]
-    and CTRL[rows + r]. ZERO_STAT: the select is split (`_slices_kernel`): each frame program zeroes its row's
-    n_stat status words STAT[r * n_stat :]."""
+    and CTRL[rows + r]."""
     s = tl.program_id(0)
     r = tl.program_id(1)
     stamp(TS, r * tl.num_programs(0) + s, 0, STAMP)
@@ -1149,9 +1101,6 @@ def _rerank_kernel(
         if ZERO_CTRL:
             tl.store(CTRL + r, 0)
             tl.store(CTRL + tl.num_programs(1) + r, 0)
-        if ZERO_STAT:
-            for z0 in range(0, n_stat, BLOCK_U):
-                tl.store(STAT + r64 * n_stat + z0 + ar_u, tl.zeros([BLOCK_U], tl.int64), mask=z0 + ar_u < n_stat)
         if LOADS_FIRST:
             qp, w_lo = _window_lo(QPOS, t, window, s_end, n_ctx)
         # the frame: sink rows [0, s_end), window rows w_lo + [0, window) inside the context, local
@@ -1262,28 +1211,6 @@ def _rerank_kernel(
 
 
 @triton.jit
-def _mass_key(lg, pos, lse_k, ok_g, PRECISE: tl.constexpr):
-    """Slots' int keys from their logits lg [slots, G_PAD] and positions (-1: none): the group mass
-    sum_h exp(logit_h - lse_h) as float bits + 1 (order-preserving for masses >= 0), 0 for no
-    candidate."""
-    mass = tl.sum(tl.where(ok_g, _exp(lg - lse_k[None, :], PRECISE), 0.0), 1)
-    valid = (pos >= 0) & (mass == mass)
-    return tl.where(valid, tl.minimum(mass.to(tl.int32, bitcast=True) + 1, KEY_INF), 0)
-
-
-@triton.jit
-def _slot_keys(s_row, pos_row, u, inn, lse_k, ok_g, ar_g, BITMAP, NW, r, RHO, G: tl.constexpr,
-               PRECISE: tl.constexpr, DEDUP: tl.constexpr, PB: tl.constexpr):
-    """The keys (`_mass_key`, CTkvr's duplicates dropped: `_survivors`) and positions of slots u
-    (masked by inn) of one row, from the rerank's logits [U, G] and positions [U]."""
-    pos = tl.load(pos_row + u, mask=inn, other=-1)
-    lg = tl.load(s_row + u[:, None] * G + ar_g[None, :], mask=inn[:, None] & ok_g, other=float("-inf"))
-    if DEDUP:
-        pos = tl.where(_survivors(BITMAP, NW, r, pos, u, RHO, PB), pos, -1)
-    return _mass_key(lg, pos, lse_k, ok_g, PRECISE), pos
-
-
-@triton.jit
 def _row_keys(WS_S, WS_POS, WS_ML, row, r, U, n, n_parts, BITMAP, NW, RHO, G: tl.constexpr, G_PAD: tl.constexpr,
               BLOCK: tl.constexpr, BLOCK_S: tl.constexpr, PRECISE: tl.constexpr, SAMPLE: tl.constexpr = False,
               DEDUP: tl.constexpr = False, PB: tl.constexpr = 1, TS=None, prog=0, STAMP: tl.constexpr = False):
@@ -1318,9 +1245,11 @@ def _row_keys(WS_S, WS_POS, WS_ML, row, r, U, n, n_parts, BITMAP, NW, RHO, G: tl
         nx = u + BLOCK  # the next chunk's loads in flight while this one is computed
         pos_nx = tl.load(pos_row + nx, mask=nx < n, other=-1)
         lg_nx = tl.load(s_row + nx[:, None] * G + ar_g[None, :], mask=(nx < n)[:, None] & ok_g, other=float("-inf"))
-        key = _mass_key(lg, pos, lse_k, ok_g, PRECISE)
+        mass = tl.sum(tl.where(ok_g, _exp(lg - lse_k[None, :], PRECISE), 0.0), 1)
+        valid = (pos >= 0) & (mass == mass)
+        key = tl.where(valid, tl.minimum(mass.to(tl.int32, bitcast=True) + 1, KEY_INF), 0)
         tl.store(row + u, key, mask=inn)
-        n_ok += ((key > 0) & inn).to(tl.int32)
+        n_ok += (valid & inn).to(tl.int32)
     tl.debug_barrier()
     if SAMPLE & (n > BLOCK):
         key_min = n * 0 + 1
@@ -1340,225 +1269,6 @@ def _row_keys(WS_S, WS_POS, WS_ML, row, r, U, n, n_parts, BITMAP, NW, RHO, G: tl
         n_valid = tl.sum(n_ok, 0)
         key_hi = tl.max(k_max, 0) + 1
     return key_min, n_valid, key_hi
-
-
-@triton.jit
-def _split_select(BAND, HDR, STAT, w, U, R, n, K, OUT, BLOCK: tl.constexpr, R_PAD: tl.constexpr):
-    """A split select's search (`_slices_kernel`'s search programs) for selection w of a row from its
-    slices' counts: where the slices agree on the band [a, b), and it holds the K-th key and fits one
-    block, the band's bisection and emit follow the positions >= b the slices wrote into OUT[0 : n_ge],
-    as `_select_sampled`'s path 1 over the same keys in the same order (the same OUT). BAND: the
-    selection's [band keys U | band positions U]; HDR: the row's [8, R_PAD] per-slice fields; STAT: the
-    selection's R_PAD count words. Returns (done, the row's smallest valid key, its valid keys, its
-    largest key + 1); not done, the caller searches the stored keys."""
-    ar_r = tl.arange(0, R_PAD)
-    okr = ar_r < R
-    nv = tl.load(HDR + ar_r, mask=okr, other=0)
-    kmn = tl.load(HDR + R_PAD + ar_r, mask=okr, other=INT_MAX)
-    kmx = tl.load(HDR + 2 * R_PAD + ar_r, mask=okr, other=0)
-    aa = tl.load(HDR + (3 + 2 * w) * R_PAD + ar_r, mask=okr, other=0)
-    bb = tl.load(HDR + (4 + 2 * w) * R_PAD + ar_r, mask=okr, other=0)
-    st = tl.load(STAT + ar_r, mask=okr, other=0)
-    n_valid = tl.sum(nv, 0)
-    n_ge = tl.sum(st & 0x7FFFFFFF, 0).to(tl.int32)
-    n_bd = tl.sum((st >> 31) & 0x7FFFFFFF, 0).to(tl.int32)
-    a = tl.max(aa, 0)
-    b = tl.max(bb, 0)
-    same = (tl.min(tl.where(okr, aa, INT_MAX), 0) == a) & (tl.min(tl.where(okr, bb, INT_MAX), 0) == b)
-    fast = (n > BLOCK) & (n_valid > K) & same & (n_ge < K) & (n_ge + n_bd >= K) & (n_bd <= BLOCK)
-    if fast:
-        ar = tl.arange(0, BLOCK)
-        band = tl.load(BAND + ar, mask=ar < n_bd, other=-1)
-        bpos = tl.load(BAND + U + ar, mask=ar < n_bd, other=-1)
-        thr, take = _bisect_regs(band, n, K, a, b, n_ge, (n_ge + n_bd == K).to(tl.int32))
-        _emit_slots(band, bpos, thr, take, n_ge, n * 0, OUT)
-    return fast.to(tl.int32), tl.min(kmn, 0), n_valid, tl.max(kmx, 0) + 1
-
-
-@triton.jit
-def _look_back(STAT, j, R_PAD: tl.constexpr):
-    """Sums of the count words STAT[0 : j] (`_slices_kernel`) once all are published (bit 62): waits for
-    programs of lower index only."""
-    ar_r = tl.arange(0, R_PAD)
-    before = tl.load(STAT + ar_r, mask=ar_r < j, other=1 << 62, volatile=True)
-    while tl.min(before, 0) < (1 << 62):
-        before = tl.load(STAT + ar_r, mask=ar_r < j, other=1 << 62, volatile=True)
-    return tl.sum(before & 0x7FFFFFFF, 0).to(tl.int32), tl.sum((before >> 31) & 0x7FFFFFFF, 0).to(tl.int32)
-
-
-@triton.jit
-def _slice_out(OUT, BAND, U, key, pos, ge, bd, sc_ge, sc_bd, pre_ge, pre_bd, K):
-    """A slice's share of one selection: its positions >= b at OUT[pre_ge + rank] (masked to K), its
-    band's keys and positions at BAND[pre_bd + rank] and BAND[U + pre_bd + rank] (ranks in slot order)."""
-    at_ge = pre_ge + sc_ge - 1
-    at_bd = pre_bd + sc_bd - 1
-    tl.store(OUT + at_ge, pos, mask=ge & (at_ge < K))
-    tl.store(BAND + at_bd, key, mask=bd)
-    tl.store(BAND + U + at_bd, pos, mask=bd)
-
-
-@triton.jit
-def _search(ROW, POS, n, K, key_min, n_valid, key_hi, OUT, BLOCK: tl.constexpr, SAMPLE: tl.constexpr,
-            SCAN_V: tl.constexpr, ks, TS, prog, STAMP: tl.constexpr):
-    """The top-K of the stored keys ROW[0:n] as positions POS into OUT (`_select_sampled`, or the plain
-    search and emit)."""
-    if SAMPLE:
-        _select_sampled(ROW, POS, n, K, key_min, n_valid, key_hi, OUT, BLOCK, SCAN_V, ks, TS, prog, STAMP)
-    else:
-        thr, take = _top_threshold(ROW, n, K, key_min, n_valid, key_hi, BLOCK)
-        _emit(ROW, POS, n, thr, take, K, OUT, BLOCK)
-
-
-@triton.jit(do_not_specialize=["T", "U", "n_parts", "KP", "RHO", "scr_row", "NW", "sn_r", "KS", "S", "R"])
-def _slices_kernel(
-    WS_S, WS_POS, WS_ML, SCR, OUT, PUSH, BAND, HDR, STAT, CTRL, BITMAP, N_ROW,
-    T, U, n_parts, KP, RHO, scr_row, NW, sn_r, KS, S, R,
-    G: tl.constexpr, G_PAD: tl.constexpr, BLOCK: tl.constexpr, BLOCK_P: tl.constexpr, R_PAD: tl.constexpr,
-    BLOCK_S: tl.constexpr, HAS_PUSH: tl.constexpr, PRECISE: tl.constexpr, DEDUP: tl.constexpr = False,
-    PB: tl.constexpr = 1, HAS_N_ROW: tl.constexpr = False, SCAN_V: tl.constexpr = 1, PUBLISH: tl.constexpr = False,
-    PDL: tl.constexpr = False, TS=None, TS_SEARCH=None, STAMP: tl.constexpr = False,
-):
-    """The split select (`IvfConfig.split_select`; `_select_kernel` otherwise), grid (R + 1 + HAS_PUSH,
-    rows). A row's selections are those of `_select_kernel` (w = 0 the FIFO push's top-RHO on a last
-    token's row, else the plan's top-KP; w = 1 the plan's on a push row). Programs j < R take slice j
-    of the row, slots [j·S, (j + 1)·S), for both selections; program R + w searches selection w.
-
-    A slice program computes the row's lse from the parts (as every select program does), the keys of
-    the row's strided sample (BLOCK slots i·n // BLOCK) and from them each selection's band guess
-    [a, b), the same as `_sample_bracket` over the stored keys (`_brackets_of`), then its slice's keys
-    (stored in each selection's SCR row [keys U | ping U | pong U], for a search that falls back on
-    them) and counts its keys >= b and in [a, b) for each selection (one packed scan). It publishes the
-    counts (STAT, per row [selections x R_PAD int64 words: 2^62 | band count << 31 | count >= b | a
-    counter]; zeroed by the rerank's frame program), waits until the slices before it have published
-    (`_look_back`: programs of lower index only, which run before or beside it; the interpreter runs
-    them in index order), writes its positions >= b into the selection's output row (masked to K) and
-    its band's keys and positions into BAND [rows, selections, 2U] at the offsets the sums give, both
-    in slot order, and counts itself stored (the counter, release). HDR [rows, 8, R_PAD] gets per
-    slice: valid keys, the smallest valid key, the largest key, (a, b) of selection 0, of selection 1;
-    a search sets HDR[r, 7, w] to 1 where it took the slices' band, 0 where it fell back.
-
-    A search program waits for the counter to reach R (acquire), then bisects the band and emits its
-    share after the slices' positions (`_split_select`: `_select_sampled`'s path 1 over the same keys,
-    so OUT is the same), or, where the band is refuted or larger than a block, searches the stored keys
-    as `_select_kernel` does (`_search`). PUBLISH (the plan attended by `_attend_kernel`): the plan's
-    search sets CTRL[r] = 1 (release) once its row is written; PDL: slice programs let that launch in
-    at their end, search programs at their start. Stamps (TS slice programs: 0 start, 1 lse, 2 bracket,
-    3 counts published, 7 end; TS_SEARCH search programs: 0 start, 1 slices stored, 2 band searched,
-    3-6 a fallback's phases, 7 end)."""
-    j = tl.program_id(0)
-    r = tl.program_id(1).to(tl.int64)
-    n_sel: tl.constexpr = 1 + HAS_PUSH
-    push_row = False
-    if HAS_PUSH:
-        push_row = r % T == T - 1
-    n = U
-    if HAS_N_ROW:
-        n = tl.minimum(tl.load(N_ROW + r * sn_r), U)
-    k0 = KP
-    out0 = OUT + r * KP
-    if push_row:
-        k0 = RHO
-        out0 = PUSH + (r // T) * RHO
-    stat = STAT + r * (n_sel * R_PAD + 1)
-    hdr = HDR + r * 8 * R_PAD
-    if j < R:
-        prog = r * R + j
-        stamp(TS, prog, 0, STAMP)
-        ar_g = tl.arange(0, G_PAD)
-        ok_g = (ar_g < G)[None, :]
-        s_row = WS_S + r * U * G
-        pos_row = WS_POS + r * U
-        ar_p = tl.arange(0, BLOCK_P)
-        u_p = j * S + ar_p
-        in_p = (ar_p < S) & (u_p < n)
-        u_s = (tl.arange(0, BLOCK).to(tl.int64) * n) // BLOCK
-        in_s = (u_s < n) & (n > BLOCK)
-        # the slice's and the sample's loads (and CTkvr's dedup words) issued before the lse's reductions
-        pos_p = tl.load(pos_row + u_p, mask=in_p, other=-1)
-        lg_p = tl.load(s_row + u_p[:, None] * G + ar_g[None, :], mask=in_p[:, None] & ok_g, other=float("-inf"))
-        pos_s = tl.load(pos_row + u_s, mask=in_s, other=-1)
-        lg_s = tl.load(s_row + u_s[:, None] * G + ar_g[None, :], mask=in_s[:, None] & ok_g, other=float("-inf"))
-        if DEDUP:
-            pos_p = tl.where(_survivors(BITMAP, NW, r, pos_p, u_p, RHO, PB), pos_p, -1)
-            pos_s = tl.where(_survivors(BITMAP, NW, r, pos_s, u_s, RHO, PB), pos_s, -1)
-        lse = _lse_parts(WS_ML + r * n_parts * G_PAD * 2, n_parts, G, G_PAD, BLOCK_S, PRECISE)
-        stamp(TS, prog, 1, STAMP)
-        lse_k = tl.where(ar_g < G, lse, 0.0)  # padded heads (-inf): masked after, without inf - inf
-        key = _mass_key(lg_p, pos_p, lse_k, ok_g, PRECISE)
-        tl.store(SCR + r * n_sel * scr_row + u_p, key, mask=in_p)
-        if push_row:
-            tl.store(SCR + (r * n_sel + 1) * scr_row + u_p, key, mask=in_p)
-        tl.store(hdr + j, tl.sum((key > 0).to(tl.int32), 0))
-        tl.store(hdr + R_PAD + j, tl.min(tl.where(key > 0, key, INT_MAX), 0))
-        tl.store(hdr + 2 * R_PAD + j, tl.max(key, 0))
-        if n > BLOCK:
-            a0, b0, a1, b1 = _brackets_of(_mass_key(lg_s, pos_s, lse_k, ok_g, PRECISE), n, k0, KP, n * 0 + 1,
-                                          n * 0 + KEY_INF + 1, BLOCK)
-            stamp(TS, prog, 2, STAMP)
-            ge0 = (key >= b0) & in_p
-            bd0 = (key >= a0) & (key < b0) & in_p
-            ge1 = (key >= b1) & in_p
-            bd1 = (key >= a1) & (key < b1) & in_p
-            both = (ge0.to(tl.int64) + (bd0.to(tl.int64) << 16) + (ge1.to(tl.int64) << 32)
-                    + (bd1.to(tl.int64) << 48))  # one scan for the four counts (BLOCK_P < 2^16)
-            sc = tl.cumsum(both, 0)
-            tot = tl.sum(both, 0)
-            flag = tl.full([], 1 << 62, tl.int64)
-            tl.atomic_xchg(stat + j, flag | (((tot >> 16) & 0xFFFF) << 31) | (tot & 0xFFFF), sem="relaxed")
-            if push_row:
-                tl.atomic_xchg(stat + R_PAD + j, flag | (((tot >> 48) & 0xFFFF) << 31) | ((tot >> 32) & 0xFFFF),
-                               sem="relaxed")
-            stamp(TS, prog, 3, STAMP)
-            pre_ge, pre_bd = _look_back(stat, j, R_PAD)
-            band = BAND + r * n_sel * 2 * U
-            _slice_out(out0, band, U, key, pos_p, ge0, bd0, (sc & 0xFFFF).to(tl.int32),
-                       ((sc >> 16) & 0xFFFF).to(tl.int32), pre_ge, pre_bd, k0)
-            tl.store(hdr + 3 * R_PAD + j, a0)
-            tl.store(hdr + 4 * R_PAD + j, b0)
-            if push_row:
-                pre_ge, pre_bd = _look_back(stat + R_PAD, j, R_PAD)
-                _slice_out(OUT + r * KP, band + 2 * U, U, key, pos_p, ge1, bd1, ((sc >> 32) & 0xFFFF).to(tl.int32),
-                           ((sc >> 48) & 0xFFFF).to(tl.int32), pre_ge, pre_bd, KP)
-                tl.store(hdr + 5 * R_PAD + j, a1)
-                tl.store(hdr + 6 * R_PAD + j, b1)
-        tl.debug_barrier()  # every thread's stores before the count
-        tl.atomic_add(stat + n_sel * R_PAD, 1, sem="release")
-        if PDL:
-            gdc_launch_dependents()
-        stamp(TS, prog, 7, STAMP)
-    else:
-        w = j - R
-        prog = r * n_sel + w
-        stamp(TS_SEARCH, prog, 0, STAMP)
-        if PDL:
-            gdc_launch_dependents()
-        if (w == 0) | push_row:
-            stored = tl.load(stat + n_sel * R_PAD, volatile=True)
-            while stored < R:
-                stored = tl.load(stat + n_sel * R_PAD, volatile=True)
-            tl.atomic_add(stat + n_sel * R_PAD, 0, sem="acquire")
-            stamp(TS_SEARCH, prog, 1, STAMP)
-            k = k0
-            out = out0
-            if w == 1:
-                k = KP
-                out = OUT + r * KP
-            sel = r * n_sel + w
-            done, key_min, n_valid, key_hi = _split_select(BAND + sel * 2 * U, hdr, stat + w * R_PAD, w, U, R, n, k,
-                                                           out, BLOCK, R_PAD)
-            tl.store(hdr + 7 * R_PAD + w, done)  # which path (tests, diagnostics): 1 the slices' band
-            stamp(TS_SEARCH, prog, 2, STAMP)
-            if done == 0:
-                if n > BLOCK:  # `_row_keys`' bounds for the sampled search
-                    key_min = n * 0 + 1
-                    key_hi = n * 0 + KEY_INF + 1
-                _search(SCR + sel * scr_row, WS_POS + r * U, n, k, key_min, n_valid, key_hi, out, BLOCK, True, SCAN_V,
-                        KS, TS_SEARCH, prog, STAMP)
-            if PUBLISH:
-                if w == n_sel - 1:  # the plan's search
-                    tl.debug_barrier()  # every thread's plan stores before the flag
-                    tl.atomic_xchg(CTRL + r, 1, sem="release")
-        stamp(TS_SEARCH, prog, 7, STAMP)
 
 
 @triton.jit(do_not_specialize=["T", "U", "n_parts", "KP", "RHO", "scr_row", "NW", "sn_r", "KS"])
@@ -1584,8 +1294,7 @@ def _select_kernel(
     layout (`_chunk_offsets`). PUBLISH (the plan attended by `_attend_kernel`, launched next): a plan's
     program sets CTRL[r] = 1 (release) once the row is written; PDL: every program lets that launch
     start after its mass pass (its programs then wait for the flags while this one searches; let in at
-    the start, they slowed the lse and mass pass by ~0.5 us on the H200, session 34). `_slices_kernel`
-    is the same selection split over programs per slice of the row (`IvfConfig.split_select`)."""
+    the start, they slowed the lse and mass pass by ~0.5 us on the H200, session 34)."""
     r = tl.program_id(0).to(tl.int64)
     w = tl.program_id(1)
     prog = r * tl.num_programs(1) + w  # (timeline stamps: slots 0 start, 1 lse, 2 keys, 3-6 search, 7 end)
@@ -1611,7 +1320,12 @@ def _select_kernel(
         else:
             k = KP
             out = OUT + r * KP
-        _search(row, WS_POS + r * U, n, k, key_min, n_valid, key_hi, out, BLOCK, SAMPLE, SCAN_V, KS, TS, prog, STAMP)
+        if SAMPLE:
+            _select_sampled(row, WS_POS + r * U, n, k, key_min, n_valid, key_hi, out, BLOCK, SCAN_V, KS, TS, prog,
+                            STAMP)
+        else:
+            thr, take = _top_threshold(row, n, k, key_min, n_valid, key_hi, BLOCK)
+            _emit(row, WS_POS + r * U, n, thr, take, k, out, BLOCK)
         if PUBLISH:
             if w == tl.num_programs(1) - 1:  # the plan's program (one token: program 1 of 2 with the push)
                 tl.debug_barrier()  # every thread's plan stores before the flag
@@ -1804,11 +1518,6 @@ class IvfConfig:
     attend_warps: int = 4
     attend_pdl: bool = True  # launched under PDL (Hopper+): it starts while the select runs, not after it
     sample_select: bool = True  # select: `_select_sampled` (27.6 -> 19.5 us at 128K, H100; RESULTS.md); False: plain
-    split_select: bool = True  # select (with sample_select): the mass pass and the counting pass over slices of a row
-    # in a launch of their own (`_slices_kernel`), the search from their counts (`_split_select`)
-    split_block: int = 1024  # its slots per slice program (a power of two; wider where a row has more than
-    split_max: int = 16  # ... this many slices of split_block)
-    split_warps: int = 8
     count_rows: int = 4  # select: consecutive keys per thread in the sampled select's counting pass and its band's
     # emit, a power of two (`_chunk_offsets`; 1: one key per thread per repetition of the chunk's layout). At 128K
     # (H200, RESULTS.md session 30) the pass took 6.2 us with 1, 4.8 with 2, 4.3 with 4, 5.4 with 8, 9.1 with 16
@@ -1886,16 +1595,6 @@ def _select_shape(u: int, cfg: IvfConfig) -> tuple[int, int]:
     return max(16, min(block, triton.next_power_of_2(max(u, 1)))), warps
 
 
-@functools.lru_cache(maxsize=256)
-def _split_shape(u: int, cfg: IvfConfig) -> tuple[int, int]:
-    """(slots per slice, slices) of the split select over rows of u candidate slots."""
-    s = max(cfg.split_block, triton.next_power_of_2(_cdiv(u, cfg.split_max)))
-    s = max(16, min(s, triton.next_power_of_2(max(u, 1))))
-    if s >= 1 << 16:  # (a slice's two counts share one 32-bit scan)
-        raise ValueError(f"the split select's slices hold < 65,536 slots: {u} slots in {cfg.split_max} slices")
-    return s, _cdiv(u, s)
-
-
 def _parts_block(n_parts: int) -> int:
     """Softmax-state parts combined per step by `_lse_parts` (one step for up to 512 parts)."""
     return max(16, min(512, triton.next_power_of_2(n_parts)))
@@ -1903,11 +1602,10 @@ def _parts_block(n_parts: int) -> int:
 
 def _rerank_and_select(q, kv, *, rows: int, u: int, sink: int, window: int, kp: int, rho: int, source: int,
                        src: tuple, n_top: int, p: int, p_pad: int, log_p: int, dedup: bool, has_fifo: bool,
-                       bitmap, hits, push, cfg: IvfConfig, attend_scale: float | None = None, alone: bool = False):
+                       bitmap, hits, push, cfg: IvfConfig, attend_scale: float | None = None):
     """Kernels 2 and 3 (shared by CTkvr and kivf) -> (plan positions [KVH, T, kp] int32, the plan's
     attention [KVH, G, T, D] in q's dtype or None). With `attend_scale` (CTkvr, one token: `attends`)
-    a fourth launch, `_attend_kernel`, attends the frame and the plan at that scale. alone: the request
-    is alone in its step (`splits`)."""
+    a fourth launch, `_attend_kernel`, attends the frame and the plan at that scale."""
     kvh, g, t, d = q.shape
     dev = q.device
     n = kv.n_ctx
@@ -1927,23 +1625,16 @@ def _rerank_and_select(q, kv, *, rows: int, u: int, sink: int, window: int, kp: 
     n_work = _attend_programs(dev, rows, n_sel, kp, cfg) if attend else 1  # attention programs per row
     f32 = _Carve({"s": rows * g * u, "pacc": rows * n_work * g_pad * d if attend else 0,
                   "pml": rows * n_work * g_pad * 2 if attend else 0})
-    sel_block, sel_warps = _select_shape(u, cfg)
-    split = splits(u, sel_block, alone, cfg)
-    sl_s, sl_r = _split_shape(u, cfg) if split else (1, 1)
-    r_pad = triton.next_power_of_2(sl_r)
-    n_stat = n_sel * r_pad + 1  # the split select's words per row: each selection's slice counts, a counter
-    i32 = _Carve({"pos": rows * u, "scr": rows * n_sel * scr_row, "ctrl": 2 * rows,
-                  "band": rows * n_sel * 2 * u if split else 0, "hdr": rows * 8 * r_pad if split else 0})
+    i32 = _Carve({"pos": rows * u, "scr": rows * n_sel * scr_row, "ctrl": 2 * rows})
     wf = f32.views(_workspace(dev, torch.float32, f32.total, "rerank"))
     wf["ml"] = _workspace(dev, torch.float64, rows * n_parts * g_pad * 2, "rerank")  # softmax states (_lse_parts)
     wi = i32.views(_workspace(dev, torch.int32, i32.total + 1, "rerank"))  # +1: never empty
-    stat = _workspace(dev, torch.int64, rows * n_stat, "rerank") if split else None
     out = torch.empty(kvh, t, kp, dtype=torch.int32, device=dev)
     att = torch.empty(kvh, g, t, d, dtype=q.dtype, device=dev) if attend else None
     placeholder = wi["pos"]
     _rerank_kernel[(n_parts, rows)](
         q, ctx_k, loc_k, q_pos, *src, bitmap if bitmap is not None else placeholder, wf["s"], wi["pos"], wf["ml"],
-        hits if hits is not None else placeholder, wi["ctrl"], stat if split else wf["ml"], n_stat,
+        hits if hits is not None else placeholder, wi["ctrl"],
         q.stride(0), q.stride(1), q.stride(2),
         ctx_k.stride(0), ctx_k.stride(1), loc_k.stride(0), loc_k.stride(1),
         *_src_strides(source, src),
@@ -1954,32 +1645,22 @@ def _rerank_and_select(q, kv, *, rows: int, u: int, sink: int, window: int, kp: 
         EAGER_ROWS=cfg.eager_rows and dedup, ONE_MASK=source == 0, DOT=_dot_logits(q, ctx_k, cfg),
         DOT_FP32=interpreted(), PREFETCH=cfg.rerank_prefetch and source == 0, LOADS_FIRST=cfg.rerank_loads_first,
         ONE_LIST=cfg.rerank_chunk_lists and source == 0 and rho % cfg.block_u == 0, ZERO_CTRL=attend,
-        ZERO_STAT=split, **stamp_args("rerank"),
+        **stamp_args("rerank"),
         num_warps=cfg.rerank_warps, num_stages=cfg.rerank_stages,
         **({"maxnreg": cfg.rerank_maxnreg} if cfg.rerank_maxnreg and q.device.type == "cuda" else {}),
     )
     has_n_row = source == 1  # kivf: the row's probed keys, SEL_CUM[r, P]
-    n_row = src[2][p:] if has_n_row else placeholder
-    nw = bitmap.shape[-1] if bitmap is not None else 1
+    sel_block, sel_warps = _select_shape(u, cfg)
     pdl = pdl_launch(dev, cfg.attend_pdl) if attend else {}
-    common = dict(G=g, G_PAD=g_pad, BLOCK=sel_block, BLOCK_S=_parts_block(n_parts), HAS_PUSH=push is not None,
-                  PRECISE=_precise(), DEDUP=dedup, PB=p_pad if dedup else 1, HAS_N_ROW=has_n_row,
-                  SCAN_V=min(cfg.count_rows, sel_block), PUBLISH=attend, PDL=bool(pdl))
-    push_out = push if push is not None else out
-    bitmap_arg = bitmap if bitmap is not None else placeholder
-    if split:
-        _slices_kernel[(sl_r + n_sel, rows)](
-            wf["s"], wi["pos"], wf["ml"], wi["scr"], out, push_out, wi["band"], wi["hdr"], stat, wi["ctrl"], bitmap_arg,
-            n_row, t, u, n_parts, kp, rho, scr_row, nw, p_pad + 1, 1, sl_s, sl_r,
-            BLOCK_P=sl_s, R_PAD=r_pad, **common, **stamp_args("slices"), TS_SEARCH=stamp_args("search")["TS"],
-            num_warps=cfg.split_warps,
-        )
-    else:
-        _select_kernel[(rows, n_sel)](
-            wf["s"], wi["pos"], wf["ml"], wi["scr"], out, push_out, bitmap_arg, n_row, wi["ctrl"],
-            t, u, n_parts, kp, rho, scr_row, nw, p_pad + 1, 1, SAMPLE=cfg.sample_select, **common,
-            **stamp_args("select"), num_warps=sel_warps,
-        )
+    _select_kernel[(rows, n_sel)](
+        wf["s"], wi["pos"], wf["ml"], wi["scr"], out, push if push is not None else out,
+        bitmap if bitmap is not None else placeholder, src[2][p:] if has_n_row else placeholder, wi["ctrl"],
+        t, u, n_parts, kp, rho, scr_row, bitmap.shape[-1] if bitmap is not None else 1, p_pad + 1, 1,
+        G=g, G_PAD=g_pad, BLOCK=sel_block, BLOCK_S=_parts_block(n_parts), HAS_PUSH=push is not None,
+        PRECISE=_precise(), SAMPLE=cfg.sample_select, DEDUP=dedup, PB=p_pad if dedup else 1, HAS_N_ROW=has_n_row,
+        SCAN_V=min(cfg.count_rows, sel_block), PUBLISH=attend, PDL=bool(pdl), **stamp_args("select"),
+        num_warps=sel_warps,
+    )
     if attend:
         _attend_kernel[(n_work, rows)](
             q, ctx_k, ctx_v, loc_k, loc_v, q_pos, out, wi["ctrl"], wf["pacc"], wf["pml"], att,
@@ -1991,15 +1672,6 @@ def _rerank_and_select(q, kv, *, rows: int, u: int, sink: int, window: int, kp: 
             PDL=bool(pdl), **stamp_args("attend"), num_warps=cfg.attend_warps, **pdl,
         )
     return out, att
-
-
-def splits(u: int, block: int, alone: bool, cfg: IvfConfig) -> bool:
-    """Whether a select runs split over its rows' slices (`_slices_kernel`): `IvfConfig.split_select`
-    with the sampled search, rows wider than the search's block (narrower ones have no sample to
-    bracket from), and the request alone in its step (its caller says so: `KVView.attend_scale`), where
-    its 8-16 select programs would leave most SMs idle; beside other requests' kernels the slices' many
-    programs would queue behind them."""
-    return cfg.split_select and cfg.sample_select and alone and u > block
 
 
 def attends(q: torch.Tensor, kv, source: int, cfg: IvfConfig) -> bool:
@@ -2103,7 +1775,6 @@ def ctkvr_plan(q: torch.Tensor, kv, cent: torch.Tensor, lists: torch.Tensor, fif
         q, kv, rows=rows, u=u, sink=sink, window=window, kp=kp, rho=rho, source=0,
         src=(topv, wi["topi"], lists, flists), n_top=n_top, p=p, p_pad=p_pad, log_p=1, dedup=True,
         has_fifo=has_fifo, bitmap=bitmap, hits=hits, push=push, cfg=cfg, attend_scale=attend_scale,
-        alone=attend_scale is not None,
     )
     return out, ((pend_q, push.view(kvh, rho), hits) if has_fifo else None), att
 
@@ -2131,8 +1802,7 @@ def kivf_plan(q: torch.Tensor, kv, cent: torch.Tensor, order: torch.Tensor, offs
               sink: int, window: int, k: int, nprobe: int, cfg: IvfConfig | None = None) -> torch.Tensor:
     """kivf's plan (indexer/kivf.py, `_KIVFPlanner.plan`) in 4 launches. q [KVH, G, T, D]; cent
     [KVH, C, D] fp32; order [KVH, N] int32; offsets [KVH, C + 1] int32; width: the static candidate
-    width (`selection.probe_width`). -> positions [KVH, T, min(k, width)] int32. A request alone in its
-    step (`kv.attend_scale` set) may take the split select (`splits`)."""
+    width (`selection.probe_width`). -> positions [KVH, T, min(k, width)] int32."""
     cfg = cfg or DEFAULT_CONFIG
     kvh, g, t, d = q.shape
     dev = q.device
@@ -2173,7 +1843,6 @@ def kivf_plan(q: torch.Tensor, kv, cent: torch.Tensor, order: torch.Tensor, offs
         q, kv, rows=rows, u=u, sink=sink, window=window, kp=kp, rho=0, source=1,
         src=(order, wi["start"], wi["cum"], wi["cum"]), n_top=0, p=p, p_pad=p_pad,
         log_p=max(1, (p - 1).bit_length()), dedup=False, has_fifo=False, bitmap=None, hits=None, push=None, cfg=cfg,
-        alone=getattr(kv, "attend_scale", None) is not None,
     )[0]
 
 
