@@ -11,7 +11,8 @@
 #           s24attend | s24variants | s24regs | s24final | s24tests | s24stop | s25ncu | s25sel | s25final512 | s25knobs | s25pdl | s25attnpdl | s25saappdl | s25selsrc |
 #           s26ab | s26mask | s26probe | s26selw | s26push | s26final | s27ab | s27kivf | s27tests | s27kivfknobs | s27kivfsel |
 #           s28dot | s28kivf | s28knobs | s28exp | s28piv | s28tests | s28pf | s29tl | s29probe | s29keys | s29pdl | s29final | s29cb | s30scan | s30scan2 | s30tests | s30knobs | s30l2 | s30pdl |
-#           s31split | s31split2 | s31split3 | s31rerank | s31prefetch | s32floors | s32probe | s32loads | s32order | s32pos | s32floors3 | s32final | s33rerank | s33all | s33all2 | s33all3 | s33fifo | s33lists | s34attn | s34attn2 | s34attend | s34attend2 | s34diag | s34pdl | s34w16 | s34final | s34check
+#           s31split | s31split2 | s31split3 | s31rerank | s31prefetch | s32floors | s32probe | s32loads | s32order | s32pos | s32floors3 | s32final | s33rerank | s33all | s33all2 | s33all3 | s33fifo | s33lists | s34attn | s34attn2 | s34attend | s34attend2 | s34diag | s34pdl | s34w16 | s34final | s34check |
+#           s35split | s35split2 | s35table | s35table512
 #   (default: tests decode before_after)
 #   The device tool returns at most 8 files: past that, the run's JSON files come back as $OUT/json.tar.gz
 #   (and everything as $OUT/all.tar.gz if that is not enough).
@@ -1361,6 +1362,40 @@ for stage in $stages; do
       python3 benchmarks/gpu_decode.py --lengths 131072 524288 --batches 1 --backends triton \
         --methods ctkvr:attend=0 ctkvr --out "$OUT/s34check" 2>&1 | tee "$OUT/gpu_decode_s34check.log" \
         | grep -E "graph|Error|error" ;;
+    s35split)  # session 35: the select split over slices (`IvfConfig.split_select`: `_slices_kernel`, then the search
+      # from their counts in a launch of its own) against the one-program select, with 4 warps (2 programs per SM) and
+      # slices of 2,048 slots (5 per row) beside the defaults. Measured and dropped: the knob is gone (this first
+      # version was never committed; the second, s35split2, is 3bb0e57, reverted by 0a80bda; RESULTS.md session 35)
+      python3 -m pytest -q -p no:cacheprovider -o addopts="" tests/test_kernels_ivf.py \
+        -k "split or graph or attends or ties or sampled" 2>&1 | tee "$OUT/gpu_tests_s35split.log" | tail -2
+      python3 benchmarks/gpu_decode.py --lengths 131072 --batches 1 8 --backends triton --profile \
+        --methods ctkvr:split_select=0 ctkvr ctkvr:split_warps=4 ctkvr:split_block=2048 ctkvr:split_select=0 ctkvr \
+        --out "$OUT/s35split" 2>&1 | tee "$OUT/gpu_decode_s35split.log" | grep -E "graph|Error|error|kernels,"
+      s32_512 s35split "ctkvr:split_select=0 ctkvr ctkvr:split_warps=4" 512
+      python3 benchmarks/gpu_timeline.py --lengths 131072 --methods ctkvr:split_select=0 ctkvr ctkvr:split_warps=4 \
+        --tag _s35split 2>&1 | tee "$OUT/gpu_timeline_s35split.log" | grep -vE "^\|---" ;;
+    s35split2)  # session 35: the split select with its searches in the slices' launch (`_slices_kernel`: R slice programs
+      # and a search program per selection of a row; taken by a request alone in its step) against the one-program
+      # select, alternating twice; 4 warps; 512K; timelines
+      python3 -m pytest -q -p no:cacheprovider -o addopts="" tests/test_kernels_ivf.py \
+        -k "split or graph or attends or ties or sampled" 2>&1 | tee "$OUT/gpu_tests_s35split2.log" | tail -2
+      python3 benchmarks/gpu_decode.py --lengths 131072 --batches 1 8 --backends triton --profile \
+        --methods ctkvr:split_select=0 ctkvr ctkvr:split_warps=4 ctkvr:split_select=0 ctkvr \
+        --out "$OUT/s35split2" 2>&1 | tee "$OUT/gpu_decode_s35split2.log" | grep -E "graph|Error|error|kernels,"
+      s32_512 s35split2 "ctkvr:split_select=0 ctkvr ctkvr:split_select=0 ctkvr" 512
+      python3 benchmarks/gpu_timeline.py --lengths 131072 --methods ctkvr:split_select=0 ctkvr ctkvr:split_warps=4 \
+        --tag _s35split2 2>&1 | tee "$OUT/gpu_timeline_s35split2.log" | grep -vE "^\|---" ;;
+    s35table)  # session 35: the issue-12 table on the final tree: every method (gpu_decode's default list), 32K and 128K,
+      # B = 1 and 8, eager and graph, SDPA full and over a 5% slice, with kernel profiles
+      python3 benchmarks/gpu_decode.py --lengths 32768 131072 --batches 1 8 --profile --backends triton \
+        --out "$OUT/s35table" 2>&1 | tee "$OUT/gpu_decode_s35table.log" | grep -E "^\| |Error|error" ;;
+    s35table512)  # session 35: the same at 512K (B = 1); then ctkvr's attention programs over 128 plan positions each
+      # (attend_block=128: 8 per row, none beside a select program on its SM) against 64, alternating, 128K and 512K
+      python3 benchmarks/gpu_decode.py --lengths 524288 --batches 1 --backends triton --out "$OUT/s35table512" 2>&1 \
+        | tee "$OUT/gpu_decode_s35table512.log" | grep -E "^\| |Error|error"
+      python3 benchmarks/gpu_decode.py --lengths 131072 524288 --batches 1 --backends triton \
+        --methods ctkvr ctkvr:attend_block=128 ctkvr ctkvr:attend_block=128 --out "$OUT/s35ablock" 2>&1 \
+        | tee "$OUT/gpu_decode_s35ablock.log" | grep -E "graph|Error|error" ;;
     *) echo "unknown stage $stage" ;;
   esac
 done

@@ -208,7 +208,8 @@ def test_ctkvr_plan_attends_in_its_select(case, cfg_name, dtype, monkeypatch):
 def test_ctkvr_attends_only_where_it_can():
     """`attends`: CTkvr's plan computes its attention for one token with the values on the query's
     device in the keys' dtype, not for kivf, a step of several tokens, values behind a host tier's row
-    cache, values in another dtype, or with `IvfConfig.attend` off (the backend then runs as usual)."""
+    cache, values in another dtype, chunks too large for the kernel's shared memory, or with
+    `IvfConfig.attend` off (the backend then runs as usual)."""
     q1, q2 = torch.zeros(2, 4, 1, 32), torch.zeros(2, 4, 2, 32)
     k = torch.zeros(2, 10, 32)
     kv = KVView(k, k.clone(), k[:, :4], k[:, :4], torch.arange(10, 11))
@@ -219,6 +220,14 @@ def test_ctkvr_attends_only_where_it_can():
     assert not ivf.attends(q1, dataclasses.replace(kv, v_cache=object()), 0, on)
     assert not ivf.attends(q1, dataclasses.replace(kv, ctx_v=k.half()), 0, on)
     assert not ivf.attends(q1, kv, 0, ivf.IvfConfig(attend=False))
+    # chunks whose K and V tiles do not fit the kernel's shared memory: at D 128, 64 rows do, 128 do not (266 KB
+    # asked on the H200, session 35); at D 32 the same bound lets 256 rows through
+    q128 = torch.zeros(2, 4, 1, 128)
+    k128 = torch.zeros(2, 10, 128)
+    kv128 = KVView(k128, k128.clone(), k128[:, :4], k128[:, :4], torch.arange(10, 11))
+    assert ivf.attends(q128, kv128, 0, ivf.IvfConfig(attend_block=64))
+    assert not ivf.attends(q128, kv128, 0, ivf.IvfConfig(attend_block=128))
+    assert ivf.attends(q1, kv, 0, ivf.IvfConfig(attend_block=256))
 
 
 @pytest.mark.parametrize("fifo_blocks, loads_first", [(True, True), (True, False), (False, True)])

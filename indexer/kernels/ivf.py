@@ -181,6 +181,11 @@ Session 34: the plan attended by `_attend_kernel` (above) instead of the backend
 step 56.0-56.8 -> 54.9-55.4 us (2.75-2.80x SDPA), at 512K 57.3-57.8 -> 55.2-55.7 (9.92-10.04x over three calls;
 H200, benchmarks/RESULTS.md); the select's programs pay ~1.5 us of it (its counting pass beside the waiting programs,
 the flag's release).
+Session 35: the select split over slices of its row (R programs per selection for the mass and counting passes, a
+look-back over their counts, then the band's search; in a launch of its own or in the slices' launch) planned the same
+bits but was no faster at 128K (56.9 against 55.8-57.3 us; 69-70 with its searches in the same launch) and slower at B = 8:
+each slice pays the lse, the sample's bracket and a look-back (commit 3bb0e57, reverted; benchmarks/RESULTS.md). A chunk
+of 128 attended positions does not fit the attention kernel's shared memory at D 128 (`ATTEND_TILE_MAX`).
 Session 33: where rho % block_u == 0 a rerank chunk's slots are items of one list, so its rank, entry and table
 (persisted or FIFO) are chosen once per chunk and its positions are one contiguous load (`_list_pos`'s ONE_LIST,
 `IvfConfig.rerank_chunk_lists`; 2,576 -> 1,936 static instructions): the rerank 15.6 -> 12.0 us at 128K, the step 60-61
@@ -1512,7 +1517,7 @@ class IvfConfig:
     rerank_chunk_lists: bool = True  # rerank (CTkvr): where rho % block_u == 0 a chunk's slots are one list's items:
     # its entry and table (persisted or FIFO) chosen once per chunk, its positions one contiguous load (session 33)
     attend: bool = True  # CTkvr, one token, asked (`ctkvr_plan(attend_scale=)`): the plan attended by `_attend_kernel`
-    attend_block: int = 64  # its attention programs' chunk of plan positions
+    attend_block: int = 64  # its attention programs' chunk of plan positions (at most ATTEND_TILE_MAX // head_dim)
     attend_workers: int | None = None  # the plan's attention programs per row (None: `_attend_programs`)
     attend_sleep_ns: int = 64  # their pause between two polls of the plan's flag (GPU; 0: none)
     attend_warps: int = 4
@@ -1525,6 +1530,8 @@ class IvfConfig:
 
 DEFAULT_CONFIG = IvfConfig()  # used when a call passes no cfg (tests swap it for tiny blocks)
 MAX_PROBE_BESTS = 16384  # CTkvr: blocks x next_pow2(probe) bests merged by every rerank program
+ATTEND_TILE_MAX = 64 * 128  # `_attend_kernel`: attend_block x head_dim at most. 64 x 128 takes 72 KB of shared
+# memory; 128 x 128 asked for 266 KB, more than an H200 has (232 KB: OutOfResources; H200, session 35)
 
 _WORKSPACES = Workspaces()
 
@@ -1677,9 +1684,10 @@ def _rerank_and_select(q, kv, *, rows: int, u: int, sink: int, window: int, kp: 
 def attends(q: torch.Tensor, kv, source: int, cfg: IvfConfig) -> bool:
     """Whether a plan asked for its attention computes it (`_attend_kernel`): CTkvr (source 0),
     `IvfConfig.attend`, one token (a decode step), the values beside the keys (on q's device, in their
-    dtype; not behind a host tier's row cache)."""
-    return (cfg.attend and source == 0 and q.shape[2] == 1 and kv.v_cache is None
-            and kv.ctx_v.device == q.device and kv.ctx_v.dtype == kv.ctx_k.dtype)
+    dtype; not behind a host tier's row cache), and a chunk of `attend_block` rows of K and V that fits
+    the kernel's shared memory (`ATTEND_TILE_MAX`; a larger one: the backend attends the plan)."""
+    return (cfg.attend and source == 0 and q.shape[2] == 1 and cfg.attend_block * q.shape[-1] <= ATTEND_TILE_MAX
+            and kv.v_cache is None and kv.ctx_v.device == q.device and kv.ctx_v.dtype == kv.ctx_k.dtype)
 
 
 def _attend_programs(dev: torch.device, rows: int, n_sel: int, kp: int, cfg: IvfConfig) -> int:
