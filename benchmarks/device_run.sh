@@ -12,7 +12,7 @@
 #           s26ab | s26mask | s26probe | s26selw | s26push | s26final | s27ab | s27kivf | s27tests | s27kivfknobs | s27kivfsel |
 #           s28dot | s28kivf | s28knobs | s28exp | s28piv | s28tests | s28pf | s29tl | s29probe | s29keys | s29pdl | s29final | s29cb | s30scan | s30scan2 | s30tests | s30knobs | s30l2 | s30pdl |
 #           s31split | s31split2 | s31split3 | s31rerank | s31prefetch | s32floors | s32probe | s32loads | s32order | s32pos | s32floors3 | s32final | s33rerank | s33all | s33all2 | s33all3 | s33fifo | s33lists | s34attn | s34attn2 | s34attend | s34attend2 | s34diag | s34pdl | s34w16 | s34final | s34check |
-#           s35split | s35split2 | s35table | s35table512
+#           s35split | s35split2 | s35table | s35table512 | s35late | s35check
 #   (default: tests decode before_after)
 #   The device tool returns at most 8 files: past that, the run's JSON files come back as $OUT/json.tar.gz
 #   (and everything as $OUT/all.tar.gz if that is not enough).
@@ -1396,6 +1396,21 @@ for stage in $stages; do
       python3 benchmarks/gpu_decode.py --lengths 131072 524288 --batches 1 --backends triton \
         --methods ctkvr ctkvr:attend_block=128 ctkvr ctkvr:attend_block=128 --out "$OUT/s35ablock" 2>&1 \
         | tee "$OUT/gpu_decode_s35ablock.log" | grep -E "graph|Error|error" ;;
+    s35late)  # session 35: the select letting the attention's launch in after its counting pass (`attend_late`), not
+      # after its mass pass: the attended tests on the GPU, then alternating twice at 128K and 512K (B = 1), timelines
+      python3 -m pytest -q -p no:cacheprovider -o addopts="" tests/test_kernels_ivf.py -k "attends or graph" \
+        2>&1 | tee "$OUT/gpu_tests_s35late.log" | tail -2
+      python3 benchmarks/gpu_decode.py --lengths 131072 524288 --batches 1 --backends triton \
+        --methods ctkvr ctkvr:attend_late=1 ctkvr ctkvr:attend_late=1 --out "$OUT/s35late" 2>&1 \
+        | tee "$OUT/gpu_decode_s35late.log" | grep -E "graph|Error|error"
+      python3 benchmarks/gpu_timeline.py --lengths 131072 --methods ctkvr ctkvr:attend_late=1 --tag _s35late 2>&1 \
+        | tee "$OUT/gpu_timeline_s35late.log" | grep -vE "^\|---|rerank" ;;
+    s35check)  # session 35: the final tree (`attend_late` on by default): the attended plan's and the graph's IVF tests,
+      # gpu_decode of ctkvr at 128K and 512K (B = 1)
+      python3 -m pytest -q -p no:cacheprovider -o addopts="" tests/test_kernels_ivf.py -k "attends or graph" \
+        2>&1 | tee "$OUT/gpu_tests_s35check.log" | tail -2
+      python3 benchmarks/gpu_decode.py --lengths 131072 524288 --batches 1 --backends triton --methods ctkvr \
+        --out "$OUT/s35check" 2>&1 | tee "$OUT/gpu_decode_s35check.log" | grep -E "graph|Error|error" ;;
     *) echo "unknown stage $stage" ;;
   esac
 done

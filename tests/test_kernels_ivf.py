@@ -150,7 +150,8 @@ def test_ctkvr_fused_plan_with_tiny_blocks(monkeypatch):
 ATTEND_TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2}
 ATTEND_CFGS = {"default": ivf.IvfConfig(),  # on the interpreter: one plan program per row, beside the frame's
                "three_programs": ivf.IvfConfig(attend_block=16, attend_workers=3),  # chunks 0, 3, 6.. per program
-               "tiny": dataclasses.replace(TINY, attend_block=16, attend_workers=2)}
+               "tiny": dataclasses.replace(TINY, attend_block=16, attend_workers=2),
+               "early": ivf.IvfConfig(attend_late=False)}  # on a GPU: the select lets the attention in after its keys
 
 
 def _rel(a, b):
@@ -161,7 +162,8 @@ def _rel(a, b):
     ("decode", "default", torch.float32), ("decode", "three_programs", torch.float32),
     ("decode", "three_programs", torch.bfloat16), ("no_fifo", "three_programs", torch.float32),
     ("group_of_3_d64", "three_programs", torch.float32), ("k_beyond_candidates", "three_programs", torch.float32),
-    ("frame_covers_everything", "default", torch.float32), ("tiny_plan_inside_push", "tiny", torch.float32)])
+    ("frame_covers_everything", "default", torch.float32), ("tiny_plan_inside_push", "tiny", torch.float32),
+    ("decode", "early", torch.bfloat16)])
 def test_ctkvr_plan_attends_in_its_select(case, cfg_name, dtype, monkeypatch):
     """Asked for its attention, CTkvr's fused one-token plan returns the attention of q over the frame
     and its positions, as torch_ref computes it over the returned plan; the plan itself and the FIFO

@@ -51,8 +51,9 @@ when its backend takes `Plan.attended`: one request alone in a step; one token; 
 launch, `_attend_kernel`, grid (n_work, rows), replaces the attention backend's split and merge
 launches. The select's plan program publishes its row (a flag per row, release, after the plan's
 stores; `_select_kernel`'s PUBLISH) and, launched with programmatic dependent launch, the attention's
-programs start while the select runs (every select program lets them in after its mass pass, so each
-program they wait for is running: no order of the two grids deadlocks). Program a < n_work - 1 of a row
+programs start while the select runs (every select program lets them in after its counting pass, so each
+program they wait for is running: no order of the two grids deadlocks; `IvfConfig.attend_late`: after its mass
+pass, the attention's waiting programs slowed that pass by ~0.9 us, session 35). Program a < n_work - 1 of a row
 polls the row's flag (plain loads 64 ns apart, then one acquire), then attends one chunk of 64 plan
 positions (K and V rows, q·kᵀ and P·V on tensor cores with the attention kernel's rounding,
 `_attend_chunk`); the row's last program attends the frame without waiting. Each stores its softmax state,
@@ -181,7 +182,8 @@ Session 34: the plan attended by `_attend_kernel` (above) instead of the backend
 step 56.0-56.8 -> 54.9-55.4 us (2.75-2.80x SDPA), at 512K 57.3-57.8 -> 55.2-55.7 (9.92-10.04x over three calls;
 H200, benchmarks/RESULTS.md); the select's programs pay ~1.5 us of it (its counting pass beside the waiting programs,
 the flag's release).
-Session 35: the select split over slices of its row (R programs per selection for the mass and counting passes, a
+Session 35: the select lets the attention's launch in after its counting pass, not its mass pass (`attend_late`):
+128K 55.0-55.1 -> 54.5-54.6 us, 512K 55.4-55.6 -> 54.6-54.8 (10.04-10.08x SDPA; H200). The select split over slices of its row (R programs per selection for the mass and counting passes, a
 look-back over their counts, then the band's search; in a launch of its own or in the slices' launch) planned the same
 bits but was no faster at 128K (56.9 against 55.8-57.3 us; 69-70 with its searches in the same launch) and slower at B = 8:
 each slice pays the lse, the sample's bracket and a look-back (commit 3bb0e57, reverted; benchmarks/RESULTS.md). A chunk
@@ -1283,7 +1285,8 @@ def _select_kernel(
     G: tl.constexpr, G_PAD: tl.constexpr, BLOCK: tl.constexpr, BLOCK_S: tl.constexpr,
     HAS_PUSH: tl.constexpr, PRECISE: tl.constexpr, SAMPLE: tl.constexpr = False,
     DEDUP: tl.constexpr = False, PB: tl.constexpr = 1, HAS_N_ROW: tl.constexpr = False, SCAN_V: tl.constexpr = 1,
-    PUBLISH: tl.constexpr = False, PDL: tl.constexpr = False, TS=None, STAMP: tl.constexpr = False,
+    PUBLISH: tl.constexpr = False, PDL: tl.constexpr = False, PDL_LATE: tl.constexpr = False, TS=None,
+    STAMP: tl.constexpr = False,
 ):
     """Grid (rows, 1 + HAS_PUSH). Per row: lse per head over the parts (candidates + frame), mass of
     each slot = sum over heads of exp(logit - lse) (candidate_mass) as an int key (float bits + 1;
@@ -1299,7 +1302,9 @@ def _select_kernel(
     layout (`_chunk_offsets`). PUBLISH (the plan attended by `_attend_kernel`, launched next): a plan's
     program sets CTRL[r] = 1 (release) once the row is written; PDL: every program lets that launch
     start after its mass pass (its programs then wait for the flags while this one searches; let in at
-    the start, they slowed the lse and mass pass by ~0.5 us on the H200, session 34)."""
+    the start, they slowed the lse and mass pass by ~0.5 us on the H200, session 34); PDL_LATE
+    (`IvfConfig.attend_late`, the default): after its counting pass (`_select_sampled`'s LET_IN), which
+    they slowed by ~0.9 us (session 35)."""
     r = tl.program_id(0).to(tl.int64)
     w = tl.program_id(1)
     prog = r * tl.num_programs(1) + w  # (timeline stamps: slots 0 start, 1 lse, 2 keys, 3-6 search, 7 end)
@@ -1316,7 +1321,7 @@ def _select_kernel(
             n = tl.minimum(tl.load(N_ROW + r * sn_r), U)
         key_min, n_valid, key_hi = _row_keys(WS_S, WS_POS, WS_ML, row, r, U, n, n_parts, BITMAP, NW, RHO, G, G_PAD,
                                              BLOCK, BLOCK_S, PRECISE, SAMPLE, DEDUP, PB, TS, prog, STAMP)
-        if PDL:
+        if PDL & ((not PDL_LATE) | (not SAMPLE)):
             gdc_launch_dependents()
         stamp(TS, prog, 2, STAMP)
         if push_row & (w == 0):
@@ -1327,7 +1332,7 @@ def _select_kernel(
             out = OUT + r * KP
         if SAMPLE:
             _select_sampled(row, WS_POS + r * U, n, k, key_min, n_valid, key_hi, out, BLOCK, SCAN_V, KS, TS, prog,
-                            STAMP)
+                            STAMP, LET_IN=PDL & PDL_LATE)
         else:
             thr, take = _top_threshold(row, n, k, key_min, n_valid, key_hi, BLOCK)
             _emit(row, WS_POS + r * U, n, thr, take, k, out, BLOCK)
@@ -1361,7 +1366,7 @@ def _attend_kernel(Q, CK, CV, LK, LV, QPOS, PLAN, CTRL, PACC, PML, ATT, sq_h, sq
 
 @triton.jit
 def _select_sampled(ROW, POS, n, K, key_lo, n_valid, key_hi, OUT, BLOCK: tl.constexpr, SCAN_V: tl.constexpr = 1,
-                    ks=1, TS=None, prog=0, STAMP: tl.constexpr = False):
+                    ks=1, TS=None, prog=0, STAMP: tl.constexpr = False, LET_IN: tl.constexpr = False):
     """The top-K of the keys ROW[0:n] (0 = empty; key_lo a lower bound > 0 of the valid ones, n_valid
     their count, key_hi an upper bound of all) written as their positions POS[0:n] into OUT[0:K] (the
     set `_top_threshold` + `_emit` write: valid keys first, -1 after), the search bracketed from a
@@ -1376,7 +1381,8 @@ def _select_sampled(ROW, POS, n, K, key_lo, n_valid, key_hi, OUT, BLOCK: tl.cons
     keys >= b in array order, then the band's). Otherwise the search goes on from what the counts
     proved (inside the band, or above b, or below a) and the plain emit rewrites OUT. Returns the
     path: 0 no search needed or no sample (n_valid <= K or n <= BLOCK), 1 the band in registers, 2
-    the band confirmed but larger than a block, 3 the guess refuted (for the tests)."""
+    the band confirmed but larger than a block, 3 the guess refuted (for the tests). LET_IN: the program
+    lets its launch's dependent launch in (PDL) after the counting pass (before the plain search)."""
     tl.static_assert(BLOCK < 65536)
     ar = tl.arange(0, BLOCK)
     path = n * 0
@@ -1404,6 +1410,8 @@ def _select_sampled(ROW, POS, n, K, key_lo, n_valid, key_hi, OUT, BLOCK: tl.cons
             n_bd += tot >> 16
         tl.debug_barrier()  # the band's stores (and OUT's) before other threads read (or rewrite) them
         stamp(TS, prog, 4, STAMP)
+        if LET_IN:  # the dependent launch (`_attend_kernel`) may start now
+            gdc_launch_dependents()
         if (n_ge < K) & (n_ge + n_bd >= K):
             if n_bd <= BLOCK:
                 path = n * 0 + 1
@@ -1432,6 +1440,8 @@ def _select_sampled(ROW, POS, n, K, key_lo, n_valid, key_hi, OUT, BLOCK: tl.cons
             thr, take = _kth_search(ROW, n * 0, n, n, 2 * n, n, K, key_lo + n * 0, a, n_ge + n_bd,
                                     n_valid - n_ge - n_bd, n * 0, BLOCK)
     else:
+        if LET_IN:
+            gdc_launch_dependents()
         thr, take = _top_threshold(ROW, n, K, key_lo, n_valid, key_hi, BLOCK)
     if path != 1:
         _emit(ROW, POS, n, thr, take, K, OUT, BLOCK)
@@ -1522,6 +1532,9 @@ class IvfConfig:
     attend_sleep_ns: int = 64  # their pause between two polls of the plan's flag (GPU; 0: none)
     attend_warps: int = 4
     attend_pdl: bool = True  # launched under PDL (Hopper+): it starts while the select runs, not after it
+    attend_late: bool = True  # the select lets it in after its counting pass, not after its mass pass (its count
+    # 5.2 -> 4.3 us with no attention program beside it yet; 128K 55.0-55.1 -> 54.5-54.6 us, 512K 55.4-55.6 -> 54.6-54.8
+    # (10.04-10.08x SDPA); H200, session 35)
     sample_select: bool = True  # select: `_select_sampled` (27.6 -> 19.5 us at 128K, H100; RESULTS.md); False: plain
     count_rows: int = 4  # select: consecutive keys per thread in the sampled select's counting pass and its band's
     # emit, a power of two (`_chunk_offsets`; 1: one key per thread per repetition of the chunk's layout). At 128K
@@ -1665,7 +1678,8 @@ def _rerank_and_select(q, kv, *, rows: int, u: int, sink: int, window: int, kp: 
         t, u, n_parts, kp, rho, scr_row, bitmap.shape[-1] if bitmap is not None else 1, p_pad + 1, 1,
         G=g, G_PAD=g_pad, BLOCK=sel_block, BLOCK_S=_parts_block(n_parts), HAS_PUSH=push is not None,
         PRECISE=_precise(), SAMPLE=cfg.sample_select, DEDUP=dedup, PB=p_pad if dedup else 1, HAS_N_ROW=has_n_row,
-        SCAN_V=min(cfg.count_rows, sel_block), PUBLISH=attend, PDL=bool(pdl), **stamp_args("select"),
+        SCAN_V=min(cfg.count_rows, sel_block), PUBLISH=attend, PDL=bool(pdl), PDL_LATE=cfg.attend_late,
+        **stamp_args("select"),
         num_warps=sel_warps,
     )
     if attend:
