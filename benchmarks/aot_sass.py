@@ -11,6 +11,7 @@ attention split kernel's measured time followed its static count (1,712 instruct
     python benchmarks/aot_sass.py step --methods psa ctkvr --n 131072 --json out.json
     python benchmarks/aot_sass.py step --methods ctkvr ctkvr:rerank_maxnreg=128   # a kernel knob, as in gpu_decode.py
     python benchmarks/aot_sass.py step --methods ctkvr --out /tmp/sass/s  # also /tmp/sass/s_ctkvr_<kernel>.sass, .ttgir
+    python benchmarks/aot_sass.py step --methods ctkvr --n 16384 --only _attend_kernel  # one kernel of the step
 
 `split` / `psa_select` compile one kernel at the 8B layer's decode shape (G 4, D 128, bf16, one
 token) with constexprs overridden by --set. `step` records every Triton launch of one fused decode
@@ -282,6 +283,7 @@ def main() -> None:
     ap.add_argument("--set", nargs="*", default=[], help="constexpr overrides NAME=VALUE (0/1 for flags)")
     ap.add_argument("--warps", type=int, default=None, help="num_warps (default: the launch's at this shape)")
     ap.add_argument("--out", type=Path, default=None, help="a path prefix for the .sass and .ttgir files (step: one pair per kernel)")
+    ap.add_argument("--only", nargs="*", default=None, help="step: compile only these kernels (by function name)")
     a = ap.parse_args()
     if a.kernel == "step":
         import json
@@ -289,6 +291,8 @@ def main() -> None:
         rows = []
         for method in a.methods:
             for fn, args, kwargs in step_launches(method, a.n):
+                if a.only is not None and fn.__name__ not in a.only:
+                    continue
                 row = {"method": method, "n": a.n, **compile_launch(fn, args, kwargs)}
                 sass, ttgir = row.pop("sass"), row.pop("ttgir")
                 if a.out:
