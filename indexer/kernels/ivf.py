@@ -54,7 +54,8 @@ stores; `_select_kernel`'s PUBLISH) and, launched with programmatic dependent la
 programs start while the select runs (every select program lets them in after its counting pass, so each
 program they wait for is running: no order of the two grids deadlocks; `IvfConfig.attend_late`: after its mass
 pass, the attention's waiting programs slowed that pass by ~0.9 us, session 35). Program a < n_work - 1 of a row
-polls the row's flag (plain loads 64 ns apart, then one acquire), then attends one chunk of 64 plan
+polls the row's flag (plain loads 64 ns apart, then an acquire that Triton 3.6 compiles to nothing: the plan is
+read from L2 after the loop, see `_attend_part`), then attends one chunk of 64 plan
 positions (K and V rows, q·kᵀ and P·V on tensor cores with the attention kernel's rounding,
 `_attend_chunk`); the row's last program attends the frame without waiting. Each stores its softmax state,
 and the last of the row's programs to take a ticket merges them in program order (reproducible bits)
@@ -1010,8 +1011,12 @@ def _attend_part(Q, CK, CV, LK, LV, QPOS, PLAN, CTRL, PACC, PML, ATT, sq_h, sq_g
             m_a, l_a, acc = _attend_chunk(m_a, l_a, acc, qm, kt, vt, ok, scale, G, PRECISE, DOT_FP32)
     else:
         # the row's select program runs (PDL lets this launch in only once every select program has passed its
-        # mass pass; without PDL this launch follows the select): it will publish. Polled by plain loads (not
-        # atomics, which all go to the flag's L2 slice) with a pause between them, then one acquire
+        # counting pass, or its mass pass; without PDL this launch follows the select): it will publish. Polled by
+        # plain loads (not atomics, which all go to the flag's L2 slice) with a pause between them, then an acquire.
+        # On Triton 3.6 that acquire (its result unused) leaves no instruction in the SASS (session 35): what orders
+        # the plan's reads after the select's stores is that they follow the loop and read L2 (.cg), where the
+        # select's stores are before its release of the flag. An acquire whose result the reads use is the sturdier
+        # form, not yet measured.
         ready = tl.load(CTRL + r, volatile=True)
         while ready == 0:
             if SLEEP_NS > 0:
