@@ -184,11 +184,12 @@ step 56.0-56.8 -> 54.9-55.4 us (2.75-2.80x SDPA), at 512K 57.3-57.8 -> 55.2-55.7
 H200, benchmarks/RESULTS.md); the select's programs pay ~1.5 us of it (its counting pass beside the waiting programs,
 the flag's release).
 Session 35: the select lets the attention's launch in after its counting pass, not its mass pass (`attend_late`):
-128K 55.0-55.1 -> 54.5-54.6 us, 512K 55.4-55.6 -> 54.6-54.8 (10.04-10.08x SDPA; H200). The select split over slices of its row (R programs per selection for the mass and counting passes, a
-look-back over their counts, then the band's search; in a launch of its own or in the slices' launch) planned the same
-bits but was no faster at 128K (56.9 against 55.8-57.3 us; 69-70 with its searches in the same launch) and slower at B = 8:
-each slice pays the lse, the sample's bracket and a look-back (commit 3bb0e57, reverted; benchmarks/RESULTS.md). A chunk
-of 128 attended positions does not fit the attention kernel's shared memory at D 128 (`ATTEND_TILE_MAX`).
+128K 55.0-55.1 -> 54.5-54.6 us, 512K 55.4-55.6 -> 54.6-54.8 (10.04-10.08x SDPA; H200). The select split over slices
+of its row (R programs per selection for the mass and counting passes, a look-back over their counts, then the band's
+search; in a launch of its own or in the slices' launch) planned the same bits but was no faster at 128K (56.9
+against 55.8-57.3 us; 69-70 with its searches in the same launch) and slower at B = 8: each slice pays the lse, the
+sample's bracket and a look-back (commit 3bb0e57, reverted; benchmarks/RESULTS.md). A chunk of 128 attended positions
+does not fit the attention kernel's shared memory at D 128 (`ATTEND_TILE_MAX`).
 Session 33: where rho % block_u == 0 a rerank chunk's slots are items of one list, so its rank, entry and table
 (persisted or FIFO) are chosen once per chunk and its positions are one contiguous load (`_list_pos`'s ONE_LIST,
 `IvfConfig.rerank_chunk_lists`; 2,576 -> 1,936 static instructions): the rerank 15.6 -> 12.0 us at 128K, the step 60-61
