@@ -70,6 +70,8 @@ CONFIGS = [
     ("psa eps=0.95 cap 5%", "psa", {"eps": 0.95, "max_ratio": 0.05}),  # capped at the budget rho
     ("psa eps=1 cap 5%", "psa", {"eps": 1.0, "max_ratio": 0.05}),  # a fixed budget: the top-rho blocks (Quest-like)
     ("psa eps=1 cap 10%", "psa", {"eps": 1.0, "max_ratio": 0.10}),
+    ("psa budget 5%", "psa", {"rule": "budget", "max_ratio": 0.05}),  # the same set as eps=1 cap 5%, no exact sums
+    ("psa budget 10%", "psa", {"rule": "budget", "max_ratio": 0.10}),
     ("lfps 5%", "lfps", {"ratio": 0.05}),
     ("lfps 5% no-bypass", "lfps", {"ratio": 0.05, "bypass": False}),
     ("lfps 10%", "lfps", {"ratio": 0.10}),
@@ -100,10 +102,11 @@ def machine() -> dict:
     }
 
 
-def configs(table: list[tuple[str, str, dict]], methods) -> list[tuple]:
-    """(label, method, params) of the rows of `table` for `full` and `methods`."""
+def configs(table: list[tuple[str, str, dict]], methods, labels=None) -> list[tuple]:
+    """(label, method, params) of the rows of `table` for `full` and `methods` (and, given `labels`, only
+    the rows so labelled)."""
     return [(label, get_method(name), get_method(name).Params(**kw))
-            for label, name, kw in table if name == "full" or name in methods]
+            for label, name, kw in table if name == "full" or (name in methods and (not labels or label in labels))]
 
 
 def open_planner(m, params, cap, n_ctx: int, max_local: int):
@@ -326,6 +329,7 @@ def main() -> None:
                     help="length of the document of the recall and fidelity sections (the model's limit: 8192)")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--skip", nargs="*", default=[], choices=SECTIONS)
+    ap.add_argument("--labels", nargs="*", default=None, help="only these rows of the table (and full)")
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -333,14 +337,14 @@ def main() -> None:
     lm = load_model("smollm2-135m", MODEL_CACHE)
     n_doc = args.doc_tokens
     doc2k = lm.context_ids(natural_document(int(n_doc * 0.86) + 50))[:n_doc]
-    cfgs = configs(CONFIGS, args.methods)
+    cfgs = configs(CONFIGS, args.methods, args.labels)
     run = [s for s in SECTIONS if s not in args.skip]
     if "recall" in run:
         res["recall"] = bench_recall(prefill(lm, doc2k), cfgs, args.n_queries)
     if "fidelity" in run:
         res["fidelity"] = bench_fidelity(lm, doc2k, cfgs, args.positions)
     if "passkey" in run:
-        res["passkey"] = bench_passkey(lm, configs(CONFIGS + PASSKEY_EXTRA, args.methods), args.keys)
+        res["passkey"] = bench_passkey(lm, configs(CONFIGS + PASSKEY_EXTRA, args.methods, args.labels), args.keys)
     speed = [c for c in cfgs if c[0] in SPEED]
     for section in ("decode", "step_time"):
         if section in run:

@@ -12,7 +12,7 @@
 #           s26ab | s26mask | s26probe | s26selw | s26push | s26final | s27ab | s27kivf | s27tests | s27kivfknobs | s27kivfsel |
 #           s28dot | s28kivf | s28knobs | s28exp | s28piv | s28tests | s28pf | s29tl | s29probe | s29keys | s29pdl | s29final | s29cb | s30scan | s30scan2 | s30tests | s30knobs | s30l2 | s30pdl |
 #           s31split | s31split2 | s31split3 | s31rerank | s31prefetch | s32floors | s32probe | s32loads | s32order | s32pos | s32floors3 | s32final | s33rerank | s33all | s33all2 | s33all3 | s33fifo | s33lists | s34attn | s34attn2 | s34attend | s34attend2 | s34diag | s34pdl | s34w16 | s34final | s34check |
-#           s35split | s35split2 | s35table | s35table512 | s35late | s35check
+#           s35split | s35split2 | s35table | s35table512 | s35late | s35check | s36budget | s36budget2 | s36acq | s36pivots
 #   (default: tests decode before_after)
 #   The device tool returns at most 8 files: past that, the run's JSON files come back as $OUT/json.tar.gz
 #   (and everything as $OUT/all.tar.gz if that is not enough).
@@ -1411,6 +1411,42 @@ for stage in $stages; do
         2>&1 | tee "$OUT/gpu_tests_s35check.log" | tail -2
       python3 benchmarks/gpu_decode.py --lengths 131072 524288 --batches 1 --backends triton --methods ctkvr \
         --out "$OUT/s35check" 2>&1 | tee "$OUT/gpu_decode_s35check.log" | grep -E "graph|Error|error" ;;
+    s36budget)  # session 36: psa's rule "budget" (the select writes the plan: crit + select, no sums or stop launch)
+      # against the progressive rule, both capped at rho 5%: the PSA kernel tests on the GPU, then gpu_decode at 32K
+      # and 128K (B = 1, 8) with profiles, alternating twice (and the plan's stores in chunks of 2,048 once)
+      python3 -m pytest -q -p no:cacheprovider -o addopts="" tests/test_kernels_psa.py 2>&1 \
+        | tee "$OUT/gpu_tests_s36psa.log" | tail -2
+      P=psa@max_ratio=0.05 B=psa@rule=budget,max_ratio=0.05
+      python3 benchmarks/gpu_decode.py --lengths 32768 131072 --batches 1 8 --backends triton --profile \
+        --methods $P $B $P $B $B:plan_block=2048 --out "$OUT/s36budget" 2>&1 | tee "$OUT/gpu_decode_s36budget.log" \
+        | grep -E "graph|Error|error|kernels," ;;
+    s36budget2)  # session 36: the budget plan's stores from a [candidates, block] tile (one load per candidate, not
+      # one gather per slot): the same alternation as s36budget without the tests, and 512K (B = 1)
+      P=psa@max_ratio=0.05 B=psa@rule=budget,max_ratio=0.05
+      python3 benchmarks/gpu_decode.py --lengths 32768 131072 --batches 1 8 --backends triton --profile \
+        --methods $P $B $P $B $B:plan_block=2048 --out "$OUT/s36budget2" 2>&1 \
+        | tee "$OUT/gpu_decode_s36budget2.log" | grep -E "graph|Error|error|kernels,"
+      s32_512 s36budget2 "$P $B $P $B" 512 ;;
+    s36pivots)  # session 36: the select's in-register search with four pivots per pass (`select_pivots=4`) against the
+      # bisection, psa's two rules at rho 5%, alternating twice, 32K and 128K (B = 1, 8), with profiles; the budget
+      # select at 16 warps; then the PSA kernel tests and the attended / graph IVF tests on the GPU (the final tree)
+      P=psa@max_ratio=0.05 B=psa@rule=budget,max_ratio=0.05
+      python3 benchmarks/gpu_decode.py --lengths 32768 131072 --batches 1 8 --backends triton --profile \
+        --methods $B $B:select_pivots=4 $P $P:select_pivots=4 $B $B:select_pivots=4 $B:select_warps=16 \
+        --out "$OUT/s36pivots" 2>&1 | tee "$OUT/gpu_decode_s36pivots.log" | grep -E "graph|Error|error|kernels,"
+      python3 -m pytest -q -p no:cacheprovider -o addopts="" tests/test_kernels_psa.py 2>&1 \
+        | tee "$OUT/gpu_tests_s36pivots_psa.log" | tail -2
+      python3 -m pytest -q -p no:cacheprovider -o addopts="" tests/test_kernels_ivf.py -k "attends or graph" \
+        2>&1 | tee "$OUT/gpu_tests_s36pivots_ivf.log" | tail -2 ;;
+    s36acq)  # session 36: ctkvr's attention programs poll the plan's flag with acquire loads whose value the plan's
+      # addresses use (`attend_acquire`, removed after this run) against the polls of sessions 34-35: the attended
+      # and graph IVF tests,
+      # alternating twice at 128K and 512K (B = 1); psa's budget rule at 512K
+      python3 -m pytest -q -p no:cacheprovider -o addopts="" tests/test_kernels_ivf.py -k "attends or graph" \
+        2>&1 | tee "$OUT/gpu_tests_s36acq.log" | tail -2
+      python3 benchmarks/gpu_decode.py --lengths 131072 524288 --batches 1 --backends triton \
+        --methods ctkvr ctkvr:attend_acquire=0 ctkvr ctkvr:attend_acquire=0 psa@rule=budget,max_ratio=0.05 \
+        --out "$OUT/s36acq" 2>&1 | tee "$OUT/gpu_decode_s36acq.log" | grep -E "graph|Error|error" ;;
     *) echo "unknown stage $stage" ;;
   esac
 done

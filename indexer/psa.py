@@ -41,6 +41,16 @@ number of candidates, so a plan has a fixed shape and never waits on the device:
    A head that has not reached eps after B_max blocks stops there (`max_ratio` < 1 only; the
    default 1.0 is the paper's uncapped rule; `stats()["capped_fraction"]` counts those).
 
+`rule="budget"`: the plan is every one of the B_max best blocks (steps 1-3 without the sums: Quest's
+fixed budget over the same criticality and group score), in block order; eps and microbatch are not
+used, P_acc is not estimated (`mass_est` NaN, `stats()["mass_est_mean"]` None), `capped` marks rows
+with more ranked blocks than B_max. It is the set the progressive rule keeps at eps = 1 under the same
+cap, planned without reading a key: on the GPU two launches (criticality, then a select that writes
+the plan) instead of four, and the attention reads all B_max blocks instead of the stop's prefix (at
+ρ 5% the stop keeps 32-48% of them at 32K-128K). H200, one 8B layer, ρ 5% (benchmarks/RESULTS.md,
+session 36): 32K 26.4 -> 22.5 µs, 128K 50-51 -> 43 µs, 512K 139 -> 129 µs, 128K B = 8 142-169 -> 130 µs;
+its fidelity against the progressive rule at the same cap: benchmarks/RESULTS_psa_lfps.md.
+
 Cost: one pass over the block metadata (criticality, a sort of the blocks) plus exact q·k over the
 B_max candidate blocks and the dense part. The fixed shape is the price of no host sync: the plan
 scores all B_max candidates, also those after the stop point, so `max_ratio` is what bounds the work
@@ -102,6 +112,11 @@ class PSAParams(MethodParams):
     microbatch: int = Field(4, ge=1, le=1 << 16, description="blocks processed between two checks of the stop rule")
     criticality: Literal["cuboid", "center", "mean"] = Field(
         "cuboid", description="block score: cuboid upper bound, q·cuboid center, or q·mean"
+    )
+    rule: Literal["progressive", "budget"] = Field(
+        "progressive",
+        description="progressive: the paper's stop once the estimated mass reaches eps; budget: every one of the "
+                    "max_ratio best blocks (Quest's fixed budget: no exact sums, eps unused, faster on a GPU)",
     )
     max_ratio: float = Field(
         1.0, gt=0.0, le=1.0,
@@ -218,11 +233,13 @@ def progressive_plan(
     window: int,
     max_blocks: int,
     criticality: str = "cuboid",
+    rule: str = "progressive",
     score_all: bool | None = None,
 ) -> ProgressivePlan:
     """Algorithm 1 of the PSA paper over the B_max best-ranked blocks, batched over KV heads and
-    query tokens, without a loop (see the module docstring). `score_all`: compute q·k for every
-    context key instead of gathering the candidate blocks (same result; default: when
+    query tokens, without a loop (see the module docstring). `rule="budget"`: the B_max best blocks
+    in block order, no exact sums and no stop (eps and microbatch unused). `score_all`: compute q·k for
+    every context key instead of gathering the candidate blocks (same result; default: when
     max_blocks·T >= blocks, where it is the cheaper of the two)."""
     dev = q.device
     kvh, g, t, d = q.shape
@@ -250,15 +267,23 @@ def progressive_plan(
     val, top = torch.sort(score, dim=-1, descending=True)  # faster than a sorted top-k on a GPU
     val, top = val[..., :bm], top[..., :bm]  # [KVH, T, B_max], best first
     top_ok = val >= 0
+    ar = torch.arange(bs, device=dev)
+    f_ids = torch.cat([torch.arange(n_sb, device=dev), torch.arange(first_w, nb, device=dev)])  # [F]
+    f_tok = f_ids[:, None] * bs + ar  # [F, bs]
+    f_keep = forced[:, f_ids]  # [T, F]: the static dense-part blocks that are this query's
+    if rule == "budget":  # every candidate, in block order; P_acc is not estimated
+        used = top_ok.sum(-1)  # [KVH, T]
+        keep = torch.arange(bm, device=dev)[None, None, :] < used[..., None]
+        top = torch.where(keep, top, nb).sort(-1).values
+        mass_est = torch.full((kvh, g, t), math.nan, device=dev)
+        capped = (used > 0) & (used < n_ranked[None, :])
+        return _plan_of(top, keep, used, mass_est, capped, f_tok, f_keep, s_end, w_lo, n, nb, n_ranked, bs,
+                        ranked=torch.where(keep, top, -1))
 
     # -- exact sums: dense part and the candidates ---------------------------------------------
     loc_vis = (n + torch.arange(loc_k.shape[1], device=dev))[None, :] <= q_pos[:, None]  # [T, M]
     s_loc = torch.einsum("hgtd,hmd->hgtm", q, loc_k.to(dev, q.dtype)).float() * scale  # (offload: rows on the GPU)
     s_loc = s_loc.masked_fill(~loc_vis[None, None], NEG_INF)
-    ar = torch.arange(bs, device=dev)
-    f_ids = torch.cat([torch.arange(n_sb, device=dev), torch.arange(first_w, nb, device=dev)])  # [F]
-    f_tok = f_ids[:, None] * bs + ar  # [F, bs]
-    f_keep = forced[:, f_ids]  # [T, F]: the static dense-part blocks that are this query's
     if score_all is None:
         score_all = bm * t >= nb
     if score_all:  # q·k of every key; block sums by a reshape
@@ -302,16 +327,23 @@ def progressive_plan(
     at = (used - 1).clamp(min=0)[:, None, :, None].expand(kvh, g, t, 1)
     mass_est = torch.where(used[:, None] > 0, p_acc.gather(-1, at)[..., 0], torch.ones_like(dense))
 
-    # -- positions ------------------------------------------------------------------------------
     keep = torch.arange(bm, device=dev)[None, None, :] < used[..., None]  # [KVH, T, B_max]
-    tok = top[..., None] * bs + ar
+    return _plan_of(top, keep, used, mass_est, ~stopped & (used > 0), f_tok, f_keep, s_end, w_lo, n, nb, n_ranked,
+                    bs, ranked=top)
+
+
+def _plan_of(top, keep, used, mass_est, capped, f_tok, f_keep, s_end, w_lo, n, nb, n_ranked, bs, *, ranked):
+    """The plan's positions: the dense-part blocks' tokens outside the frame, then the kept candidates'
+    tokens (top [KVH, T, B_max] block ids in plan order, keep: its first `used`), -1 elsewhere."""
+    kvh, t, bm = top.shape
+    tok = top[..., None] * bs + torch.arange(bs, device=top.device)
     pos_r = torch.where(keep[..., None] & (tok < n), tok, -1).view(kvh, t, bm * bs)
     f_sel = f_keep[..., None] & (f_tok[None] >= s_end) & (f_tok[None] < w_lo[:, None, None])  # [T, F, bs]
     pos_f = torch.where(f_sel, f_tok[None], -1).view(1, t, -1).expand(kvh, t, -1)
     positions = torch.cat([pos_f, pos_r], dim=-1).to(torch.int32)
     blocks = used + (nb - n_ranked)[None, :]
     lengths = ((used + pos_f.shape[-1] // bs) * bs).to(torch.int32)
-    return ProgressivePlan(positions, blocks, top, used, mass_est, ~stopped & (used > 0), lengths)
+    return ProgressivePlan(positions, blocks, ranked, used, mass_est, capped, lengths)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -353,7 +385,7 @@ class _PSAPlanner(Planner):
         kernels = self._fused(q, meta)
         args = (q, kv.ctx_k, kv.loc_k, kv.q_pos, meta, p.block_size)
         kw = dict(eps=p.eps, microbatch=p.microbatch, sink=self.sink, window=self.window,
-                  max_blocks=self.max_blocks, criticality=p.criticality)
+                  max_blocks=self.max_blocks, criticality=p.criticality, rule=p.rule)
         if kernels is None:
             res = progressive_plan(*args, **kw)
         else:  # with the plan's attention where the caller asks and it pays (`kernels.attends`)
@@ -388,7 +420,8 @@ class _PSAPlanner(Planner):
         return {
             "blocks_per_step": sum(per_layer) / len(per_layer),
             "blocks_per_step_per_layer": [round(v, 2) for v in per_layer],
-            "mass_est_mean": sum(a[1] for a in acc) / sum(self._heads[l] for l in layers),
+            "mass_est_mean": (None if self.params.rule == "budget"  # not estimated (no exact sums)
+                              else sum(a[1] for a in acc) / sum(self._heads[l] for l in layers)),
             "capped_fraction": sum(a[2] for a in acc) / sum(self._rows[l] for l in layers),
             "max_blocks": self.max_blocks,
         }

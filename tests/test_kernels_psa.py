@@ -29,6 +29,8 @@ from indexer.base import DecodeContext, IndexReader, KVView, PrefillCapture, get
 from indexer.psa import ProgressivePlan, progressive_plan
 
 kernels = pytest.importorskip("indexer.kernels.psa", reason="triton is not installed")
+import triton  # noqa: E402  (installed: the kernels imported)
+import triton.language as tl  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -39,6 +41,7 @@ TINY = kernels.PsaConfig(block_b=16, block_q=16, score_block=16, select_block=16
                          dense_block=16, scan_block=16, pos_block=64, x_budget=64)
 # the select's keys in registers at the tests' small block counts (one warp: a 64-key tile has no replicas)
 REGS = kernels.PsaConfig(select_warps=1)
+REGS4 = kernels.PsaConfig(select_warps=1, select_pivots=4)  # ... searched with four pivots per pass
 SCRATCH = kernels.PsaConfig(regs_select=False)
 PLAN_FIELDS = [f.name for f in fields(ProgressivePlan)]
 
@@ -112,6 +115,34 @@ def test_fused_plan_equals_torch(kind, eps, ratio, t, dtype):
     assert (want.used > 0).all()
 
 
+BUDGET_CASES = [("cuboid", 0.2, 1, torch.float32, None), ("center", 0.2, 3, torch.bfloat16, None),
+                ("mean", 1.0, 1, torch.bfloat16, None), ("cuboid", 0.05, 2, torch.float32, "tiny"),
+                ("cuboid", 0.2, 1, torch.bfloat16, "regs"), ("center", 0.3, 3, torch.float32, "scratch")]
+CONFIGS = {None: None, "tiny": dataclasses.replace(TINY, plan_block=16), "regs": REGS, "scratch": SCRATCH}
+
+
+@pytest.mark.parametrize("kind,ratio,t,dtype,cfg", BUDGET_CASES, ids=lambda v: str(v).replace("torch.", ""))
+def test_budget_plan_equals_torch(kind, ratio, t, dtype, cfg):
+    """rule "budget": the select kernel writes the plan itself (no sums or stop launch), the torch
+    path's bits: positions in the same order (block order), ranked ids with -1 past the count, the
+    counts, capped, lengths, and no P_acc (NaN). After every workspace word was poisoned (the
+    candidates it reads back are its own). "tiny" stores the plan in 16-slot chunks."""
+    name = f"budget-{kind}-{ratio}-{t}-{dtype}-{cfg}"
+    seed = zlib.crc32(name.encode()) % 10_000
+    q, ctx_k, loc_k, q_pos = _inputs(seed, n=200 + seed % 300, t=t, m=t + seed % 5, dtype=dtype)
+    meta = _meta(ctx_k, 8)
+    kw = dict(eps=0.9, microbatch=2, sink=4, window=8, max_blocks=max(1, math.ceil(ratio * meta.shape[1])),
+              criticality=kind, rule="budget")
+    kernels.progressive_plan(*_dev(q, ctx_k, loc_k, q_pos, meta), 8, cfg=CONFIGS[cfg], **kw)  # sizes the workspace
+    for buf in kernels._WORKSPACES.buffers():
+        buf.fill_(1 if buf.dtype == torch.int32 else 1e30)
+    got, want = _both(q, ctx_k, loc_k, q_pos, meta, 8, cfg=CONFIGS[cfg], **kw)
+    for field in ("positions", "ranked", "used", "blocks", "capped", "lengths"):
+        assert torch.equal(getattr(got, field), getattr(want, field)), f"{name}: {field} differs"
+    assert got.mass_est.isnan().all() and want.mass_est.isnan().all() and got.out is None
+    assert (want.used > 0).all() and want.capped.any() == (ratio < 1)
+
+
 def _dyadic(x: torch.Tensor, step: float) -> torch.Tensor:
     """x rounded to a multiple of `step` in [-4·step, 4·step]: small dyadic numbers, so every
     criticality (fp16 operands, fp16 result) is exact in any summation order."""
@@ -175,7 +206,7 @@ def test_empty_context_plans_nothing():
     assert got.positions.shape == want.positions.shape == (2, 1, 0)
 
 
-@pytest.mark.parametrize("cfg", [None, REGS], ids=["scratch-select", "register-select"])
+@pytest.mark.parametrize("cfg", [None, REGS, REGS4], ids=["scratch-select", "register-select", "four-pivots"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_ties_take_the_lowest_block_and_are_deterministic(dtype, cfg, monkeypatch):
     """Integer-valued queries and keys (every dot product exact, in any order) with every block
@@ -217,6 +248,67 @@ def test_select_in_registers_equals_the_scratch_path(kind, t, dtype):
         _assert_same(got, want, f"registers {kind} n={n}")
         scratch = kernels.progressive_plan(*_dev(q, ctx_k, loc_k, q_pos, meta), bs, cfg=SCRATCH, **kw)
         assert torch.equal(got.positions, scratch.positions) and torch.equal(got.ranked, scratch.ranked)
+
+
+@triton.jit
+def _search_probe(KEYS, OUT, n, K, PIVOTS: tl.constexpr, BLOCK: tl.constexpr):
+    """(thr, take) of the select's in-register search over KEYS[0:n] (int keys, 0 = not a candidate)."""
+    o = tl.arange(0, BLOCK)
+    keys = tl.load(KEYS + o, mask=o < n, other=0)
+    n_valid = tl.sum((keys > 0).to(tl.int32), 0)
+    key_min = tl.min(tl.where(keys > 0, keys, 2147483647), 0)
+    if PIVOTS == 4:
+        thr, take = kernels._top_threshold_regs4(keys, n, K, key_min, n_valid, tl.max(keys, 0) + 1)
+    else:
+        thr, take = kernels._top_threshold_regs(keys, n, K, key_min, n_valid, tl.max(keys, 0) + 1)
+    tl.store(OUT, thr)
+    tl.store(OUT + 1, take)
+
+
+@pytest.mark.parametrize("pivots", [1, 4])
+def test_the_in_register_search_finds_the_top_k(pivots):
+    """The select's search (bisection, or four pivots per pass) on int keys with heavy ties, a few
+    huge gaps and empty slots: keys > thr, then the first `take` keys equal to thr in array order, are
+    exactly the K best keys (ties: the lowest index first), for K from 1 to past the count."""
+    gen = torch.Generator().manual_seed(11)
+    for trial in range(12):
+        n = 64
+        spread = [3, 9, 40, 1 << 20][trial % 4]
+        keys = torch.randint(1, spread + 1, (n,), generator=gen, dtype=torch.int32)
+        if trial % 3 == 0:
+            keys[torch.randint(0, n, (8,), generator=gen)] = 0  # slots that are not candidates
+        if trial % 5 == 1:
+            keys[:4] = 2_000_000_000  # far above the rest
+        valid = int((keys > 0).sum())
+        order = sorted(range(n), key=lambda i: (-int(keys[i]), i))[:valid]
+        for k in sorted({1, 2, 3, n // 2, n - 9, n - 1, n, n + 1} | set(range(4, n, 5))):
+            out = torch.zeros(2, dtype=torch.int32, device=DEVICE)
+            _search_probe[(1,)](keys.to(DEVICE), out, n, k, PIVOTS=pivots, BLOCK=n, num_warps=1)
+            thr, take = out.tolist()
+            if valid < k:  # every candidate, then `take` of the empty slots (keys 0 = thr)
+                assert thr == 0 and take == k - valid, (trial, k)
+                continue
+            above = [i for i in range(n) if keys[i] > thr and keys[i] > 0]
+            equal = [i for i in range(n) if keys[i] == thr and keys[i] > 0][:take]
+            assert sorted(above + equal) == sorted(order[:k]), (trial, k, spread)
+
+
+@pytest.mark.parametrize("rule", ["progressive", "budget"])
+def test_four_pivot_search_selects_what_the_bisection_does(rule):
+    """`select_pivots=4` (four counts per pass, packed in one int64 reduction) against the bisection
+    (`select_pivots=1`) and the torch path, keys in registers: the same plans, bit for bit, at budgets
+    from one block to every block (the search's early exit, its last small ranges, no search)."""
+    for seed in range(6):
+        q, ctx_k, loc_k, q_pos = _inputs(900 + seed, n=200 + 41 * seed, t=1 + seed % 2)
+        meta = _meta(ctx_k, 8)
+        nb = meta.shape[1]
+        for bmax in (1, 2, math.ceil(0.1 * nb), nb // 2, nb):
+            kw = dict(eps=0.9, microbatch=2, sink=4, window=8, max_blocks=bmax, criticality="cuboid", rule=rule)
+            four, want = _both(q, ctx_k, loc_k, q_pos, meta, 8, cfg=REGS4, **kw)
+            two = kernels.progressive_plan(*_dev(q, ctx_k, loc_k, q_pos, meta), 8, cfg=REGS, **kw)
+            for field in ("positions", "ranked", "used", "capped"):
+                assert torch.equal(getattr(four, field), getattr(two, field)), f"{seed} {bmax}: {field}"
+            assert torch.equal(four.positions.sort(-1).values, want.positions.sort(-1).values), f"{seed} {bmax}"
 
 
 def test_a_plan_ignores_what_an_earlier_plan_left_in_the_workspace():
@@ -505,3 +597,23 @@ def test_fused_plan_makes_no_host_sync_and_replays_in_a_graph():
     assert torch.equal(replayed.positions, eager.positions)
     b.fused = False
     assert torch.equal(want.sort(-1).values, b.plan(0, q, kv).positions.sort(-1).values)
+    # rule "budget" (the select writes the plan: two launches): no sync, replayed bit for bit, the torch path's bits
+    d_ = psa.open(index, psa.Params(rule="budget", max_ratio=0.05), DecodeContext(n))
+    d_.plan(0, q, kv)  # compiles
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        eager = d_.plan(0, q, kv).positions
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    with torch.cuda.stream(side):
+        d_.plan(0, q, kv)
+        graph_b = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph_b):
+            replayed = d_.plan(0, q, kv).positions
+    torch.cuda.current_stream().wait_stream(side)
+    graph_b.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(replayed, eager) and (eager >= 0).sum() > 0
+    d_.fused = False
+    assert torch.equal(d_.plan(0, q, kv).positions, eager)

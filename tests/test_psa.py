@@ -256,6 +256,48 @@ def test_max_ratio_fixes_the_width_and_caps_the_blocks():
     assert (wide.positions[..., loose.positions.shape[-1]:] < 0).all()
 
 
+def test_budget_rule_plans_the_best_blocks_in_block_order():
+    """rule "budget": the B_max best blocks by the group score, in block order, with no exact sums:
+    the same set as the progressive rule at eps = 1 capped at B_max (which keeps every candidate),
+    -1 past them, P_acc not estimated (NaN, stats None); uncapped, it is every block: dense attention."""
+    q, kv = _random_kv(n=800, m=4, t=2, seed=6)
+    index, arrays = _index(kv.ctx_k, 16)
+    P = get_method("psa").Params
+    n_sb, first_w = dense_part_blocks(800, 16, 4, 8)
+    f = n_sb + 50 - first_w
+    budget = _open(index, P(block_size=16, rule="budget", eps=0.5, sink=4, window=8, max_ratio=0.1), 800)
+    plan = budget.plan(0, q, kv)
+    res = budget._last[0]
+    kw = dict(microbatch=2, sink=4, window=8, max_blocks=5, criticality="cuboid")
+    meta = arrays["block_meta"][0]
+    prog = progressive_plan(q, kv.ctx_k, kv.loc_k, kv.q_pos, meta, 16, eps=1.0, **kw)
+    assert torch.equal(plan.positions.sort(-1).values, prog.positions.sort(-1).values)
+    assert torch.equal(res.used, prog.used) and torch.equal(res.capped, prog.capped) and res.capped.all()
+    assert torch.equal(res.ranked, prog.ranked.sort(-1).values)  # 5 of 48 ranked blocks: every slot used
+    ranked = plan.positions[..., f * 16:]
+    assert (ranked[..., 16:] > ranked[..., :-16]).all()  # block order: each block's tokens after the last one's
+    # the group score picks them: no unpicked ranked block scores above a picked one
+    _, w_lo = frame_bounds(kv.q_pos, 800, 4, 8)
+    blk = torch.arange(50)
+    rank_ok = (blk[None] >= n_sb) & ((blk[None] + 1) * 16 <= w_lo[:, None])  # [T, B]: not in the dense part
+    crit = block_criticality(q, meta, "cuboid").masked_fill(~rank_ok[None, None], -math.inf)
+    score = torch.softmax(crit * 16 ** -0.5, -1).sum(1)  # [KVH, T, B]: the group score
+    for h in range(2):
+        for t in range(2):
+            rank_ok = (blk >= n_sb) & ((blk + 1) * 16 <= w_lo[t])
+            picked = torch.zeros(50, dtype=torch.bool)
+            picked[res.ranked[h, t]] = True
+            assert score[h, t][picked].min() >= score[h, t][rank_ok & ~picked].max()
+    assert res.mass_est.isnan().all()
+    budget.update(0, kv.loc_k[:, :2], kv.loc_v[:, :2], kv.q_pos)
+    st = budget.stats()
+    assert st["mass_est_mean"] is None and st["capped_fraction"] == 1.0 and st["blocks_per_step"] == 5 + f
+    dense = _open(index, P(block_size=16, rule="budget", sink=4, window=8), 800)  # every block
+    out = get_backend("torch_ref").run(q, kv, dense.plan(0, q, kv), 4, 8, q.shape[-1] ** -0.5)
+    torch.testing.assert_close(out, dense_attention(q, kv, q.shape[-1] ** -0.5), atol=ATOL, rtol=RTOL)
+    assert not dense._last[0].capped.any()
+
+
 def test_stats_are_committed_by_update():
     q, kv = _random_kv(n=256, m=8, t=1, seed=5)
     _, arrays = _index(kv.ctx_k, 16)

@@ -54,8 +54,8 @@ stores; `_select_kernel`'s PUBLISH) and, launched with programmatic dependent la
 programs start while the select runs (every select program lets them in after its counting pass, so each
 program they wait for is running: no order of the two grids deadlocks; `IvfConfig.attend_late`: after its mass
 pass, the attention's waiting programs slowed that pass by ~0.9 us, session 35). Program a < n_work - 1 of a row
-polls the row's flag (plain loads 64 ns apart, then an acquire that Triton 3.6 compiles to nothing: the plan is
-read from L2 after the loop, see `_attend_part`), then attends one chunk of 64 plan
+polls the row's flag (acquire loads 64 ns apart, the plan's addresses computed from the value that ends the
+wait: `_attend_part`), then attends one chunk of 64 plan
 positions (K and V rows, q·kᵀ and P·V on tensor cores with the attention kernel's rounding,
 `_attend_chunk`); the row's last program attends the frame without waiting. Each stores its softmax state,
 and the last of the row's programs to take a ticket merges them in program order (reproducible bits)
@@ -974,11 +974,22 @@ def _attend_chunk(m_a, l_a, acc, qm, kt, vt, keep, qk_scale, G: tl.constexpr, PR
 
 
 @triton.jit
+def _load_acquire(ptr, SLEEP_NS: tl.constexpr):
+    """The int32 at ptr by an acquire load at GPU scope (after a pause of SLEEP_NS ns when > 0): this
+    thread's later memory operations are ordered after it. GPU only (inline PTX)."""
+    if SLEEP_NS > 0:
+        return tl.inline_asm_elementwise(f"nanosleep.u32 {SLEEP_NS}; ld.acquire.gpu.global.u32 $0, [$1];", "=r,l",
+                                         [ptr], dtype=tl.int32, is_pure=False, pack=1)
+    return tl.inline_asm_elementwise("ld.acquire.gpu.global.u32 $0, [$1];", "=r,l", [ptr], dtype=tl.int32,
+                                     is_pure=False, pack=1)
+
+
+@triton.jit
 def _attend_part(Q, CK, CV, LK, LV, QPOS, PLAN, CTRL, PACC, PML, ATT, sq_h, sq_g, sq_t, sck_h, sck_n, scv_h, scv_n,
                  slk_h, slk_n, slv_h, slv_n, sa_h, sa_g, sa_t, r, a, n_work, n_rows, T, n_ctx, n_loc, s_end, window,
                  KP, scale, G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, G_DOT: tl.constexpr,
                  BLOCK_A: tl.constexpr, W_PAD: tl.constexpr, PRECISE: tl.constexpr, DOT_FP32: tl.constexpr,
-                 SLEEP_NS: tl.constexpr = 0, TS=None, STAMP: tl.constexpr = False):
+                 SLEEP_NS: tl.constexpr = 0, TS=None, STAMP: tl.constexpr = False, ACQUIRE: tl.constexpr = False):
     """Attention program a of row r (`_attend_kernel`; one token per row): the last of the row's n_work
     programs attends the frame (sink, window, visible request-local rows: the rows and masks of the
     attention backend and of the rerank's frame program) at once; program a < n_work - 1 waits until the
@@ -1012,24 +1023,27 @@ def _attend_part(Q, CK, CV, LK, LV, QPOS, PLAN, CTRL, PACC, PML, ATT, sq_h, sq_g
             m_a, l_a, acc = _attend_chunk(m_a, l_a, acc, qm, kt, vt, ok, scale, G, PRECISE, DOT_FP32)
     else:
         # the row's select program runs (PDL lets this launch in only once every select program has passed its
-        # counting pass, or its mass pass; without PDL this launch follows the select): it will publish. Polled by
-        # plain loads (not atomics, which all go to the flag's L2 slice) with a pause between them, then an acquire.
-        # On Triton 3.6 that acquire (its result unused) leaves no instruction in the SASS (session 35): what orders
-        # the plan's reads after the select's stores is that they follow the loop and read L2 (.cg), where the
-        # select's stores are before its release of the flag. An acquire whose result the reads use is the sturdier
-        # form, not yet measured.
-        ready = tl.load(CTRL + r, volatile=True)
-        while ready == 0:
-            if SLEEP_NS > 0:
-                ready = tl.inline_asm_elementwise(f"nanosleep.u32 {SLEEP_NS}; ld.volatile.global.u32 $0, [$1];",
-                                                  "=r,l", [CTRL + r], dtype=tl.int32, is_pure=False, pack=1)
-            else:
+        # counting pass, or its mass pass; without PDL this launch follows the select): it will publish (a release
+        # of 1, after the plan's stores). Every thread polls the flag with acquire loads (ld.acquire.gpu, not
+        # atomics, which all go to the flag's L2 slice), a pause between them: the load that sees 1 orders this
+        # thread's later loads after it (SASS: LDG.E.STRONG.GPU + CCTL.IVALL), and the plan's addresses are
+        # computed from its value, so no compiler can issue them before the wait ends either. Measured free
+        # against sessions 34-35's volatile polls (H200, session 36), whose closing `tl.atomic_add(..., sem=
+        # "acquire")`, its result unused, compiled to no instruction. The interpreter (ACQUIRE off: no inline
+        # PTX) runs this launch after the select: plain loads there.
+        if ACQUIRE:
+            ready = _load_acquire(CTRL + r, 0)
+            while ready == 0:
+                ready = _load_acquire(CTRL + r, SLEEP_NS)
+        else:
+            ready = tl.load(CTRL + r, volatile=True)
+            while ready == 0:
                 ready = tl.load(CTRL + r, volatile=True)
-        tl.atomic_add(CTRL + r, 0, sem="acquire")
         stamp(TS, r * n_work + a, 2, STAMP)
+        plan_row = PLAN + r * KP + (ready - 1)  # ready == 1: the address depends on the acquired value
         for c in range(a, (KP + BLOCK_A - 1) // BLOCK_A, n_work - 1):
             j = c * BLOCK_A + ar
-            pos = tl.load(PLAN + r * KP + j, mask=j < KP, other=-1, cache_modifier=".cg")  # another SM's stores
+            pos = tl.load(plan_row + j, mask=j < KP, other=-1, cache_modifier=".cg")  # another SM's stores
             ok = (pos >= s_end) & (pos < w_lo)
             kt = tl.load(CK + h * sck_h + pos[:, None].to(tl.int64) * sck_n + offs_d[None, :], mask=ok[:, None],
                          other=0.0)
@@ -1356,7 +1370,7 @@ def _attend_kernel(Q, CK, CV, LK, LV, QPOS, PLAN, CTRL, PACC, PML, ATT, sq_h, sq
                    slk_h, slk_n, slv_h, slv_n, sa_h, sa_g, sa_t, T, n_ctx, n_loc, s_end, window, KP, scale,
                    G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, G_DOT: tl.constexpr, BLOCK_A: tl.constexpr,
                    W_PAD: tl.constexpr, PRECISE: tl.constexpr, DOT_FP32: tl.constexpr, SLEEP_NS: tl.constexpr = 0,
-                   PDL: tl.constexpr = False, TS=None, STAMP: tl.constexpr = False):
+                   PDL: tl.constexpr = False, TS=None, STAMP: tl.constexpr = False, ACQUIRE: tl.constexpr = False):
     """Grid (n_work, rows): CTkvr's plan attended (`_attend_part`), launched right after the select
     that publishes the rows (PUBLISH). With PDL it starts while the select runs (every select program
     let it in at its start, so each one it waits for is running: no deadlock), and each program ends
@@ -1365,7 +1379,7 @@ def _attend_kernel(Q, CK, CV, LK, LV, QPOS, PLAN, CTRL, PACC, PML, ATT, sq_h, sq
     _attend_part(Q, CK, CV, LK, LV, QPOS, PLAN, CTRL, PACC, PML, ATT, sq_h, sq_g, sq_t, sck_h, sck_n, scv_h, scv_n,
                  slk_h, slk_n, slv_h, slv_n, sa_h, sa_g, sa_t, tl.program_id(1).to(tl.int64), tl.program_id(0),
                  tl.num_programs(0), tl.num_programs(1), T, n_ctx, n_loc, s_end, window, KP, scale, G, G_PAD, D,
-                 G_DOT, BLOCK_A, W_PAD, PRECISE, DOT_FP32, SLEEP_NS, TS, STAMP)
+                 G_DOT, BLOCK_A, W_PAD, PRECISE, DOT_FP32, SLEEP_NS, TS, STAMP, ACQUIRE)
     if PDL:
         gdc_wait()
 
@@ -1696,6 +1710,7 @@ def _rerank_and_select(q, kv, *, rows: int, u: int, sink: int, window: int, kp: 
             att.stride(2), t, n, loc_k.shape[1], s_end, window, kp, float(attend_scale),
             G=g, G_PAD=g_pad, D=d, G_DOT=max(16, g_pad), BLOCK_A=cfg.attend_block, W_PAD=triton.next_power_of_2(n_work),
             PRECISE=_precise(), DOT_FP32=interpreted(), SLEEP_NS=0 if interpreted() else cfg.attend_sleep_ns,
+            ACQUIRE=not interpreted(),
             PDL=bool(pdl), **stamp_args("attend"), num_warps=cfg.attend_warps, **pdl,
         )
     return out, att

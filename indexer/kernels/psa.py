@@ -48,6 +48,14 @@ Kernels (grids from shapes only, no host sync, fixed-shape outputs; rows of one 
    the stop point; writes the plan row (the torch path's layout and order), `ranked` (-1 past the
    candidates), `blocks`, `used`, P_acc at the stop and `capped`.
 
+Rule "budget" (`progressive_plan(rule="budget")`, the torch path's): every candidate is kept, so the
+select writes the plan itself from the candidates it just stored (`_budget_plan`: read back after a
+barrier, each expanded to its block's tokens in a [candidates, block] tile) with the counts, `capped`,
+ranked ids (block order, -1 past the count) and NaN for P_acc: crit + select, no sums or stop launch,
+and no plan's attention (that needs the sums). H200, one 8B layer, rho 5% (benchmarks/RESULTS.md, session
+36): the select 11.2-11.3 -> 11.9-12.0 us at 128K (its plan's stores), the step 50-51 -> 43 us; a gather
+per plan slot instead of the tile took the select to 13.7 us (2,048-slot chunks) and 21 us (8,192).
+
 The plan's attention (`progressive_plan(attend_scale=, ctx_v=, loc_v=)`, asked for by the caller through
 `KVView.attend_scale` when its backend takes it: `Plan.attended`, the `triton` backend). The sums
 kernel already reads every candidate block's keys and scores them for the group; with their values
@@ -297,19 +305,23 @@ def _crit_kernel(
 # 2. group score, the B_max best blocks
 
 
-@triton.jit(do_not_specialize=["T", "nb", "n_ctx", "s_end", "window", "n_sb", "bs", "n_bt", "K", "scr_row"])
+@triton.jit(do_not_specialize=["T", "nb", "n_ctx", "s_end", "window", "n_sb", "bs", "n_bt", "K", "scr_row",
+                               "first_w0", "F"])
 def _select_kernel(
-    X, PS, QPOS, SCR, CAND, CKEY, NCAND,
-    T, nb, n_ctx, s_end, window, n_sb, bs, n_bt, K, scr_row,
+    X, PS, QPOS, SCR, CAND, CKEY, NCAND, POS, RANKED, BLOCKS, USED, MASS, CAPPED, LEN,
+    sp_h, sp_t, sr_h, sr_t, sb_h, sb_t, sm_h, sm_g, sm_t, sl_h, sl_t,
+    T, nb, n_ctx, s_end, window, n_sb, bs, n_bt, K, scr_row, first_w0, F,
     G: tl.constexpr, G_PAD: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK: tl.constexpr,
-    IN_REGS: tl.constexpr, PRECISE: tl.constexpr, PDL: tl.constexpr = False,
+    IN_REGS: tl.constexpr, PRECISE: tl.constexpr, BUDGET: tl.constexpr = False, POS_BLOCK: tl.constexpr = 1024,
+    BS_PAD: tl.constexpr = 16, BLOCK_F: tl.constexpr = 16, PIVOTS: tl.constexpr = 1, PDL: tl.constexpr = False,
 ):
     """One program per row (KV head, token): the group score of every ranked block (sum over the
     group's heads of the softmax over blocks) as an int key (float bits + 1; 0 = dense-part block),
     the K best keys (ties: lowest block id), and their block ids and keys in block order ->
     CAND / CKEY [rows, K], their count -> NCAND [rows]. IN_REGS (the row's blocks fit one tile of
     BLOCK keys, and the tile has no element that two threads hold): the keys stay in registers from
-    the score to the emit, no scratch round trip."""
+    the score to the emit, no scratch round trip. BUDGET (`rule="budget"`): the row's plan itself
+    from the candidates just stored (`_budget_plan`); no sums or stop kernel follows."""
     pdl_begin(PDL)
     r = tl.program_id(0)
     t = r % T
@@ -348,9 +360,12 @@ def _select_kernel(
         kreg = _group_keys(X, hrow, g_ok, blk, nb, n_sb, first_w, m_all, inv_z, PRECISE)
         n_valid = tl.sum((kreg > 0).to(tl.int32), 0)
         key_min = tl.min(tl.where(kreg > 0, kreg, INT_MAX), 0)
-        thr, take = _top_threshold_regs(kreg, nb, K, key_min, n_valid, tl.max(kreg, 0) + 1)
+        if PIVOTS == 4:
+            thr, take = _top_threshold_regs4(kreg, nb, K, key_min, n_valid, tl.max(kreg, 0) + 1)
+        else:
+            thr, take = _top_threshold_regs(kreg, nb, K, key_min, n_valid, tl.max(kreg, 0) + 1)
         n_gt, n_eq = _emit_keys(kreg, blk, thr, take, r * 0, r * 0, CAND + out, CKEY + out)
-        tl.store(NCAND + r, n_gt + tl.minimum(n_eq, take))
+        n_cand = n_gt + tl.minimum(n_eq, take)
     else:
         row = SCR + r.to(tl.int64) * scr_row
         for c0 in range(0, nb, BLOCK_C):
@@ -378,7 +393,110 @@ def _select_kernel(
             o = c0 + tl.arange(0, BLOCK)
             key = tl.load(row + o, mask=o < nb, other=0)
             gt_base, eq_base = _emit_keys(key, o, thr, take, gt_base, eq_base, CAND + out, CKEY + out)
-        tl.store(NCAND + r, gt_base + tl.minimum(eq_base, take))
+        n_cand = gt_base + tl.minimum(eq_base, take)
+    if BUDGET:
+        tl.debug_barrier()  # the candidates' stores before other threads of the program read them back
+        _budget_plan(CAND + out, n_cand, n_valid, (r // T).to(tl.int64), t, QPOS, POS, RANKED, BLOCKS, USED,
+                     MASS, CAPPED, LEN, sp_h, sp_t, sr_h, sr_t, sb_h, sb_t, sm_h, sm_g, sm_t, sl_h, sl_t,
+                     n_ctx, nb, K, s_end, window, n_sb, first_w0, F, bs, G, G_PAD, BS_PAD, POS_BLOCK // BS_PAD,
+                     BLOCK_F)
+    else:
+        tl.store(NCAND + r, n_cand)
+
+
+@triton.jit
+def _budget_plan(CAND, n_cand, n_ranked, h, t, QPOS, POS, RANKED, BLOCKS, USED, MASS, CAPPED, LEN,
+                 sp_h, sp_t, sr_h, sr_t, sb_h, sb_t, sm_h, sm_g, sm_t, sl_h, sl_t,
+                 n_ctx, nb, K, s_end, window, n_sb, first_w0, F, bs, G: tl.constexpr, G_PAD: tl.constexpr,
+                 BS_PAD: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_F: tl.constexpr):
+    """A row's budget plan (`rule="budget"`) from its n_cand candidates CAND (block ids, block order):
+    the stop kernel's outputs for a rule that keeps every candidate (the torch path's `_plan_of`):
+    counts, capped (fewer candidates than ranked blocks), no P_acc (NaN), ranked ids (-1 past the
+    count), and the positions: the dense part's tokens outside the frame, then the candidates'. The
+    candidates are read back BLOCK_K at a time, each expanded to its bs tokens in a [BLOCK_K, BS_PAD]
+    tile (one load per candidate, not one gather per plan slot: the select 13.7 -> 12.0 us at 128K, H200,
+    session 36)."""
+    ar_g = tl.arange(0, G_PAD)
+    tl.store(BLOCKS + h * sb_h + t * sb_t, (n_cand + nb - n_ranked).to(tl.int64))
+    tl.store(USED + h * sb_h + t * sb_t, n_cand.to(tl.int64))
+    tl.store(CAPPED + h * sb_h + t * sb_t, ((n_cand > 0) & (n_cand < n_ranked)).to(tl.int8))
+    tl.store(LEN + h * sl_h + t * sl_t, ((F + n_cand) * bs).to(tl.int32))
+    tl.store(MASS + h * sm_h + ar_g * sm_g + t * sm_t, tl.full([G_PAD], float("nan"), tl.float32), mask=ar_g < G)
+    w_lo, first_w = _window_start(QPOS, t, n_ctx, s_end, window, bs, nb)
+    pos = POS + h * sp_h + t * sp_t
+    _store_dense_part(pos, F, bs, n_sb, first_w0, first_w, s_end, w_lo, BLOCK_F)
+    pos += F * bs
+    ar_k = tl.arange(0, BLOCK_K)
+    ar_j = tl.arange(0, BS_PAD)
+    for c0 in range(0, K, BLOCK_K):
+        i = c0 + ar_k
+        bid = tl.load(CAND + i, mask=i < n_cand, other=-1)
+        tl.store(RANKED + h * sr_h + t * sr_t + i, bid.to(tl.int64), mask=i < K)
+        tok = bid[:, None] * bs + ar_j[None, :]
+        keep = (i < n_cand)[:, None] & (tok < n_ctx)
+        tl.store(pos + i[:, None] * bs + ar_j[None, :], tl.where(keep, tok, -1),
+                 mask=(i < K)[:, None] & (ar_j < bs)[None, :])
+
+
+@triton.jit
+def _store_dense_part(pos, F, bs, n_sb, first_w0, first_w, s_end, w_lo, BLOCK_P: tl.constexpr):
+    """A plan row's first F·bs slots: the tokens of the row's dense-part blocks (sink blocks, then the
+    blocks from first_w0 on that are this query's: >= first_w) outside the frame [0, s_end) ∪ [w_lo, ..),
+    -1 elsewhere."""
+    ar_p = tl.arange(0, BLOCK_P)
+    for c0 in range(0, F * bs, BLOCK_P):
+        u = c0 + ar_p
+        f = u // bs
+        bid = tl.where(f < n_sb, f, first_w0 + f - n_sb)
+        tok = bid * bs + u % bs
+        sel = ((bid < n_sb) | (bid >= first_w)) & (tok >= s_end) & (tok < w_lo)
+        tl.store(pos + u, tl.where(sel, tok, -1), mask=u < F * bs)
+
+
+@triton.jit
+def _top_threshold_regs4(keys, n, K, key_min, n_valid, key_hi):
+    """`ivf._top_threshold_regs` (every key in registers, n < 2^16) searching with 4 pivots per pass:
+    one reduction of the 4 counts packed in 16-bit lanes of an int64 cuts the range in 5 where a
+    bisection step halves it. The same invariants (count(key >= lo) >= K > count(key >= hi) = c_hi),
+    so the same (thr, take): the same selection."""
+    if n_valid < K:
+        thr = n * 0
+        take = K - n_valid
+    else:
+        lo = key_min
+        hi = key_hi
+        c_hi = n * 0
+        done = (K >= n_valid).to(tl.int32)
+        while (hi - lo > 1) & (done == 0):
+            q = (hi - lo) // 5
+            p1 = tl.where(q > 0, lo + q, tl.minimum(lo + 1, hi - 1))
+            p2 = tl.where(q > 0, lo + 2 * q, tl.minimum(lo + 2, hi - 1))
+            p3 = tl.where(q > 0, lo + 3 * q, tl.minimum(lo + 3, hi - 1))
+            p4 = tl.where(q > 0, lo + 4 * q, tl.minimum(lo + 4, hi - 1))
+            v = ((keys >= p1).to(tl.int64) + ((keys >= p2).to(tl.int64) << 16) + ((keys >= p3).to(tl.int64) << 32)
+                 + ((keys >= p4).to(tl.int64) << 48))
+            cs = tl.sum(v, 0)
+            c1 = (cs & 0xFFFF).to(tl.int32)
+            c2 = ((cs >> 16) & 0xFFFF).to(tl.int32)
+            c3 = ((cs >> 32) & 0xFFFF).to(tl.int32)
+            c4 = ((cs >> 48) & 0xFFFF).to(tl.int32)
+            n_lo = tl.where(c4 >= K, p4, tl.where(c3 >= K, p3, tl.where(c2 >= K, p2, tl.where(c1 >= K, p1, lo))))
+            c_lo = tl.where(c4 >= K, c4, tl.where(c3 >= K, c3, tl.where(c2 >= K, c2, tl.where(c1 >= K, c1, K + 1))))
+            n_hi = tl.where(c1 < K, p1, tl.where(c2 < K, p2, tl.where(c3 < K, p3, tl.where(c4 < K, p4, hi))))
+            c_hi = tl.where(c1 < K, c1, tl.where(c2 < K, c2, tl.where(c3 < K, c3, tl.where(c4 < K, c4, c_hi))))
+            lo = n_lo
+            hi = n_hi
+            done = (c_lo == K).to(tl.int32)
+        if K >= n:
+            thr = lo * 0 - 1
+            take = lo * 0
+        elif done != 0:  # keys >= lo are exactly K
+            thr = lo - 1
+            take = lo * 0
+        else:  # hi == lo + 1: lo is the K-th largest key; c_hi keys are above it
+            thr = lo
+            take = K - c_hi
+    return thr, take
 
 
 @triton.jit
@@ -675,13 +793,7 @@ def _stop_kernel(
             i = c0 + ar
             bid = tl.load(SID + row + i, mask=i < n_cand, other=-1)
             tl.store(RANKED + h * sr_h + t * sr_t + i, bid.to(tl.int64), mask=i < K)
-        for c0 in range(0, F * bs, BLOCK_P):  # the dense-part blocks' tokens outside the frame
-            u = c0 + ar_p
-            f = u // bs
-            bid = tl.where(f < n_sb, f, first_w0 + f - n_sb)
-            tok = bid * bs + u % bs
-            sel = ((bid < n_sb) | (bid >= first_w)) & (tok >= s_end) & (tok < w_lo)
-            tl.store(pos + u, tl.where(sel, tok, -1), mask=u < F * bs)
+        _store_dense_part(pos, F, bs, n_sb, first_w0, first_w, s_end, w_lo, BLOCK_P)
     pos += F * bs
     # the processed ranked blocks, best first: this part's first chunk from the ids loaded up front
     i = u_p // bs
@@ -757,6 +869,8 @@ class PsaConfig:
     score_block: int = 1024  # select: blocks per chunk of the score pass
     select_block: int = 4096  # select: keys the threshold search holds in registers (larger rows: L2 passes)
     select_warps: int = 8
+    select_pivots: int = 1  # select, keys in registers: 1 = bisection, 4 = four pivots per pass (session 36 A/B)
+    plan_block: int = 8192  # select, rule "budget": plan slots per store chunk (a power of two; 8192: one at 128K)
     pdl: bool = True  # programmatic dependent launch on Hopper and later (`indexer/kernels/pdl.py`)
     regs_select: bool = True  # select: keep a row's keys in registers when they fit (False: the scratch path)
     regs_scores: int = 16384  # select: most G_PAD x BLOCK scores the in-register path holds
@@ -839,12 +953,13 @@ def progressive_plan(
     window: int,
     max_blocks: int,
     criticality: str = "cuboid",
+    rule: str = "progressive",
     cfg: PsaConfig | None = None,
     ctx_v: torch.Tensor | None = None,  # [KVH, N, D]: with loc_v and attend_scale, the plan's attention too
     loc_v: torch.Tensor | None = None,  # [KVH, M, D]
     attend_scale: float | None = None,
 ) -> ProgressivePlan:
-    """`indexer.psa.progressive_plan` in four launches per chunk of query tokens (one chunk unless
+    """`indexer.psa.progressive_plan` in four launches (two with rule "budget") per chunk of query tokens (one chunk unless
     T is large); same arguments (no `score_all`: the fused plan never scores every key), same
     result (module docstring: what may differ). No host sync; allocates only the outputs.
 
@@ -891,7 +1006,8 @@ def progressive_plan(
     wi = _carve(_WORKSPACES.get, dev, torch.int32, scr=rows * scr_row, cand=rows * bm, ckey=rows * bm,
                 sid=rows * bm, ncand=rows)
     x, ps, smx, ssm, dmx, dsm = (wf[k] for k in ("x", "ps", "smx", "ssm", "dmx", "dsm"))
-    attend = attend_scale is not None and attends(q, ctx_v, loc_v, bm, bs, cfg)
+    budget = rule == "budget"
+    attend = attend_scale is not None and not budget and attends(q, ctx_v, loc_v, bm, bs, cfg)
     if attend:  # the candidates' and the dense part's partial attention (t == 1: one chunk of rows)
         wa = _carve(_WORKSPACES.get, dev, torch.float32, tag="psa_attend", aacc=rows * g * bm * d,
                     aml=rows * g * bm * 2, dacc=rows * g * d, dml=rows * g * 2)
@@ -928,16 +1044,27 @@ def progressive_plan(
             G=g, D=d, KIND=KINDS[criticality], CDT=cdt, DOT_FP32=dot_fp32, BLOCK_Q=cfg.block_q,
             BLOCK_B=cfg.block_b, PRECISE=precise, PDL=bool(pdl), **pdl, num_warps=cfg.crit_warps,
         )
+        pos_c, rk_c = positions[:, t0:t1], ranked[:, t0:t1]
+        bl_c, us_c, ms_c, cp_c = counts[0, :, t0:t1], counts[1, :, t0:t1], mass[:, :, t0:t1], capped[:, t0:t1]
+        ln_c = lengths[:, t0:t1]
+        plan_args = (pos_c, rk_c, bl_c, us_c, ms_c, cp_c, ln_c,
+                     pos_c.stride(0), pos_c.stride(1), rk_c.stride(0), rk_c.stride(1), bl_c.stride(0), bl_c.stride(1),
+                     ms_c.stride(0), ms_c.stride(1), ms_c.stride(2), ln_c.stride(0), ln_c.stride(1))
         _select_kernel[(r,)](
-            x, ps, pc, scr, cand, ckey, ncand,
-            tcc, nb, n, s_end, window, n_sb, bs, n_bt, bm, scr_row,
+            x, ps, pc, scr, cand, ckey, ncand, *plan_args,
+            tcc, nb, n, s_end, window, n_sb, bs, n_bt, bm, scr_row, first_w0, f,
             # BLOCK_P <= 64: Triton 3.6 fails to compile the [G_PAD, BLOCK_P] reductions at 128 and 256
             # for sm_90 (TritonGPUOptimizeThreadLocality; hit at 512K, n_bt = 256, on the H100)
             G=g, G_PAD=_pow2(g), BLOCK_P=max(16, min(64, _pow2(n_bt))),
             BLOCK_C=max(16, min(cfg.score_block, _pow2(nb))),
             BLOCK=min(cfg.select_block, max(16, _pow2(nb))),
-            IN_REGS=in_regs, PRECISE=precise, PDL=bool(pdl), **pdl, num_warps=cfg.select_warps,
+            IN_REGS=in_regs, PRECISE=precise, BUDGET=budget, BS_PAD=bs_pad,
+            POS_BLOCK=max(bs_pad, min(_pow2(cfg.plan_block), _pow2(bm) * bs_pad)),
+            BLOCK_F=max(16, min(1024, _pow2(f * bs))), PIVOTS=cfg.select_pivots, PDL=bool(pdl), **pdl,
+            num_warps=cfg.select_warps,
         )
+        if budget:  # the select wrote the plan
+            continue
         _sums_kernel[(n_st + 1, r)](
             qc, ctx_k, loc_k, pc, cand, ckey, ncand, sid, smx, ssm, dmx, dsm, cv, lv, aacc, aml, dacc, dml,
             qc.stride(0), qc.stride(1), qc.stride(2), ctx_k.stride(0), ctx_k.stride(1),
@@ -948,13 +1075,8 @@ def progressive_plan(
             BLOCK_N=cfg.dense_block, LOGIT_DT=logit_dt, DOT_FP32=dot_fp32, PRECISE=precise, ATTEND=attend,
             PDL=bool(pdl), **pdl, num_warps=cfg.sums_warps,
         )
-        pos_c, rk_c = positions[:, t0:t1], ranked[:, t0:t1]
-        bl_c, us_c, ms_c, cp_c = counts[0, :, t0:t1], counts[1, :, t0:t1], mass[:, :, t0:t1], capped[:, t0:t1]
-        ln_c = lengths[:, t0:t1]
         _stop_kernel[(max(1, min(cfg.stop_parts, _cdiv(bm * bs, cfg.pos_block))), r)](
-            sid, smx, ssm, dmx, dsm, ncand, pc, pos_c, rk_c, bl_c, us_c, ms_c, cp_c, ln_c,
-            pos_c.stride(0), pos_c.stride(1), rk_c.stride(0), rk_c.stride(1), bl_c.stride(0), bl_c.stride(1),
-            ms_c.stride(0), ms_c.stride(1), ms_c.stride(2), ln_c.stride(0), ln_c.stride(1),
+            sid, smx, ssm, dmx, dsm, ncand, pc, *plan_args,
             tcc, n, nb, bm, s_end, window, n_sb, first_w0, f, bs, microbatch, float(eps),
             G=g, G_PAD=_pow2(g), BLOCK=min(cfg.scan_block, max(16, _pow2(bm))), BLOCK_P=cfg.pos_block,
             EXACT=eps >= 1.0, PRECISE=precise, PDL=bool(pdl), **pdl, num_warps=cfg.stop_warps,
