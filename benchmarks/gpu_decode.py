@@ -27,7 +27,8 @@ Budgets (rho 5% where the method has a ratio): topk, csattn (alpha 0.1, the pape
 setting), kivf, lfps ratio 0.05; ctkvr at its paper operating point (k = 1024, lists 2560, probe 4);
 psa eps 0.95 with at most `--psa-max-ratio` of the blocks; saap C = 1024, nprobe 32 (~3%). A method
 argument "name@param=value" runs another operating point in the same run (`_gpu_timing.method_spec`;
-e.g. psa@max_ratio=0.05, psa capped at rho), its rows named so.
+e.g. psa@max_ratio=0.05, psa capped at rho; psa@rule=budget,max_ratio=0.05, its fixed budget of the rho best
+blocks), its rows named so.
 
 Fused searches against their torch path (`--torch-plans`, B = 1, the triton backend): the same request
 is opened a second time with the planner's fused kernels switched off (`planner.fused = False`, saap:

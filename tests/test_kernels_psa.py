@@ -41,7 +41,6 @@ TINY = kernels.PsaConfig(block_b=16, block_q=16, score_block=16, select_block=16
                          dense_block=16, scan_block=16, pos_block=64, x_budget=64)
 # the select's keys in registers at the tests' small block counts (one warp: a 64-key tile has no replicas)
 REGS = kernels.PsaConfig(select_warps=1)
-REGS4 = kernels.PsaConfig(select_warps=1, select_pivots=4)  # ... searched with four pivots per pass
 SCRATCH = kernels.PsaConfig(regs_select=False)
 PLAN_FIELDS = [f.name for f in fields(ProgressivePlan)]
 
@@ -206,7 +205,7 @@ def test_empty_context_plans_nothing():
     assert got.positions.shape == want.positions.shape == (2, 1, 0)
 
 
-@pytest.mark.parametrize("cfg", [None, REGS, REGS4], ids=["scratch-select", "register-select", "four-pivots"])
+@pytest.mark.parametrize("cfg", [None, REGS], ids=["scratch-select", "register-select"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_ties_take_the_lowest_block_and_are_deterministic(dtype, cfg, monkeypatch):
     """Integer-valued queries and keys (every dot product exact, in any order) with every block
@@ -251,25 +250,22 @@ def test_select_in_registers_equals_the_scratch_path(kind, t, dtype):
 
 
 @triton.jit
-def _search_probe(KEYS, OUT, n, K, PIVOTS: tl.constexpr, BLOCK: tl.constexpr):
+def _search_probe(KEYS, OUT, n, K, BLOCK: tl.constexpr):
     """(thr, take) of the select's in-register search over KEYS[0:n] (int keys, 0 = not a candidate)."""
     o = tl.arange(0, BLOCK)
     keys = tl.load(KEYS + o, mask=o < n, other=0)
     n_valid = tl.sum((keys > 0).to(tl.int32), 0)
     key_min = tl.min(tl.where(keys > 0, keys, 2147483647), 0)
-    if PIVOTS == 4:
-        thr, take = kernels._top_threshold_regs4(keys, n, K, key_min, n_valid, tl.max(keys, 0) + 1)
-    else:
-        thr, take = kernels._top_threshold_regs(keys, n, K, key_min, n_valid, tl.max(keys, 0) + 1)
+    thr, take = kernels._top_threshold_regs(keys, n, K, key_min, n_valid, tl.max(keys, 0) + 1)
     tl.store(OUT, thr)
     tl.store(OUT + 1, take)
 
 
-@pytest.mark.parametrize("pivots", [1, 4])
-def test_the_in_register_search_finds_the_top_k(pivots):
-    """The select's search (bisection, or four pivots per pass) on int keys with heavy ties, a few
-    huge gaps and empty slots: keys > thr, then the first `take` keys equal to thr in array order, are
-    exactly the K best keys (ties: the lowest index first), for K from 1 to past the count."""
+def test_the_in_register_search_finds_the_top_k():
+    """The select's bisection on int keys with heavy ties, a few huge gaps and empty slots: keys > thr,
+    then the first `take` keys equal to thr in array order, are exactly the K best keys (ties: the
+    lowest index first), for K from 1 to past the count. (A search with four pivots per pass, checked
+    by this test, was slower on the H200 and dropped: benchmarks/RESULTS.md, session 36.)"""
     gen = torch.Generator().manual_seed(11)
     for trial in range(12):
         n = 64
@@ -283,7 +279,7 @@ def test_the_in_register_search_finds_the_top_k(pivots):
         order = sorted(range(n), key=lambda i: (-int(keys[i]), i))[:valid]
         for k in sorted({1, 2, 3, n // 2, n - 9, n - 1, n, n + 1} | set(range(4, n, 5))):
             out = torch.zeros(2, dtype=torch.int32, device=DEVICE)
-            _search_probe[(1,)](keys.to(DEVICE), out, n, k, PIVOTS=pivots, BLOCK=n, num_warps=1)
+            _search_probe[(1,)](keys.to(DEVICE), out, n, k, BLOCK=n, num_warps=1)
             thr, take = out.tolist()
             if valid < k:  # every candidate, then `take` of the empty slots (keys 0 = thr)
                 assert thr == 0 and take == k - valid, (trial, k)
@@ -291,24 +287,6 @@ def test_the_in_register_search_finds_the_top_k(pivots):
             above = [i for i in range(n) if keys[i] > thr and keys[i] > 0]
             equal = [i for i in range(n) if keys[i] == thr and keys[i] > 0][:take]
             assert sorted(above + equal) == sorted(order[:k]), (trial, k, spread)
-
-
-@pytest.mark.parametrize("rule", ["progressive", "budget"])
-def test_four_pivot_search_selects_what_the_bisection_does(rule):
-    """`select_pivots=4` (four counts per pass, packed in one int64 reduction) against the bisection
-    (`select_pivots=1`) and the torch path, keys in registers: the same plans, bit for bit, at budgets
-    from one block to every block (the search's early exit, its last small ranges, no search)."""
-    for seed in range(6):
-        q, ctx_k, loc_k, q_pos = _inputs(900 + seed, n=200 + 41 * seed, t=1 + seed % 2)
-        meta = _meta(ctx_k, 8)
-        nb = meta.shape[1]
-        for bmax in (1, 2, math.ceil(0.1 * nb), nb // 2, nb):
-            kw = dict(eps=0.9, microbatch=2, sink=4, window=8, max_blocks=bmax, criticality="cuboid", rule=rule)
-            four, want = _both(q, ctx_k, loc_k, q_pos, meta, 8, cfg=REGS4, **kw)
-            two = kernels.progressive_plan(*_dev(q, ctx_k, loc_k, q_pos, meta), 8, cfg=REGS, **kw)
-            for field in ("positions", "ranked", "used", "capped"):
-                assert torch.equal(getattr(four, field), getattr(two, field)), f"{seed} {bmax}: {field}"
-            assert torch.equal(four.positions.sort(-1).values, want.positions.sort(-1).values), f"{seed} {bmax}"
 
 
 def test_a_plan_ignores_what_an_earlier_plan_left_in_the_workspace():

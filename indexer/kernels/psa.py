@@ -313,7 +313,7 @@ def _select_kernel(
     T, nb, n_ctx, s_end, window, n_sb, bs, n_bt, K, scr_row, first_w0, F,
     G: tl.constexpr, G_PAD: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK: tl.constexpr,
     IN_REGS: tl.constexpr, PRECISE: tl.constexpr, BUDGET: tl.constexpr = False, POS_BLOCK: tl.constexpr = 1024,
-    BS_PAD: tl.constexpr = 16, BLOCK_F: tl.constexpr = 16, PIVOTS: tl.constexpr = 1, PDL: tl.constexpr = False,
+    BS_PAD: tl.constexpr = 16, BLOCK_F: tl.constexpr = 16, PDL: tl.constexpr = False,
 ):
     """One program per row (KV head, token): the group score of every ranked block (sum over the
     group's heads of the softmax over blocks) as an int key (float bits + 1; 0 = dense-part block),
@@ -360,10 +360,7 @@ def _select_kernel(
         kreg = _group_keys(X, hrow, g_ok, blk, nb, n_sb, first_w, m_all, inv_z, PRECISE)
         n_valid = tl.sum((kreg > 0).to(tl.int32), 0)
         key_min = tl.min(tl.where(kreg > 0, kreg, INT_MAX), 0)
-        if PIVOTS == 4:
-            thr, take = _top_threshold_regs4(kreg, nb, K, key_min, n_valid, tl.max(kreg, 0) + 1)
-        else:
-            thr, take = _top_threshold_regs(kreg, nb, K, key_min, n_valid, tl.max(kreg, 0) + 1)
+        thr, take = _top_threshold_regs(kreg, nb, K, key_min, n_valid, tl.max(kreg, 0) + 1)
         n_gt, n_eq = _emit_keys(kreg, blk, thr, take, r * 0, r * 0, CAND + out, CKEY + out)
         n_cand = n_gt + tl.minimum(n_eq, take)
     else:
@@ -451,52 +448,6 @@ def _store_dense_part(pos, F, bs, n_sb, first_w0, first_w, s_end, w_lo, BLOCK_P:
         tok = bid * bs + u % bs
         sel = ((bid < n_sb) | (bid >= first_w)) & (tok >= s_end) & (tok < w_lo)
         tl.store(pos + u, tl.where(sel, tok, -1), mask=u < F * bs)
-
-
-@triton.jit
-def _top_threshold_regs4(keys, n, K, key_min, n_valid, key_hi):
-    """`ivf._top_threshold_regs` (every key in registers, n < 2^16) searching with 4 pivots per pass:
-    one reduction of the 4 counts packed in 16-bit lanes of an int64 cuts the range in 5 where a
-    bisection step halves it. The same invariants (count(key >= lo) >= K > count(key >= hi) = c_hi),
-    so the same (thr, take): the same selection."""
-    if n_valid < K:
-        thr = n * 0
-        take = K - n_valid
-    else:
-        lo = key_min
-        hi = key_hi
-        c_hi = n * 0
-        done = (K >= n_valid).to(tl.int32)
-        while (hi - lo > 1) & (done == 0):
-            q = (hi - lo) // 5
-            p1 = tl.where(q > 0, lo + q, tl.minimum(lo + 1, hi - 1))
-            p2 = tl.where(q > 0, lo + 2 * q, tl.minimum(lo + 2, hi - 1))
-            p3 = tl.where(q > 0, lo + 3 * q, tl.minimum(lo + 3, hi - 1))
-            p4 = tl.where(q > 0, lo + 4 * q, tl.minimum(lo + 4, hi - 1))
-            v = ((keys >= p1).to(tl.int64) + ((keys >= p2).to(tl.int64) << 16) + ((keys >= p3).to(tl.int64) << 32)
-                 + ((keys >= p4).to(tl.int64) << 48))
-            cs = tl.sum(v, 0)
-            c1 = (cs & 0xFFFF).to(tl.int32)
-            c2 = ((cs >> 16) & 0xFFFF).to(tl.int32)
-            c3 = ((cs >> 32) & 0xFFFF).to(tl.int32)
-            c4 = ((cs >> 48) & 0xFFFF).to(tl.int32)
-            n_lo = tl.where(c4 >= K, p4, tl.where(c3 >= K, p3, tl.where(c2 >= K, p2, tl.where(c1 >= K, p1, lo))))
-            c_lo = tl.where(c4 >= K, c4, tl.where(c3 >= K, c3, tl.where(c2 >= K, c2, tl.where(c1 >= K, c1, K + 1))))
-            n_hi = tl.where(c1 < K, p1, tl.where(c2 < K, p2, tl.where(c3 < K, p3, tl.where(c4 < K, p4, hi))))
-            c_hi = tl.where(c1 < K, c1, tl.where(c2 < K, c2, tl.where(c3 < K, c3, tl.where(c4 < K, c4, c_hi))))
-            lo = n_lo
-            hi = n_hi
-            done = (c_lo == K).to(tl.int32)
-        if K >= n:
-            thr = lo * 0 - 1
-            take = lo * 0
-        elif done != 0:  # keys >= lo are exactly K
-            thr = lo - 1
-            take = lo * 0
-        else:  # hi == lo + 1: lo is the K-th largest key; c_hi keys are above it
-            thr = lo
-            take = K - c_hi
-    return thr, take
 
 
 @triton.jit
@@ -869,7 +820,6 @@ class PsaConfig:
     score_block: int = 1024  # select: blocks per chunk of the score pass
     select_block: int = 4096  # select: keys the threshold search holds in registers (larger rows: L2 passes)
     select_warps: int = 8
-    select_pivots: int = 1  # select, keys in registers: 1 = bisection, 4 = four pivots per pass (session 36 A/B)
     plan_block: int = 8192  # select, rule "budget": plan slots per store chunk (a power of two; 8192: one at 128K)
     pdl: bool = True  # programmatic dependent launch on Hopper and later (`indexer/kernels/pdl.py`)
     regs_select: bool = True  # select: keep a row's keys in registers when they fit (False: the scratch path)
@@ -1060,8 +1010,7 @@ def progressive_plan(
             BLOCK=min(cfg.select_block, max(16, _pow2(nb))),
             IN_REGS=in_regs, PRECISE=precise, BUDGET=budget, BS_PAD=bs_pad,
             POS_BLOCK=max(bs_pad, min(_pow2(cfg.plan_block), _pow2(bm) * bs_pad)),
-            BLOCK_F=max(16, min(1024, _pow2(f * bs))), PIVOTS=cfg.select_pivots, PDL=bool(pdl), **pdl,
-            num_warps=cfg.select_warps,
+            BLOCK_F=max(16, min(1024, _pow2(f * bs))), PDL=bool(pdl), **pdl, num_warps=cfg.select_warps,
         )
         if budget:  # the select wrote the plan
             continue
