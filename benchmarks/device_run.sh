@@ -12,7 +12,7 @@
 #           s26ab | s26mask | s26probe | s26selw | s26push | s26final | s27ab | s27kivf | s27tests | s27kivfknobs | s27kivfsel |
 #           s28dot | s28kivf | s28knobs | s28exp | s28piv | s28tests | s28pf | s29tl | s29probe | s29keys | s29pdl | s29final | s29cb | s30scan | s30scan2 | s30tests | s30knobs | s30l2 | s30pdl |
 #           s31split | s31split2 | s31split3 | s31rerank | s31prefetch | s32floors | s32probe | s32loads | s32order | s32pos | s32floors3 | s32final | s33rerank | s33all | s33all2 | s33all3 | s33fifo | s33lists | s34attn | s34attn2 | s34attend | s34attend2 | s34diag | s34pdl | s34w16 | s34final | s34check |
-#           s35split | s35split2 | s35table | s35table512 | s35late | s35check | s36budget | s36budget2 | s36acq | s36pivots
+#           s35split | s35split2 | s35table | s35table512 | s35late | s35check | s36budget | s36budget2 | s36acq | s36pivots | s36e2e | s36final
 #   (default: tests decode before_after)
 #   The device tool returns at most 8 files: past that, the run's JSON files come back as $OUT/json.tar.gz
 #   (and everything as $OUT/all.tar.gz if that is not enough).
@@ -1438,6 +1438,18 @@ for stage in $stages; do
         | tee "$OUT/gpu_tests_s36pivots_psa.log" | tail -2
       python3 -m pytest -q -p no:cacheprovider -o addopts="" tests/test_kernels_ivf.py -k "attends or graph" \
         2>&1 | tee "$OUT/gpu_tests_s36pivots_ivf.log" | tail -2 ;;
+    s36e2e)  # session 36: the 8B model end to end at 128K (random weights), B = 1 and 8: dense, psa capped at rho with
+      # its progressive rule, and its budget rule; not planned ahead (psa's auto setting)
+      python3 benchmarks/gpu_e2e.py --lengths 131072 --batches 1 8 --methods full psa@max_ratio=0.05 \
+        psa@rule=budget,max_ratio=0.05 --plan-ahead off --eager-tokens 0 --hf-tokens 0 --tokens 8 --check-prefill 0 \
+        --budget-s 420 --out "$OUT/s36e2e" 2>&1 | tee "$OUT/gpu_e2e_s36e2e.log" | grep "^| \|ERROR\|Error" ;;
+    s36final)  # session 36, the final tree: the PSA kernel tests on the GPU, then the seed methods and psa's two rules
+      # at 32K and 128K, B = 1 and 8 (gpu_decode's default list without streaming, topk and kivf)
+      python3 -m pytest -q -p no:cacheprovider -o addopts="" tests/test_kernels_psa.py 2>&1 \
+        | tee "$OUT/gpu_tests_s36final.log" | tail -2
+      python3 benchmarks/gpu_decode.py --lengths 32768 131072 --batches 1 8 --backends triton --methods csattn ctkvr \
+        lfps psa psa@max_ratio=0.05 psa@rule=budget,max_ratio=0.05 saap --out "$OUT/s36final" 2>&1 \
+        | tee "$OUT/gpu_decode_s36final.log" | grep -E "^\| |Error|error" ;;
     s36acq)  # session 36: ctkvr's attention programs poll the plan's flag with acquire loads whose value the plan's
       # addresses use (`attend_acquire`, removed after this run) against the polls of sessions 34-35: the attended
       # and graph IVF tests,

@@ -101,7 +101,8 @@ def graph_modes(fn, reps: int, reasons: dict | None = None) -> dict[str, float |
             reasons[mode] = why
     T.cold, T.flush = True, "zero"
     return out
-METHODS = ["streaming", "topk", "csattn", "ctkvr", "kivf", "lfps", "psa", "saap"]
+# psa twice: its progressive rule (capped by --psa-max-ratio) and its fixed budget of the rho = 5% best blocks
+METHODS = ["streaming", "topk", "csattn", "ctkvr", "kivf", "lfps", "psa", "psa@rule=budget,max_ratio=0.05", "saap"]
 
 
 def spec(layers: int):
