@@ -556,42 +556,36 @@ def test_fused_plan_makes_no_host_sync_and_replays_in_a_graph():
     # plan's candidate-token bound)
     c = psa.open(index, psa.Params(eps=0.95, max_ratio=0.02), DecodeContext(n))
     kva = KVView(kv.ctx_k, kv.ctx_v, kv.loc_k, kv.loc_v, kv.q_pos, attend_scale=d ** -0.5)
-    c.plan(0, q, kva)  # compiles
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        eager = c.plan(0, q, kva)
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
-    with torch.cuda.stream(side):
-        c.plan(0, q, kva)
-        graph_a = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph_a):
-            replayed = c.plan(0, q, kva)
-    torch.cuda.current_stream().wait_stream(side)
-    graph_a.replay()
-    torch.cuda.synchronize()
+    eager, replayed, _graph_a = _eager_and_replayed(c, q, kva, side)
     assert eager.attended is not None and torch.equal(replayed.attended.out, eager.attended.out)
     assert torch.equal(replayed.positions, eager.positions)
     b.fused = False
     assert torch.equal(want.sort(-1).values, b.plan(0, q, kv).positions.sort(-1).values)
     # rule "budget" (the select writes the plan: two launches): no sync, replayed bit for bit, the torch path's bits
     d_ = psa.open(index, psa.Params(rule="budget", max_ratio=0.05), DecodeContext(n))
-    d_.plan(0, q, kv)  # compiles
+    eager, replayed, _graph_b = _eager_and_replayed(d_, q, kv, side)
+    assert torch.equal(replayed.positions, eager.positions) and (eager.positions >= 0).sum() > 0
+    d_.fused = False
+    assert torch.equal(d_.plan(0, q, kv).positions, eager.positions)
+
+
+def _eager_and_replayed(planner, q, kv, side):
+    """(a plan made eagerly under set_sync_debug_mode("error"), after a call that compiles; the same plan
+    captured in a CUDA graph on the stream `side` and replayed; the graph, which owns the replayed plan's
+    memory: the caller keeps it while it reads that plan)."""
+    planner.plan(0, q, kv)  # compiles
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
-        eager = d_.plan(0, q, kv).positions
+        eager = planner.plan(0, q, kv)
     finally:
         torch.cuda.set_sync_debug_mode("default")
     with torch.cuda.stream(side):
-        d_.plan(0, q, kv)
-        graph_b = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph_b):
-            replayed = d_.plan(0, q, kv).positions
+        planner.plan(0, q, kv)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            replayed = planner.plan(0, q, kv)
     torch.cuda.current_stream().wait_stream(side)
-    graph_b.replay()
+    graph.replay()
     torch.cuda.synchronize()
-    assert torch.equal(replayed, eager) and (eager >= 0).sum() > 0
-    d_.fused = False
-    assert torch.equal(d_.plan(0, q, kv).positions, eager)
+    return eager, replayed, graph
