@@ -11,9 +11,11 @@ the softmax state's store).
 Same layer, inputs, index and request as `gpu_decode.py` (one 8B layer, bf16, B = 1, the triton
 backend), graph-captured, replayed with a cold L2. Stamps cost a barrier and three stores per point:
 the step is timed with them and without them (a second graph of the same step) in the same run, so the
-overhead is on record. Kernels stamped: CTkvr's probe, the IVF rerank and select, CTkvr's attended plan
+overhead is on record. Kernels stamped: CTkvr's probe, the IVF rerank and select, psa's criticality and select
+(its phases: the tiles' states, the group keys, the threshold search, the emit, the budget plan's stores), CTkvr's attended plan
 (`_attend_kernel`: its programs' wait for the plan, their rows, the state's store and merge) or the attention's
-split and merge (other methods' kernels take no stamps: their rows show the attention only).
+split and merge (other methods' kernels take no stamps: their rows show the attention only; psa's sums and stop
+take none either).
 
 Times: %globaltimer (ns) for positions on the step's timeline; %clock64 (SM cycles, converted with the
 program's own globaltimer / clock64 ratio) for the select's phases, since the global timer may tick
@@ -48,7 +50,7 @@ from decoder.backends import get_backend  # noqa: E402
 from indexer.base import PrefillCapture  # noqa: E402
 from indexer.kernels.stamps import recording  # noqa: E402
 
-ORDER = ["probe", "rerank", "select", "attend", "split", "merge"]
+ORDER = ["probe", "psa_crit", "psa_select", "rerank", "select", "attend", "split", "merge"]
 END_SLOT = {"select": 7}  # the slot a kernel stamps at its end (1 elsewhere)
 PHASES = {  # per kernel: (phase, from slot, to slot) as the kernel stamps them
     "select": [("lse", 0, 1), ("keys", 1, 2), ("bracket", 2, 3), ("count", 3, 4), ("bisect", 4, 5), ("emit", 5, 6),
@@ -57,6 +59,10 @@ PHASES = {  # per kernel: (phase, from slot, to slot) as the kernel stamps them
     # CTkvr's plan attended in its select launch (`_attend_part`): waiting for the plan, its rows, the state's store
     # and (the row's last program) the merge
     "attend": [("wait", 0, 2), ("rows", 2, 3), ("tail", 3, 1), ("total", 0, 1)],
+    # psa's select (`indexer/kernels/psa.py`): the tiles' states reduced, the group keys, the threshold search,
+    # the emit of the candidates, then (rule "budget") the plan's stores
+    "psa_select": [("states", 0, 2), ("keys", 2, 3), ("search", 3, 4), ("emit", 4, 5), ("plan", 5, 1),
+                   ("total", 0, 1)],
 }
 
 
@@ -84,7 +90,7 @@ def analyse(stamps: dict[str, torch.Tensor], push: bool) -> dict:
     the select runs two programs per row, (row, 0) the FIFO push's and (row, 1) the plan's (CTkvr's
     one-token steps); else one, the plan's."""
     t0 = min(int(b[:, 0, 0][b[:, 0, 0] > 0].min()) for b in stamps.values() if len(b))
-    out, phases, res = {}, {"plan": {}, "push": {}, "rerank": {}, "attend": {}}, []
+    out, phases, res = {}, {"plan": {}, "push": {}, "rerank": {}, "attend": {}, "psa_select": {}}, []
     for name in ORDER:
         b = stamps.get(name)
         if b is None or not len(b):
@@ -141,7 +147,7 @@ def run(n: int, spec_name: str, reps: int) -> dict:
             kernels[name] = {k: med([x[k] for x in got]) for k in got[0]}
     gaps = {k: med([p["gaps_us"][k] for p in per if k in p["gaps_us"]]) for k in per[0]["gaps_us"]}
     phases = {}
-    for kind in ("plan", "push", "rerank", "attend"):
+    for kind in ("plan", "push", "rerank", "attend", "psa_select"):
         vals = {}
         for p in per:
             for ph, xs in p["phases"][kind].items():
@@ -165,7 +171,7 @@ def report(row: dict) -> None:
     print("gaps (us): " + ", ".join(f"{k} {v:.2f}" for k, v in row["gaps_us"].items()))
     for kind, ph in row["select_phases_us"].items():
         if ph:
-            print(f"{'select ' * (kind not in ('rerank', 'attend'))}{kind} phases (us, median / max): "
+            print(f"{'select ' * (kind not in ('rerank', 'attend', 'psa_select'))}{kind} phases (us, median / max): "
                   + ", ".join(f"{k} {v['median']:.2f}/{v['max']:.2f}" for k, v in ph.items()))
 
 

@@ -169,6 +169,7 @@ import triton.language as tl
 from indexer.kernels import Workspaces, interpreted  # also makes Triton 3.6's interpreter work with NumPy 2.4
 from indexer.kernels.ivf import _emit_ranks, _exp, _round_as, _top_threshold, _top_threshold_regs  # shared helpers
 from indexer.kernels.pdl import pdl_begin, pdl_launch
+from indexer.kernels.stamps import stamp, stamp_args
 from indexer.psa import ProgressivePlan, dense_part_blocks
 
 NEG_BIG: tl.constexpr = tl.constexpr(-1.0e30)  # the max of an empty set: finite, so exp(m - m') is never nan
@@ -251,12 +252,15 @@ def _crit_kernel(
     sq_h, sq_g, sq_t, sm_h, sm_b, sm_r,
     T, nb, n_ctx, s_end, window, n_sb, bs, n_bt, qk_scale,
     G: tl.constexpr, D: tl.constexpr, KIND: tl.constexpr, CDT: tl.constexpr, DOT_FP32: tl.constexpr,
-    BLOCK_Q: tl.constexpr, BLOCK_B: tl.constexpr, PRECISE: tl.constexpr, PDL: tl.constexpr = False,
+    BLOCK_Q: tl.constexpr, BLOCK_B: tl.constexpr, PRECISE: tl.constexpr, PDL: tl.constexpr = False, TS=None,
+    STAMP: tl.constexpr = False,
 ):
     """Scaled criticality of BLOCK_B blocks for BLOCK_Q query rows (token, head) of one KV head ->
     X [rows·G, nb] fp32, and per row the softmax state of those blocks that are ranked (not in the
-    row's dense part) -> PS [rows·G, n_bt, 2]."""
+    row's dense part) -> PS [rows·G, n_bt, 2]. (TS / STAMP: `benchmarks/gpu_timeline.py`'s start and end.)"""
     pdl_begin(PDL)
+    prog = (tl.program_id(2) * tl.num_programs(1) + tl.program_id(1)) * tl.num_programs(0) + tl.program_id(0)
+    stamp(TS, prog, 0, STAMP)
     bt = tl.program_id(0)
     j = tl.program_id(1) * BLOCK_Q + tl.arange(0, BLOCK_Q)  # query rows t·G + g of this KV head
     h = tl.program_id(2).to(tl.int64)
@@ -299,6 +303,7 @@ def _crit_kernel(
     ps = PS + (row * n_bt + bt) * 2
     tl.store(ps, m, mask=j_ok)
     tl.store(ps + 1, s, mask=j_ok)
+    stamp(TS, prog, 1, STAMP)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -313,7 +318,8 @@ def _select_kernel(
     T, nb, n_ctx, s_end, window, n_sb, bs, n_bt, K, scr_row, first_w0, F,
     G: tl.constexpr, G_PAD: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK: tl.constexpr,
     IN_REGS: tl.constexpr, PRECISE: tl.constexpr, BUDGET: tl.constexpr = False, POS_BLOCK: tl.constexpr = 1024,
-    BS_PAD: tl.constexpr = 16, BLOCK_F: tl.constexpr = 16, PDL: tl.constexpr = False,
+    BS_PAD: tl.constexpr = 16, BLOCK_F: tl.constexpr = 16, PDL: tl.constexpr = False, TS=None,
+    STAMP: tl.constexpr = False,
 ):
     """One program per row (KV head, token): the group score of every ranked block (sum over the
     group's heads of the softmax over blocks) as an int key (float bits + 1; 0 = dense-part block),
@@ -321,9 +327,11 @@ def _select_kernel(
     CAND / CKEY [rows, K], their count -> NCAND [rows]. IN_REGS (the row's blocks fit one tile of
     BLOCK keys, and the tile has no element that two threads hold): the keys stay in registers from
     the score to the emit, no scratch round trip. BUDGET (`rule="budget"`): the row's plan itself
-    from the candidates just stored (`_budget_plan`); no sums or stop kernel follows."""
+    from the candidates just stored (`_budget_plan`); no sums or stop kernel follows. TS / STAMP: the
+    timeline's stamps (0 start, 2 the states reduced, 3 the keys, 4 the threshold, 5 the emit, 1 end)."""
     pdl_begin(PDL)
     r = tl.program_id(0)
+    stamp(TS, r, 0, STAMP)
     t = r % T
     ar_g = tl.arange(0, G_PAD)
     g_ok = ar_g < G
@@ -353,6 +361,7 @@ def _select_kernel(
         s = tl.load(PS + (hrow[:, None] * n_bt + i[None, :]) * 2 + 1, mask=msk, other=0.0)
         z += tl.sum(s * _exp(m - m_all[:, None], PRECISE), 1)
     inv_z = tl.div_rn(1.0 + 0.0 * z, tl.where(z > 0, z, 1.0))
+    stamp(TS, r, 2, STAMP)
 
     out = r.to(tl.int64) * K
     if IN_REGS:
@@ -360,7 +369,10 @@ def _select_kernel(
         kreg = _group_keys(X, hrow, g_ok, blk, nb, n_sb, first_w, m_all, inv_z, PRECISE)
         n_valid = tl.sum((kreg > 0).to(tl.int32), 0)
         key_min = tl.min(tl.where(kreg > 0, kreg, INT_MAX), 0)
-        thr, take = _top_threshold_regs(kreg, nb, K, key_min, n_valid, tl.max(kreg, 0) + 1)
+        key_max = tl.max(kreg, 0)
+        stamp(TS, r, 3, STAMP)
+        thr, take = _top_threshold_regs(kreg, nb, K, key_min, n_valid, key_max + 1)
+        stamp(TS, r, 4, STAMP)
         n_gt, n_eq = _emit_keys(kreg, blk, thr, take, r * 0, r * 0, CAND + out, CKEY + out)
         n_cand = n_gt + tl.minimum(n_eq, take)
     else:
@@ -383,7 +395,9 @@ def _select_kernel(
             n_valid += tl.sum((key > 0).to(tl.int32), 0)
             key_min = tl.minimum(key_min, tl.min(tl.where(key > 0, key, INT_MAX), 0))
             key_max = tl.maximum(key_max, tl.max(key, 0))
+        stamp(TS, r, 3, STAMP)
         thr, take = _top_threshold(row, nb, K, key_min, n_valid, key_max + 1, BLOCK)
+        stamp(TS, r, 4, STAMP)
         gt_base = r * 0
         eq_base = r * 0
         for c0 in range(0, nb, BLOCK):
@@ -391,6 +405,7 @@ def _select_kernel(
             key = tl.load(row + o, mask=o < nb, other=0)
             gt_base, eq_base = _emit_keys(key, o, thr, take, gt_base, eq_base, CAND + out, CKEY + out)
         n_cand = gt_base + tl.minimum(eq_base, take)
+    stamp(TS, r, 5, STAMP)
     if BUDGET:
         tl.debug_barrier()  # the candidates' stores before other threads of the program read them back
         _budget_plan(CAND + out, n_cand, n_valid, (r // T).to(tl.int64), t, QPOS, POS, RANKED, BLOCKS, USED,
@@ -399,6 +414,7 @@ def _select_kernel(
                      BLOCK_F)
     else:
         tl.store(NCAND + r, n_cand)
+    stamp(TS, r, 1, STAMP)
 
 
 @triton.jit
@@ -992,7 +1008,8 @@ def progressive_plan(
             qc.stride(0), qc.stride(1), qc.stride(2), meta.stride(0), meta.stride(1), meta.stride(2),
             tcc, nb, n, s_end, window, n_sb, bs, n_bt, float(d ** -0.5),
             G=g, D=d, KIND=KINDS[criticality], CDT=cdt, DOT_FP32=dot_fp32, BLOCK_Q=cfg.block_q,
-            BLOCK_B=cfg.block_b, PRECISE=precise, PDL=bool(pdl), **pdl, num_warps=cfg.crit_warps,
+            BLOCK_B=cfg.block_b, PRECISE=precise, PDL=bool(pdl), **pdl, **stamp_args("psa_crit"),
+            num_warps=cfg.crit_warps,
         )
         pos_c, rk_c = positions[:, t0:t1], ranked[:, t0:t1]
         bl_c, us_c, ms_c, cp_c = counts[0, :, t0:t1], counts[1, :, t0:t1], mass[:, :, t0:t1], capped[:, t0:t1]
@@ -1010,7 +1027,8 @@ def progressive_plan(
             BLOCK=min(cfg.select_block, max(16, _pow2(nb))),
             IN_REGS=in_regs, PRECISE=precise, BUDGET=budget, BS_PAD=bs_pad,
             POS_BLOCK=max(bs_pad, min(_pow2(cfg.plan_block), _pow2(bm) * bs_pad)),
-            BLOCK_F=max(16, min(1024, _pow2(f * bs))), PDL=bool(pdl), **pdl, num_warps=cfg.select_warps,
+            BLOCK_F=max(16, min(1024, _pow2(f * bs))), PDL=bool(pdl), **pdl, **stamp_args("psa_select"),
+            num_warps=cfg.select_warps,
         )
         if budget:  # the select wrote the plan
             continue
