@@ -12,7 +12,7 @@
 #           s26ab | s26mask | s26probe | s26selw | s26push | s26final | s27ab | s27kivf | s27tests | s27kivfknobs | s27kivfsel |
 #           s28dot | s28kivf | s28knobs | s28exp | s28piv | s28tests | s28pf | s29tl | s29probe | s29keys | s29pdl | s29final | s29cb | s30scan | s30scan2 | s30tests | s30knobs | s30l2 | s30pdl |
 #           s31split | s31split2 | s31split3 | s31rerank | s31prefetch | s32floors | s32probe | s32loads | s32order | s32pos | s32floors3 | s32final | s33rerank | s33all | s33all2 | s33all3 | s33fifo | s33lists | s34attn | s34attn2 | s34attend | s34attend2 | s34diag | s34pdl | s34w16 | s34final | s34check |
-#           s35split | s35split2 | s35table | s35table512 | s35late | s35check | s36budget | s36budget2 | s36acq | s36pivots | s36e2e | s36final | s36tl | s36knobs
+#           s35split | s35split2 | s35table | s35table512 | s35late | s35check | s36budget | s36budget2 | s36acq | s36pivots | s36e2e | s36final | s36tl | s36knobs | s36split
 #   (default: tests decode before_after)
 #   The device tool returns at most 8 files: past that, the run's JSON files come back as $OUT/json.tar.gz
 #   (and everything as $OUT/all.tar.gz if that is not enough).
@@ -1460,6 +1460,12 @@ for stage in $stages; do
       python3 benchmarks/gpu_decode.py --lengths 131072 --batches 1 --methods $B $B:block_b=128 $B:crit_warps=8 \
         --backends triton triton:programs_per_sm=4 triton:block_n=64 --out "$OUT/s36knobs" 2>&1 \
         | tee "$OUT/gpu_decode_s36knobs.log" | grep -E "graph|Error|error" ;;
+    s36split)  # session 36: the split kernel's pipelining on psa's budget plan at 128K, B = 1 (its programs take 13 us
+      # for two 128-row chunks, s36tl): one program per SM, three stages, 256-row chunks in one stage
+      B=psa@rule=budget,max_ratio=0.05
+      python3 benchmarks/gpu_decode.py --lengths 131072 --batches 1 --methods $B --backends triton \
+        triton:programs_per_sm=1 triton:num_stages=3 triton:block_n=256,num_stages=1 triton --out "$OUT/s36split" 2>&1 \
+        | tee "$OUT/gpu_decode_s36split.log" | grep -E "graph|Error|error" ;;
     s36acq)  # session 36: ctkvr's attention programs poll the plan's flag with acquire loads whose value the plan's
       # addresses use (`attend_acquire`, removed after this run) against the polls of sessions 34-35: the attended
       # and graph IVF tests,
