@@ -12,10 +12,10 @@ Same layer, inputs, index and request as `gpu_decode.py` (one 8B layer, bf16, B 
 backend), graph-captured, replayed with a cold L2. Stamps cost a barrier and three stores per point:
 the step is timed with them and without them (a second graph of the same step) in the same run, so the
 overhead is on record. Kernels stamped: CTkvr's probe, the IVF rerank and select, psa's criticality and select
-(its phases: the tiles' states, the group keys, the threshold search, the emit, the budget plan's stores), CTkvr's attended plan
-(`_attend_kernel`: its programs' wait for the plan, their rows, the state's store and merge) or the attention's
-split and merge (other methods' kernels take no stamps: their rows show the attention only; psa's sums and stop
-take none either).
+(its phases: the tiles' states, the group keys, the threshold search, the emit, the budget plan's stores),
+CTkvr's attended plan (`_attend_kernel`: its programs' wait for the plan, their rows, the state's store and
+merge) or the attention's split and merge (other methods' kernels take no stamps: their rows show the attention
+only; psa's sums and stop take none either).
 
 Times: %globaltimer (ns) for positions on the step's timeline; %clock64 (SM cycles, converted with the
 program's own globaltimer / clock64 ratio) for the select's phases, since the global timer may tick

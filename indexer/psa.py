@@ -47,9 +47,10 @@ used, P_acc is not estimated (`mass_est` NaN, `stats()["mass_est_mean"]` None), 
 with more ranked blocks than B_max. It is the set the progressive rule keeps at eps = 1 under the same
 cap, planned without reading a key: on the GPU two launches (criticality, then a select that writes
 the plan) instead of four, and the attention reads all B_max blocks instead of the stop's prefix (on
-the GPU benchmark's data at ρ 5% the stop keeps 32-48% of them at 32K-128K). H200, one 8B layer, ρ 5% (benchmarks/RESULTS.md,
-session 36): 32K 26.4 -> 22.5 µs, 128K 50-51 -> 43 µs, 512K 139 -> 129 µs, 128K B = 8 142-169 -> 130 µs;
-its fidelity against the progressive rule at the same cap: benchmarks/RESULTS_psa_lfps.md.
+the GPU benchmark's data at ρ 5% the stop keeps 32-48% of them at 32K-128K). H200, one 8B layer, ρ 5%
+(benchmarks/RESULTS.md, session 36): 32K 26.4 -> 22.1-22.5 µs, 128K 50-51 -> 41-43 µs, 512K 139 -> 129 µs,
+128K B = 8 142-169 -> 130 µs; its fidelity against the progressive rule at the same cap:
+benchmarks/RESULTS_psa_lfps.md.
 
 Cost: one pass over the block metadata (criticality, a sort of the blocks) plus exact q·k over the
 B_max candidate blocks and the dense part. The fixed shape is the price of no host sync: the plan

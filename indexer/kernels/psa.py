@@ -53,7 +53,7 @@ select writes the plan itself from the candidates it just stored (`_budget_plan`
 barrier, each expanded to its block's tokens in a [candidates, block] tile) with the counts, `capped`,
 ranked ids (block order, -1 past the count) and NaN for P_acc: crit + select, no sums or stop launch,
 and no plan's attention (that needs the sums). H200, one 8B layer, rho 5% (benchmarks/RESULTS.md, session
-36): the select 11.2-11.3 -> 11.9-12.0 us at 128K (its plan's stores), the step 50-51 -> 43 us; a gather
+36): the select 11.2-11.3 -> 11.9-12.0 us at 128K (its plan's stores), the step 50-51 -> 41-43 us; a gather
 per plan slot instead of the tile took the select to 13.7 us (2,048-slot chunks) and 21 us (8,192).
 
 The plan's attention (`progressive_plan(attend_scale=, ctx_v=, loc_v=)`, asked for by the caller through
@@ -925,8 +925,8 @@ def progressive_plan(
     loc_v: torch.Tensor | None = None,  # [KVH, M, D]
     attend_scale: float | None = None,
 ) -> ProgressivePlan:
-    """`indexer.psa.progressive_plan` in four launches (two with rule "budget") per chunk of query tokens (one chunk unless
-    T is large); same arguments (no `score_all`: the fused plan never scores every key), same
+    """`indexer.psa.progressive_plan` in four launches (two with rule "budget") per chunk of query tokens
+    (one chunk unless T is large); same arguments (no `score_all`: the fused plan never scores every key), same
     result (module docstring: what may differ). No host sync; allocates only the outputs.
 
     With `attend_scale` (and the values), a one-token plan also attends: `out` is the attention of q
