@@ -7,7 +7,8 @@ unchanged" on the tensors the methods' own quality numbers come from.
 Per method: the fraction of each plan row the two paths share (positions as sets) and the recall of
 the exact top-5% attention mass (group-pooled, over the context positions) by frame ∪ plan. The
 fused paths select the same sets: measured agreement 1.0 for csattn, ctkvr, kivf, psa and lfps, and
-the same recall (0.569, 1.0, 0.927, 0.928, 0.827); saap's kernels read the classifier in bf16 (its
+the same recall (0.569, 1.0, 0.927, 0.928, 0.827; psa's fixed budget at rho 5%, `rule="budget"`: agreement 1.0,
+recall 0.568, its 4 blocks against the progressive rule's uncapped set); saap's kernels read the classifier in bf16 (its
 torch path in fp32), which can move a bucket at the edge of the top-ℓ: agreement 0.9999 (min 0.998
 per row), recall 0.829 on both paths.
 """
@@ -56,6 +57,9 @@ def _recall(q, kv, plan_pos, sink, window) -> float:
 
 
 def _params(name, saap_model):
+    if name == "psa-budget":  # psa's fixed budget at rho 5% (its select writes the plan)
+        m = get_method("psa")
+        return m, m.Params(rule="budget", max_ratio=0.05)
     m = get_method(name)
     if name == "saap":
         return m, m.Params(model_dir=str(saap_model), nprobe=8)
@@ -68,15 +72,16 @@ ENTRY = {  # the kernel module and the entry point each fused planner calls (cou
 }
 
 
-@pytest.mark.parametrize("name", ["csattn", "ctkvr", "kivf", "psa", "lfps", "saap"])
+@pytest.mark.parametrize("name", ["csattn", "ctkvr", "kivf", "psa", "psa-budget", "lfps", "saap"])
 def test_fused_plans_equal_torch_plans_on_captured_tensors(name, captured_2k, request, monkeypatch):
     import importlib
 
     saap_model = request.getfixturevalue("saap_small_model") if name == "saap" else None
-    module = importlib.import_module(f"indexer.kernels.{ENTRY[name][0]}")
-    entry = getattr(module, ENTRY[name][1])
+    module_name, entry_name = ENTRY[name.split("-")[0]]
+    module = importlib.import_module(f"indexer.kernels.{module_name}")
+    entry = getattr(module, entry_name)
     calls = []
-    monkeypatch.setattr(module, ENTRY[name][1], lambda *a, **k: calls.append(1) or entry(*a, **k))
+    monkeypatch.setattr(module, entry_name, lambda *a, **k: calls.append(1) or entry(*a, **k))
     cap = captured_2k
     n = cap.n_tokens - STEPS
     method, params = _params(name, saap_model)
