@@ -12,6 +12,7 @@ attention split kernel's measured time followed its static count (1,712 instruct
     python benchmarks/aot_sass.py step --methods ctkvr ctkvr:rerank_maxnreg=128   # a kernel knob, as in gpu_decode.py
     python benchmarks/aot_sass.py step --methods ctkvr --out /tmp/sass/s  # also /tmp/sass/s_ctkvr_<kernel>.sass, .ttgir
     python benchmarks/aot_sass.py step --methods ctkvr --n 16384 --only _attend_kernel  # one kernel of the step
+    python benchmarks/aot_sass.py step --methods psa --n 131072 --only _split_kernel --backend triton:maxnreg=128
 
 `split` / `psa_select` compile one kernel at the 8B layer's decode shape (G 4, D 128, bf16, one
 token) with constexprs overridden by --set. `step` records every Triton launch of one fused decode
@@ -180,7 +181,7 @@ def compile_launch(fn, args: tuple, kwargs: dict) -> dict:
             "sass": "\n".join(lines), "ttgir": k.asm["ttgir"]}
 
 
-def step_launches(method: str, n: int) -> list[tuple]:
+def step_launches(method: str, n: int, backend_spec: str = "triton") -> list[tuple]:
     """The Triton launches of one fused decode step (plan + attention, T = 1) of `method` at the 8B
     layer's shape over n tokens, recorded on the CPU without running them (`JITFunction.run` is
     replaced: the launch sequence depends on shapes only, never on device values)."""
@@ -188,11 +189,12 @@ def step_launches(method: str, n: int) -> list[tuple]:
 
     import benchmarks.gpu_decode as gd
     from benchmarks._gpu_timing import method_spec
-    from decoder.backends.triton import TritonAttention
     from indexer.base import PrefillCapture
 
     gd.DEV = "cpu"
     name, overrides, knobs = method_spec(method)
+    backend = gd.backend_for(backend_spec)
+    split_maxnreg = getattr(getattr(backend, "cfg", None), "maxnreg", None)
     sp1, sp2 = gd.spec(1), gd.spec(2)
     mix = gd.Mixture(sp2, "cpu", seed=0)
     q_all, k_all, v_all = gd.make_inputs(n, mix, seed=n)
@@ -214,7 +216,7 @@ def step_launches(method: str, n: int) -> list[tuple]:
             cap = PrefillCapture(q=per_layer(q_all[:, :n]), k=per_layer(ctx_k), v=per_layer(ctx_v),
                                  positions=torch.arange(n), spec=sp)
             arrays = m.build(cap, params)
-        req = gd.Request(ctx_k, ctx_v, loc_k, loc_v, q_step, arrays, m, params, layers - 1, sp, TritonAttention())
+        req = gd.Request(ctx_k, ctx_v, loc_k, loc_v, q_step, arrays, m, params, layers - 1, sp, backend)
         for attr in ("fused", "use_kernels"):
             if hasattr(req.planner, attr):
                 setattr(req.planner, attr, True)
@@ -249,6 +251,8 @@ def step_launches(method: str, n: int) -> list[tuple]:
             kwargs = dict(kwargs)
             if self.__name__ == "_rerank_kernel" and ivf.DEFAULT_CONFIG.rerank_maxnreg:
                 kwargs["maxnreg"] = ivf.DEFAULT_CONFIG.rerank_maxnreg  # a launch option on CUDA tensors only
+            if self.__name__ == "_split_kernel" and split_maxnreg:
+                kwargs["maxnreg"] = split_maxnreg  # "--backend triton:maxnreg=128", likewise
             recorded.append((self, args, kwargs))
 
         JITFunction.run = record
@@ -283,6 +287,8 @@ def main() -> None:
     ap.add_argument("--set", nargs="*", default=[], help="constexpr overrides NAME=VALUE (0/1 for flags)")
     ap.add_argument("--warps", type=int, default=None, help="num_warps (default: the launch's at this shape)")
     ap.add_argument("--out", type=Path, default=None, help="a path prefix for the .sass and .ttgir files (step: one pair per kernel)")
+    ap.add_argument("--backend", default="triton", help="step: the attention backend, with knobs as in gpu_decode.py "
+                    "(triton:maxnreg=128)")
     ap.add_argument("--only", nargs="*", default=None, help="step: compile only these kernels (by function name)")
     a = ap.parse_args()
     if a.kernel == "step":
@@ -290,7 +296,7 @@ def main() -> None:
 
         rows = []
         for method in a.methods:
-            for fn, args, kwargs in step_launches(method, a.n):
+            for fn, args, kwargs in step_launches(method, a.n, a.backend):
                 if a.only is not None and fn.__name__ not in a.only:
                     continue
                 row = {"method": method, "n": a.n, **compile_launch(fn, args, kwargs)}

@@ -12,7 +12,8 @@
 #           s26ab | s26mask | s26probe | s26selw | s26push | s26final | s27ab | s27kivf | s27tests | s27kivfknobs | s27kivfsel |
 #           s28dot | s28kivf | s28knobs | s28exp | s28piv | s28tests | s28pf | s29tl | s29probe | s29keys | s29pdl | s29final | s29cb | s30scan | s30scan2 | s30tests | s30knobs | s30l2 | s30pdl |
 #           s31split | s31split2 | s31split3 | s31rerank | s31prefetch | s32floors | s32probe | s32loads | s32order | s32pos | s32floors3 | s32final | s33rerank | s33all | s33all2 | s33all3 | s33fifo | s33lists | s34attn | s34attn2 | s34attend | s34attend2 | s34diag | s34pdl | s34w16 | s34final | s34check |
-#           s35split | s35split2 | s35table | s35table512 | s35late | s35check | s36budget | s36budget2 | s36acq | s36pivots | s36e2e | s36final | s36tl | s36knobs | s36split
+#           s35split | s35split2 | s35table | s35table512 | s35late | s35check | s36budget | s36budget2 | s36acq | s36pivots | s36e2e | s36final | s36tl | s36knobs | s36split |
+#           s37crit | s37split | s37attend | s37attend2 | s37late | s37table | s37table512
 #   (default: tests decode before_after)
 #   The device tool returns at most 8 files: past that, the run's JSON files come back as $OUT/json.tar.gz
 #   (and everything as $OUT/all.tar.gz if that is not enough).
@@ -1475,6 +1476,63 @@ for stage in $stages; do
       python3 benchmarks/gpu_decode.py --lengths 131072 524288 --batches 1 --backends triton \
         --methods ctkvr ctkvr:attend_acquire=0 ctkvr ctkvr:attend_acquire=0 psa@rule=budget,max_ratio=0.05 \
         --out "$OUT/s36acq" 2>&1 | tee "$OUT/gpu_decode_s36acq.log" | grep -E "graph|Error|error" ;;
+    s37crit)  # session 37: psa's criticality from one [blocks, 2D] tile of min | max rows (one round trip to memory,
+      # not two): the PSA kernel tests on the GPU, then the tree before (.old/psa_head.py) and this one alternating twice,
+      # psa's budget rule at 32K and 128K (B = 1, 8) with profiles
+      python3 -m pytest -q -p no:cacheprovider -o addopts="" tests/test_kernels_psa.py 2>&1 \
+        | tee "$OUT/gpu_tests_s37crit.log" | tail -2
+      old_new s37crit psa@rule=budget,max_ratio=0.05 indexer/kernels/psa.py 2>&1 | tee "$OUT/gpu_decode_s37crit.log" ;;
+    s37split)  # session 37: the split kernel under a register cap (255 registers by default with a plan: two programs
+      # per SM), with more programs per SM and fewer stages, on psa's budget plan at 128K (B = 1, 8); then timelines
+      B=psa@rule=budget,max_ratio=0.05
+      python3 benchmarks/gpu_decode.py --lengths 131072 --batches 1 8 --methods $B --backends triton \
+        triton:maxnreg=128 triton:maxnreg=168 triton:maxnreg=128,programs_per_sm=3 triton:maxnreg=128,programs_per_sm=4 \
+        triton:maxnreg=128,programs_per_sm=4,num_stages=1 triton --out "$OUT/s37split" 2>&1 \
+        | tee "$OUT/gpu_decode_s37split.log" | grep -E "graph|Error|error"
+      python3 benchmarks/gpu_timeline.py --lengths 131072 --methods $B "$B|triton:maxnreg=128" \
+        "$B|triton:maxnreg=128,programs_per_sm=4" --tag _s37split 2>&1 | tee "$OUT/gpu_timeline_s37split.log" \
+        | grep -vE "^\|---" ;;
+    s37attend)  # session 37: psa's budget plan attended by CTkvr's attention launch (ivf._attend_kernel: its programs wait
+      # for each row's flag while the select runs; no split or merge launch; `budget_attend*` knobs, removed with the
+      # variant after s37late: no faster, benchmarks/RESULTS.md): the PSA kernel tests and the attended /
+      # graph IVF tests on the GPU, then gpu_decode against the split + merge (budget_attend=0), alternating twice
+      python3 -m pytest -q -p no:cacheprovider -o addopts="" tests/test_kernels_psa.py 2>&1 \
+        | tee "$OUT/gpu_tests_s37attend_psa.log" | tail -2
+      python3 -m pytest -q -p no:cacheprovider -o addopts="" tests/test_kernels_ivf.py -k "attends or graph" \
+        2>&1 | tee "$OUT/gpu_tests_s37attend_ivf.log" | tail -2
+      B=psa@rule=budget,max_ratio=0.05
+      python3 benchmarks/gpu_decode.py --lengths 32768 131072 --batches 1 8 --backends triton \
+        --methods $B $B:budget_attend=0 $B $B:budget_attend=0 --out "$OUT/s37attend" 2>&1 \
+        | tee "$OUT/gpu_decode_s37attend.log" | grep -E "graph|Error|error" ;;
+    s37attend2)  # session 37: the attended budget plan's programs per row at 128K, 512K against the split, a timeline
+      # (the variant and its knobs removed after s37late)
+      B=psa@rule=budget,max_ratio=0.05
+      python3 benchmarks/gpu_decode.py --lengths 131072 --batches 1 --backends triton --methods $B \
+        $B:budget_attend_workers=16 $B:budget_attend_workers=52 $B:budget_attend_workers=104 $B --out "$OUT/s37workers" \
+        2>&1 | tee "$OUT/gpu_decode_s37workers.log" | grep -E "graph|Error|error"
+      s32_512 s37attend2 "$B $B:budget_attend=0 $B" 512
+      python3 benchmarks/gpu_timeline.py --lengths 131072 --methods $B $B:budget_attend=0 --tag _s37attend 2>&1 \
+        | tee "$OUT/gpu_timeline_s37attend.log" | grep -vE "^\|---" ;;
+    s37late)  # session 37: the attended budget plan's launch let in after the select's search (budget_attend_late, then
+      # the default) against at its start and against the split + merge (budget_attend=0), alternating twice, B = 1; the
+      # budget and graph PSA tests on the GPU; a timeline (the variant and its knobs removed after this run)
+      python3 -m pytest -q -p no:cacheprovider -o addopts="" tests/test_kernels_psa.py -k "budget or graph" 2>&1 \
+        | tee "$OUT/gpu_tests_s37late.log" | tail -2
+      B=psa@rule=budget,max_ratio=0.05
+      python3 benchmarks/gpu_decode.py --lengths 32768 131072 --batches 1 --backends triton --methods $B \
+        $B:budget_attend_late=0 $B:budget_attend=0 $B $B:budget_attend_late=0 $B:budget_attend=0 --out "$OUT/s37late" \
+        2>&1 | tee "$OUT/gpu_decode_s37late.log" | grep -E "graph|Error|error"
+      python3 benchmarks/gpu_timeline.py --lengths 131072 --methods $B --tag _s37late 2>&1 \
+        | tee "$OUT/gpu_timeline_s37late.log" | grep -vE "^\|---" ;;
+    s37table)  # session 37, the final tree: the PSA kernel tests on the GPU, then issue 12's table: every method
+      # (gpu_decode's default list), 32K and 128K, B = 1 and 8, eager and graph, SDPA full and over a 5% slice, profiles
+      python3 -m pytest -q -p no:cacheprovider -o addopts="" tests/test_kernels_psa.py 2>&1 \
+        | tee "$OUT/gpu_tests_s37table.log" | tail -2
+      python3 benchmarks/gpu_decode.py --lengths 32768 131072 --batches 1 8 --profile --backends triton \
+        --out "$OUT/s37table" 2>&1 | tee "$OUT/gpu_decode_s37table.log" | grep -E "^\| |Error|error" ;;
+    s37table512)  # session 37: the same table at 512K (B = 1)
+      python3 benchmarks/gpu_decode.py --lengths 524288 --batches 1 --backends triton --out "$OUT/s37table512" 2>&1 \
+        | tee "$OUT/gpu_decode_s37table512.log" | grep -E "^\| |Error|error" ;;
     *) echo "unknown stage $stage" ;;
   esac
 done

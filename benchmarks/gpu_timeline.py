@@ -46,7 +46,6 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import gpu_decode as gd  # noqa: E402
 from benchmarks._gpu_timing import M_LOCAL, capture_graph, method_spec  # noqa: E402
-from decoder.backends import get_backend  # noqa: E402
 from indexer.base import PrefillCapture  # noqa: E402
 from indexer.kernels.stamps import recording  # noqa: E402
 
@@ -67,6 +66,9 @@ PHASES = {  # per kernel: (phase, from slot, to slot) as the kernel stamps them
 
 
 def build_request(n: int, spec_name: str):
+    """The request of one timeline row; spec_name "METHOD" or "METHOD|BACKEND" (`gpu_decode.backend_for`'s spec:
+    "psa@rule=budget|triton:maxnreg=128")."""
+    spec_name, _, backend = spec_name.partition("|")
     sp = gd.spec(1)
     mix = gd.Mixture(gd.spec(2), gd.DEV, seed=0)
     q_all, k_all, v_all = gd.make_inputs(n, mix, seed=n)
@@ -81,7 +83,8 @@ def build_request(n: int, spec_name: str):
         cap = PrefillCapture(q=q_all[None, :, :n], k=ctx_k[None], v=ctx_v[None],
                              positions=torch.arange(n, device=gd.DEV), spec=sp)
         arrays = {k: v.to(gd.DEV) for k, v in method.build(cap, params).items()}
-    req = gd.Request(ctx_k, ctx_v, loc_k, loc_v, q_step, arrays, method, params, 0, sp, get_backend("triton"))
+    req = gd.Request(ctx_k, ctx_v, loc_k, loc_v, q_step, arrays, method, params, 0, sp,
+                     gd.backend_for(backend or "triton"))
     return req, restore
 
 

@@ -187,6 +187,24 @@ def test_fused_plan_edges(shape):
     _assert_same(got, want, str(shape))
 
 
+@pytest.mark.parametrize("kind", ["cuboid", "center"])
+def test_criticality_of_metadata_rows_that_are_not_adjacent(kind):
+    """The criticality reads a block's min and max rows as one row of 2D (adjacent in the stored
+    metadata): a view whose rows are not (a wider array sliced) is copied first, and plans as the
+    contiguous array does, bit for bit."""
+    q, ctx_k, loc_k, q_pos = _inputs(21, n=260, t=2)
+    meta = _meta(ctx_k, 16)
+    wide = torch.full((*meta.shape[:-1], 2 * meta.shape[-1]), float("nan"), dtype=meta.dtype)
+    wide[..., : meta.shape[-1]] = meta
+    view = wide[..., : meta.shape[-1]]
+    assert view.stride(-2) != meta.shape[-1]
+    kw = dict(eps=0.9, microbatch=2, sink=4, window=8, max_blocks=6, criticality=kind)
+    a = kernels.progressive_plan(*_dev(q, ctx_k, loc_k, q_pos, meta), 16, **kw)
+    b = kernels.progressive_plan(*_dev(q, ctx_k, loc_k, q_pos, view), 16, **kw)
+    for name in PLAN_FIELDS[:-1]:
+        assert torch.equal(getattr(a, name), getattr(b, name)), name
+
+
 def test_fused_plan_without_request_local_rows():
     """A plan made before the step's own key exists (planning a layer ahead) sees no request-local
     row: the fused plan still equals the torch path's."""

@@ -353,6 +353,9 @@ class KernelConfig:
     pdl: bool = True  # programmatic dependent launch on Hopper and later (`indexer/kernels/pdl.py`)
     one_token: bool = True  # no plan positions (dense, the frame alone), a token per query block: per-key-row mask
     take_attended: bool = True  # the backend returns a plan's own attention (`Plan.attended`, psa) instead of running
+    # split kernel: a register cap per thread on CUDA (None: the compiler's, 255 with a plan: two programs per SM);
+    # caps of 128 and 168 fit more programs but each runs slower: slower at every setting tried (RESULTS.md, s37)
+    maxnreg: int | None = None
 
 
 @dataclass(frozen=True)
@@ -536,6 +539,7 @@ def frame_attention(
         DOT_PRECISION="ieee" if dtype == torch.float32 else "tf32",
         DOT_FP32=interpreted() and dtype == torch.bfloat16, NUM_STAGES=lp.num_stages, PDL=bool(pdl), **pdl,
         CACHE=0 if c is None else c.plans + 1, CACHE_STAGED=v_staged, **stamp_args("split"), num_warps=lp.num_warps,
+        **({"maxnreg": cfg.maxnreg} if cfg.maxnreg and dev.type == "cuda" else {}),
     )
     if not direct:
         _merge_kernel[(t, g, kvh)](

@@ -26,8 +26,9 @@ KV head; nb context blocks of bs tokens, K = B_max = ceil(max_ratio · nb) candi
 Kernels (grids from shapes only, no host sync, fixed-shape outputs; rows of one chunk of tokens):
 
 1. `_crit_kernel`, grid (ceil(nb / BLOCK_B), ceil(T·G / BLOCK_Q), KVH): the criticality of BLOCK_B
-   blocks for BLOCK_Q query rows (token, head) as a tl.dot against the metadata tiles as stored
-   (fp16: min and max rows for cuboid / center, the mean row for mean), rounded to the metadata's
+   blocks for BLOCK_Q query rows (token, head) as a tl.dot against the metadata tile as stored
+   (fp16: a block's adjacent min and max rows as one row of 2D for cuboid / center, against q⁻ | q⁺ or
+   q/2 | q/2; the mean row for mean), rounded to the metadata's
    dtype on a GPU as the torch path's GEMM output, times the scale -> X [rows·G, nb] fp32; and per
    (row, head) the softmax state (max, sum of exp) of its ranked blocks in the tile -> PS.
 2. `_select_kernel`, grid (rows,): the softmax normalisation per head from the tiles' states (fixed
@@ -145,10 +146,11 @@ uncapped, T = 1 and 3, and the tie rule on integer-valued data with duplicated b
 
 Checked without a GPU (Triton 3.6, ahead-of-time compile for sm_90 at the shape above with the JIT's
 16-divisibility of pointers and strides, default knobs): no register spills; registers per thread:
-crit 124 (cuboid) / 116 (center) / 80 (mean) with 4 warps, select 128 (8 warps, block 4096), sums
-96 (4 warps, 37 KB shared memory), stop 128 (4 warps); fp32 q/K and metadata (ieee dots) compile
-too (crit 166, sums 124). Attending (`benchmarks/aot_sass.py step`, session 24): sums 190 registers
-at 128K / 168 at 32K (72 KB shared memory), attend 116, no spills.
+crit 96 (cuboid, center) / 60 (mean) with 4 warps (124 / 116 / 80 with a tile each for min and max,
+before session 37), select 128 (8 warps, block 4096), sums 96 (4 warps, 37 KB shared memory), stop
+128 (4 warps); fp32 q/K and metadata (ieee dots) compile too (crit 166, sums 124, session 23).
+Attending (`benchmarks/aot_sass.py step`, session 24): sums 190 registers at 128K / 168 at 32K (72 KB
+shared memory), attend 116, no spills.
 
 Workspaces: one float32 and one int32 buffer per device and stream (grow-only, `Workspaces`):
 X, PS, the per-candidate sums, the select scratch (keys + ping/pong), candidates, ranks' output.
@@ -267,28 +269,31 @@ def _crit_kernel(
     j_ok = j < T * G
     t = j // G
     g = j % G
-    offs_d = tl.arange(0, D)
-    qv = tl.load(Q + h * sq_h + g[:, None] * sq_g + t[:, None] * sq_t + offs_d[None, :], mask=j_ok[:, None],
-                 other=0.0).to(tl.float32)
     b = bt * BLOCK_B + tl.arange(0, BLOCK_B)
     b_ok = b < nb
-    mp = META + h * sm_h + b[:, None].to(tl.int64) * sm_b + offs_d[None, :]
     OPT: tl.constexpr = tl.float32 if DOT_FP32 else CDT
     PREC: tl.constexpr = "ieee" if OPT == tl.float32 else "tf32"
-    if KIND == 2:  # q·mean
-        mean = tl.load(mp + 2 * sm_r, mask=b_ok[:, None], other=0.0).to(OPT)
-        x = tl.dot(qv.to(CDT).to(OPT), tl.trans(mean), input_precision=PREC)
-    else:  # cuboid: q⁻·min + q⁺·max; center: (q/2)·min + (q/2)·max
-        lo = tl.load(mp, mask=b_ok[:, None], other=0.0).to(OPT)
-        hi = tl.load(mp + sm_r, mask=b_ok[:, None], other=0.0).to(OPT)
-        if KIND == 0:
-            qa = tl.minimum(qv, 0.0)
-            qb = tl.maximum(qv, 0.0)
-        else:
-            qa = qv * 0.5
-            qb = qa
-        x = tl.dot(qa.to(CDT).to(OPT), tl.trans(lo), input_precision=PREC)
-        x = tl.dot(qb.to(CDT).to(OPT), tl.trans(hi), x, input_precision=PREC)
+    # The metadata tile first, in one load, so that its round trip to memory is the program's only one
+    # (q is small and in L2): a block's min and max rows are adjacent (sm_r == D, the launcher's
+    # contract), so cuboid and center read [BLOCK_B, 2D] and take one dot of depth 2D against q⁻ | q⁺.
+    # (Two tiles, min then max, cost two round trips: Triton stages each through the same shared memory
+    # for the dot, so the max tile's loads were issued only after the min tile had arrived. With one tile,
+    # 124 -> 96 registers and the 512 programs at 128K run in one wave, not two; on the H200 the crit's span
+    # 10.0 -> 9.2 us, its programs 5.6 -> 7.9 us each: bound by bytes now, the step the same within its
+    # spread; benchmarks/RESULTS.md, session 37.)
+    W: tl.constexpr = D if KIND == 2 else 2 * D
+    offs_w = tl.arange(0, W)
+    mp = META + h * sm_h + b[:, None].to(tl.int64) * sm_b + offs_w[None, :]
+    if KIND == 2:  # the mean row
+        mp += 2 * sm_r
+    mm = tl.load(mp, mask=b_ok[:, None], other=0.0).to(OPT)
+    qv = tl.load(Q + h * sq_h + g[:, None] * sq_g + t[:, None] * sq_t + (offs_w % D)[None, :], mask=j_ok[:, None],
+                 other=0.0).to(tl.float32)
+    if KIND == 0:  # cuboid: q⁻·min + q⁺·max
+        qv = tl.where(offs_w[None, :] < D, tl.minimum(qv, 0.0), tl.maximum(qv, 0.0))
+    elif KIND == 1:  # center: (q/2)·min + (q/2)·max
+        qv = qv * 0.5
+    x = tl.dot(qv.to(CDT).to(OPT), tl.trans(mm), input_precision=PREC)  # KIND 2: q·mean
     x = x.to(CDT).to(tl.float32) * qk_scale  # the GEMM's output dtype (fp16 on a GPU), then the scale
     row = h * T * G + j  # = (kv head · T + t) · G + g
     tl.store(X + row[:, None] * nb + b[None, :], x, mask=j_ok[:, None] & b_ok[None, :])
@@ -957,7 +962,7 @@ def progressive_plan(
     q = _rows_contiguous(q)
     ctx_k = _rows_contiguous(ctx_k)
     loc_k = _rows_contiguous(loc_k)
-    meta = meta if meta.stride(-1) == 1 else meta.contiguous()
+    meta = meta if meta.stride(-1) == 1 and meta.stride(-2) == d else meta.contiguous()  # the crit's one tile
     q_pos = q_pos if q_pos.stride(-1) == 1 else q_pos.contiguous()
     tc = max(1, min(t, cfg.x_budget // (kvh * g * nb)))  # query tokens per launch sequence
     rows = kvh * tc
