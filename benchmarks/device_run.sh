@@ -13,7 +13,7 @@
 #           s28dot | s28kivf | s28knobs | s28exp | s28piv | s28tests | s28pf | s29tl | s29probe | s29keys | s29pdl | s29final | s29cb | s30scan | s30scan2 | s30tests | s30knobs | s30l2 | s30pdl |
 #           s31split | s31split2 | s31split3 | s31rerank | s31prefetch | s32floors | s32probe | s32loads | s32order | s32pos | s32floors3 | s32final | s33rerank | s33all | s33all2 | s33all3 | s33fifo | s33lists | s34attn | s34attn2 | s34attend | s34attend2 | s34diag | s34pdl | s34w16 | s34final | s34check |
 #           s35split | s35split2 | s35table | s35table512 | s35late | s35check | s36budget | s36budget2 | s36acq | s36pivots | s36e2e | s36final | s36tl | s36knobs | s36split |
-#           s37crit | s37split | s37attend | s37attend2 | s37late | s37table | s37table512
+#           s37crit | s37split | s37attend | s37attend2 | s37late | s37table | s37table512 | s37plan
 #   (default: tests decode before_after)
 #   The device tool returns at most 8 files: past that, the run's JSON files come back as $OUT/json.tar.gz
 #   (and everything as $OUT/all.tar.gz if that is not enough).
@@ -1533,6 +1533,10 @@ for stage in $stages; do
     s37table512)  # session 37: the same table at 512K (B = 1)
       python3 benchmarks/gpu_decode.py --lengths 524288 --batches 1 --backends triton --out "$OUT/s37table512" 2>&1 \
         | tee "$OUT/gpu_decode_s37table512.log" | grep -E "^\| |Error|error" ;;
+    s37plan)  # session 37: issue 12's first target, the triton backend over a given random 5% plan against SDPA over a
+      # contiguous 5% slice (gpu_decode's triton_plan_5pct rows), B = 1, 32K-512K, with the frame-only method
+      python3 benchmarks/gpu_decode.py --lengths 32768 131072 524288 --batches 1 --backends triton --methods streaming \
+        --out "$OUT/s37plan" 2>&1 | tee "$OUT/gpu_decode_s37plan.log" | grep -E "given|sdpa|Error|error" ;;
     *) echo "unknown stage $stage" ;;
   esac
 done

@@ -17,8 +17,9 @@ at random init; layer 0 is SAAP's dense layer, so SAAP's timed layer is layer 1)
 build time is recorded next to the prefill time of that layer (SDPA causal over N + the layer's
 GEMMs at random weights), the planner is opened, and the step `backend.run(q, kv, planner.plan(...))`
 is timed with each backend (torch_ref, and triton when it is installed). Baselines in the same run:
-SDPA over all N + 64 keys, and SDPA over a contiguous 5% slice (the floor a perfect gather reaches
-at that budget with SDPA's own kernel). B = 8: eight requests on eight contexts (the same values
+SDPA over all N + 64 keys, SDPA over a contiguous 5% slice (the floor a perfect gather reaches
+at that budget with SDPA's own kernel), and (B = 1) the triton backend over a given random 5% plan
+(`triton_plan_5pct`: issue 12's "≤ 1.3× SDPA over a contiguous 5% slice"; `time_over_slice`). B = 8: eight requests on eight contexts (the same values
 copied to distinct memory), each request's step on its own side stream inside one graph
 (`decoder.streams.fork_join`, as the runner does; `--serial`: one after another on one stream);
 SDPA B = 8 is one batched call. Every step's output is checked against `torch_ref` over the same plan.
@@ -333,6 +334,8 @@ def run_length(n: int, batches: list[int], methods: list[str], backends: list[st
               + "".join(f"; {m}: full {sdpa[b, m]}, slice {sdpa_slice[b, m]}" for m in MODES[2:]), flush=True)
 
     ref_backend = get_backend("torch_ref")
+    if 1 in batches and "triton" in backends:
+        rows += given_plan_rows(n, ctx_k, ctx_v, loc_k, loc_v, q_step, ks, sdpa, sdpa_slice, ref_backend, reps)
     for spec_name in methods:
         name, overrides, knobs = method_spec(spec_name)
         restore = plan_knobs(name, knobs)
@@ -418,6 +421,34 @@ def run_length(n: int, batches: list[int], methods: list[str], backends: list[st
         finally:
             restore()
     return rows, builds
+
+
+def given_plan_rows(n, ctx_k, ctx_v, loc_k, loc_v, q_step, ks, sdpa, sdpa_slice, ref_backend, reps) -> list[dict]:
+    """Issue 12's first target: the triton backend over a given plan of ks (5%) context positions per KV head (random,
+    ascending, drawn once; the frame of topk's parameters at this length, whose duplicates the backend masks) against
+    SDPA over a contiguous 5% slice, B = 1: rows "triton_plan_5pct" with `time_over_slice` = ms / the slice's ms
+    (the target: <= 1.3)."""
+    from indexer.base import Plan
+
+    g = torch.Generator(device=DEV).manual_seed(n + 1)
+    pos = torch.stack([torch.randperm(n, generator=g, device=DEV)[:ks].sort().values for _ in range(KVH)])
+    plan = Plan(pos.to(torch.int32)[:, None], lengths=torch.full((KVH, 1), ks, dtype=torch.int32, device=DEV))
+    kv = KVView(ctx_k, ctx_v, loc_k, loc_v, torch.tensor([n + M_LOCAL - 1], device=DEV))
+    sink, window = get_method("topk").Params(ratio=0.05).frame(n)
+    be, scale = backend_for("triton"), D ** -0.5
+
+    def step():
+        return be.run(q_step, kv, plan, sink, window, scale)
+
+    err = rel(step(), ref_backend.run(q_step, kv, plan, sink, window, scale))
+    times = {"eager": T.host_ms(step, reps=reps), **graph_modes(step, reps)}
+    print(f"  triton over a given 5% plan B=1: eager {times['eager']:.3f} ms, graph {times['graph']} ms "
+          f"({ratio(times['graph'], sdpa_slice[1, 'graph'])}x the time of SDPA over a contiguous 5% slice; "
+          f"{ratio(sdpa[1, 'graph'], times['graph'])}x faster than SDPA full) err={err:.1e}", flush=True)
+    return [{"n": n, "batch": 1, "method": "triton_plan_5pct", "backend": "triton", "mode": mode, "ms": ms,
+             "sdpa_ms": sdpa[1, mode], "sdpa_slice_ms": sdpa_slice[1, mode], "ratio": ratio(sdpa[1, mode], ms),
+             "time_over_slice": ratio(ms, sdpa_slice[1, mode]), "plan_k": ks, "err_vs_torch_ref": err,
+             "l2": l2_of(mode)} for mode, ms in times.items()]
 
 
 def torch_plan_rows(fused_req, method, params, arrays, layer, sp, be, n, sdpa, reps, name) -> list[dict]:
