@@ -19,7 +19,8 @@ GEMMs at random weights), the planner is opened, and the step `backend.run(q, kv
 is timed with each backend (torch_ref, and triton when it is installed). Baselines in the same run:
 SDPA over all N + 64 keys, SDPA over a contiguous 5% slice (the floor a perfect gather reaches
 at that budget with SDPA's own kernel), and (B = 1) the triton backend over a given random 5% plan
-(`triton_plan_5pct`: issue 12's "≤ 1.3× SDPA over a contiguous 5% slice"; `time_over_slice`). B = 8: eight requests on eight contexts (the same values
+(`triton_plan_5pct`: issue 12's "≤ 1.3× SDPA over a contiguous 5% slice"; `time_over_slice`).
+B = 8: eight requests on eight contexts (the same values
 copied to distinct memory), each request's step on its own side stream inside one graph
 (`decoder.streams.fork_join`, as the runner does; `--serial`: one after another on one stream);
 SDPA B = 8 is one batched call. Every step's output is checked against `torch_ref` over the same plan.
