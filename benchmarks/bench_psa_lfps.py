@@ -72,6 +72,13 @@ CONFIGS = [
     ("psa eps=1 cap 10%", "psa", {"eps": 1.0, "max_ratio": 0.10}),
     ("psa budget 5%", "psa", {"rule": "budget", "max_ratio": 0.05}),  # the same set as eps=1 cap 5%, no exact sums
     ("psa budget 10%", "psa", {"rule": "budget", "max_ratio": 0.10}),
+    # coarser blocks: less metadata for the criticality to read, fewer keys to select (the GPU step's bound at 128K)
+    ("psa budget 5% block 64", "psa", {"rule": "budget", "max_ratio": 0.05, "block_size": 64}),
+    ("psa budget 5% block 128", "psa", {"rule": "budget", "max_ratio": 0.05, "block_size": 128}),
+    # blocks of 32 at the KV the coarse rows touch on the 8K document (their budgets round up to whole blocks, and
+    # their window's block is larger): the same bytes read, for a fair comparison
+    ("psa budget 6%", "psa", {"rule": "budget", "max_ratio": 0.06}),
+    ("psa budget 7.6%", "psa", {"rule": "budget", "max_ratio": 0.076}),
     ("lfps 5%", "lfps", {"ratio": 0.05}),
     ("lfps 5% no-bypass", "lfps", {"ratio": 0.05, "bypass": False}),
     ("lfps 10%", "lfps", {"ratio": 0.10}),

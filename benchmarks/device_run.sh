@@ -13,7 +13,7 @@
 #           s28dot | s28kivf | s28knobs | s28exp | s28piv | s28tests | s28pf | s29tl | s29probe | s29keys | s29pdl | s29final | s29cb | s30scan | s30scan2 | s30tests | s30knobs | s30l2 | s30pdl |
 #           s31split | s31split2 | s31split3 | s31rerank | s31prefetch | s32floors | s32probe | s32loads | s32order | s32pos | s32floors3 | s32final | s33rerank | s33all | s33all2 | s33all3 | s33fifo | s33lists | s34attn | s34attn2 | s34attend | s34attend2 | s34diag | s34pdl | s34w16 | s34final | s34check |
 #           s35split | s35split2 | s35table | s35table512 | s35late | s35check | s36budget | s36budget2 | s36acq | s36pivots | s36e2e | s36final | s36tl | s36knobs | s36split |
-#           s37crit | s37split | s37attend | s37attend2 | s37late | s37table | s37table512 | s37plan
+#           s37crit | s37split | s37attend | s37attend2 | s37late | s37table | s37table512 | s37plan | s38blocks | s38plan | s38fused
 #   (default: tests decode before_after)
 #   The device tool returns at most 8 files: past that, the run's JSON files come back as $OUT/json.tar.gz
 #   (and everything as $OUT/all.tar.gz if that is not enough).
@@ -1537,6 +1537,51 @@ for stage in $stages; do
       # contiguous 5% slice (gpu_decode's triton_plan_5pct rows), B = 1, 32K-512K, with the frame-only method
       python3 benchmarks/gpu_decode.py --lengths 32768 131072 524288 --batches 1 --backends triton --methods streaming \
         --out "$OUT/s37plan" 2>&1 | tee "$OUT/gpu_decode_s37plan.log" | grep -E "given|sdpa|Error|error" ;;
+    s38blocks)  # session 38: psa's budget rule over coarser blocks (64 and 128 tokens: 1/2 and 1/4 of the metadata the
+      # crit reads, of the keys the select ranks), the crit's blocks per program at 128-token blocks; the PSA budget and
+      # graph kernel tests first; then the timelines at 128K (their quality: benchmarks/RESULTS_psa_lfps.md)
+      P=psa@rule=budget,max_ratio=0.05
+      python3 -m pytest -q -p no:cacheprovider -o addopts="" tests/test_kernels_psa.py -k "budget or graph" 2>&1 \
+        | tee "$OUT/gpu_tests_s38blocks.log" | tail -2
+      python3 benchmarks/gpu_decode.py --lengths 32768 131072 --batches 1 8 --backends triton --methods $P \
+        $P,block_size=64 $P,block_size=128 $P,block_size=128:block_b=32 $P,block_size=128:block_b=16 \
+        --out "$OUT/s38blocks" 2>&1 | tee "$OUT/gpu_decode_s38blocks.log" | grep -E "graph|Error|error"
+      python3 benchmarks/gpu_decode.py --lengths 524288 --batches 1 --backends triton --methods $P $P,block_size=64 \
+        $P,block_size=128 --out "$OUT/s38blocks512" 2>&1 | tee "$OUT/gpu_decode_s38blocks512.log" \
+        | grep -E "graph|Error|error"
+      python3 benchmarks/gpu_timeline.py --lengths 131072 --methods $P $P,block_size=128 --tag _s38blocks 2>&1 \
+        | tee "$OUT/gpu_timeline_s38blocks.log" | grep -vE "^\|---" ;;
+    s38plan)  # session 38: the budget select reads its candidates back before the plan's other stores and stores no
+      # keys (against .old/psa_head.py, alternating twice, blocks of 32 and 128), then the split without the plan's
+      # lengths (`triton:plan_lengths=0`: one dependent load less; budget plans are 98-100% filled) and two launch
+      # knobs with it, at 128K; the kernel tests first
+      P=psa@rule=budget,max_ratio=0.05
+      python3 -m pytest -q -p no:cacheprovider -o addopts="" tests/test_kernels_psa.py tests/test_triton_attention.py \
+        -k "budget or graph or lengths" 2>&1 | tee "$OUT/gpu_tests_s38plan.log" | tail -2
+      old_new s38plan "$P $P,block_size=128" indexer/kernels/psa.py 2>&1 | tee "$OUT/gpu_decode_s38plan.log"
+      python3 benchmarks/gpu_decode.py --lengths 131072 --batches 1 8 --methods $P,block_size=128 $P --backends triton \
+        triton:plan_lengths=0 triton triton:plan_lengths=0 triton:plan_lengths=0,programs_per_sm=4 \
+        triton:plan_lengths=0,block_n=64 --out "$OUT/s38len" 2>&1 | tee "$OUT/gpu_decode_s38len.log" \
+        | grep -E "graph|Error|error"
+      python3 benchmarks/gpu_timeline.py --lengths 131072 --methods "$P,block_size=128|triton:plan_lengths=0" \
+        --tag _s38plan 2>&1 | tee "$OUT/gpu_timeline_s38plan.log" | grep -vE "^\|---" ;;
+    s38fused)  # session 38: psa's budget rule selected and attended in one launch (`_budget_attend_kernel`: every
+      # program finds its row's K best blocks itself and attends its share; the merge after) against the select + split +
+      # merge path (`:budget_attend=0`), with its chunks per program and warps, blocks of 32, 64 and 128; the PSA kernel
+      # tests first; timelines at 128K
+      P=psa@rule=budget,max_ratio=0.05
+      python3 -m pytest -q -p no:cacheprovider -o addopts="" tests/test_kernels_psa.py \
+        -k "budget or graph or attend or selects" 2>&1 | tee "$OUT/gpu_tests_s38fused.log" | tail -2
+      python3 benchmarks/gpu_decode.py --lengths 32768 131072 --batches 1 8 --backends triton --methods \
+        $P,block_size=128 $P,block_size=128:budget_attend=0 $P,block_size=128:budget_attend_chunks=1 \
+        $P,block_size=128:budget_attend_chunks=4 $P,block_size=128:budget_attend_warps=8 $P,block_size=128 \
+        $P,block_size=128:budget_attend=0 $P $P:budget_attend=0 $P,block_size=64 --out "$OUT/s38fused" 2>&1 \
+        | tee "$OUT/gpu_decode_s38fused.log" | grep -E "graph|Error|error"
+      python3 benchmarks/gpu_decode.py --lengths 524288 --batches 1 --backends triton --methods $P,block_size=128 \
+        $P,block_size=128:budget_attend_blocks=4096,budget_attend_warps=8 --out "$OUT/s38fused512" 2>&1 \
+        | tee "$OUT/gpu_decode_s38fused512.log" | grep -E "graph|Error|error"
+      python3 benchmarks/gpu_timeline.py --lengths 131072 --methods $P,block_size=128 $P,block_size=128:budget_attend=0 \
+        --tag _s38fused 2>&1 | tee "$OUT/gpu_timeline_s38fused.log" | grep -vE "^\|---" ;;
     *) echo "unknown stage $stage" ;;
   esac
 done

@@ -114,28 +114,32 @@ def test_fused_plan_equals_torch(kind, eps, ratio, t, dtype):
     assert (want.used > 0).all()
 
 
-BUDGET_CASES = [("cuboid", 0.2, 1, torch.float32, None), ("center", 0.2, 3, torch.bfloat16, None),
-                ("mean", 1.0, 1, torch.bfloat16, None), ("cuboid", 0.05, 2, torch.float32, "tiny"),
-                ("cuboid", 0.2, 1, torch.bfloat16, "regs"), ("center", 0.3, 3, torch.float32, "scratch")]
+BUDGET_CASES = [("cuboid", 0.2, 1, torch.float32, None, 8), ("center", 0.2, 3, torch.bfloat16, None, 8),
+                ("mean", 1.0, 1, torch.bfloat16, None, 8), ("cuboid", 0.05, 2, torch.float32, "tiny", 8),
+                ("cuboid", 0.2, 1, torch.bfloat16, "regs", 8), ("center", 0.3, 3, torch.float32, "scratch", 8),
+                # blocks of 64 and 128 tokens (the GPU benchmark's coarse-block rows): a [candidates, 128] plan tile
+                ("cuboid", 0.3, 1, torch.bfloat16, None, 128), ("cuboid", 0.2, 2, torch.float32, "tiny", 64)]
 CONFIGS = {None: None, "tiny": dataclasses.replace(TINY, plan_block=16), "regs": REGS, "scratch": SCRATCH}
 
 
-@pytest.mark.parametrize("kind,ratio,t,dtype,cfg", BUDGET_CASES, ids=lambda v: str(v).replace("torch.", ""))
-def test_budget_plan_equals_torch(kind, ratio, t, dtype, cfg):
+@pytest.mark.parametrize("kind,ratio,t,dtype,cfg,bs", BUDGET_CASES, ids=lambda v: str(v).replace("torch.", ""))
+def test_budget_plan_equals_torch(kind, ratio, t, dtype, cfg, bs):
     """rule "budget": the select kernel writes the plan itself (no sums or stop launch), the torch
     path's bits: positions in the same order (block order), ranked ids with -1 past the count, the
     counts, capped, lengths, and no P_acc (NaN). After every workspace word was poisoned (the
-    candidates it reads back are its own). "tiny" stores the plan in 16-slot chunks."""
-    name = f"budget-{kind}-{ratio}-{t}-{dtype}-{cfg}"
+    candidates it reads back are its own). "tiny" stores the plan in 16-slot chunks. Blocks of bs
+    tokens: a context of 25-62 blocks, the last one partial."""
+    name = f"budget-{kind}-{ratio}-{t}-{dtype}-{cfg}" + ("" if bs == 8 else f"-{bs}")
     seed = zlib.crc32(name.encode()) % 10_000
-    q, ctx_k, loc_k, q_pos = _inputs(seed, n=200 + seed % 300, t=t, m=t + seed % 5, dtype=dtype)
-    meta = _meta(ctx_k, 8)
+    n = 200 + seed % 300 if bs == 8 else 25 * bs + seed % (10 * bs)
+    q, ctx_k, loc_k, q_pos = _inputs(seed, n=n, t=t, m=t + seed % 5, dtype=dtype)
+    meta = _meta(ctx_k, bs)
     kw = dict(eps=0.9, microbatch=2, sink=4, window=8, max_blocks=max(1, math.ceil(ratio * meta.shape[1])),
               criticality=kind, rule="budget")
-    kernels.progressive_plan(*_dev(q, ctx_k, loc_k, q_pos, meta), 8, cfg=CONFIGS[cfg], **kw)  # sizes the workspace
+    kernels.progressive_plan(*_dev(q, ctx_k, loc_k, q_pos, meta), bs, cfg=CONFIGS[cfg], **kw)  # sizes the workspace
     for buf in kernels._WORKSPACES.buffers():
         buf.fill_(1 if buf.dtype == torch.int32 else 1e30)
-    got, want = _both(q, ctx_k, loc_k, q_pos, meta, 8, cfg=CONFIGS[cfg], **kw)
+    got, want = _both(q, ctx_k, loc_k, q_pos, meta, bs, cfg=CONFIGS[cfg], **kw)
     for field in ("positions", "ranked", "used", "blocks", "capped", "lengths"):
         assert torch.equal(getattr(got, field), getattr(want, field)), f"{name}: {field} differs"
     assert got.mass_est.isnan().all() and want.mass_est.isnan().all() and got.out is None
