@@ -49,8 +49,7 @@ from benchmarks._gpu_timing import M_LOCAL, capture_graph, method_spec  # noqa: 
 from indexer.base import PrefillCapture  # noqa: E402
 from indexer.kernels.stamps import recording  # noqa: E402
 
-ORDER = ["probe", "psa_crit", "psa_select", "psa_budget_attend", "psa_attend", "rerank", "select", "attend", "split",
-         "merge"]
+ORDER = ["probe", "psa_crit", "psa_select", "rerank", "select", "attend", "split", "merge"]
 END_SLOT = {"select": 7}  # the slot a kernel stamps at its end (1 elsewhere)
 PHASES = {  # per kernel: (phase, from slot, to slot) as the kernel stamps them
     "select": [("lse", 0, 1), ("keys", 1, 2), ("bracket", 2, 3), ("count", 3, 4), ("bisect", 4, 5), ("emit", 5, 6),
@@ -63,9 +62,6 @@ PHASES = {  # per kernel: (phase, from slot, to slot) as the kernel stamps them
     # the emit of the candidates, then (rule "budget") the plan's stores
     "psa_select": [("states", 0, 2), ("keys", 2, 3), ("search", 3, 4), ("emit", 4, 5), ("plan", 5, 1),
                    ("total", 0, 1)],
-    # psa's budget rule selected and attended in one launch (`_budget_attend_kernel`): every candidate program's
-    # own selection, then its blocks' attention (the dense part's program stamps no selection)
-    "psa_budget_attend": [("select", 0, 2), ("attend", 2, 1), ("total", 0, 1)],
 }
 
 
@@ -97,8 +93,7 @@ def analyse(stamps: dict[str, torch.Tensor], push: bool) -> dict:
     the select runs two programs per row, (row, 0) the FIFO push's and (row, 1) the plan's (CTkvr's
     one-token steps); else one, the plan's."""
     t0 = min(int(b[:, 0, 0][b[:, 0, 0] > 0].min()) for b in stamps.values() if len(b))
-    out, phases, res = {}, {"plan": {}, "push": {}, "rerank": {}, "attend": {}, "psa_select": {},
-                            "psa_budget_attend": {}}, []
+    out, phases, res = {}, {"plan": {}, "push": {}, "rerank": {}, "attend": {}, "psa_select": {}}, []
     for name in ORDER:
         b = stamps.get(name)
         if b is None or not len(b):

@@ -456,55 +456,6 @@ def test_attending_only_where_it_pays():
     assert kernels.progressive_plan(*_dev(q, ctx_k, loc_k, q_pos, meta8), 8, **kw, **vals, attend_scale=0.25).out is None
 
 
-# Rule "budget" attended in the launch that selects (`_budget_attend_kernel`): one warp, so that the tests' small
-# tiles of keys have no replicas (the in-register select's condition, `budget_attends`)
-BUDGET_ATTEND = kernels.PsaConfig(budget_attend_warps=1)
-
-
-@pytest.mark.parametrize("kind,ratio,dtype,bs,g,cfg", [
-    ("cuboid", 0.3, torch.float32, 16, 2, dict(tile_tokens=32)),  # 2 blocks per chunk, 2 chunks per program
-    ("center", 0.2, torch.bfloat16, 16, 3, dict(budget_attend_chunks=1)),  # 8 blocks per program, a group of 3
-    ("cuboid", 0.3, torch.bfloat16, 128, 2, dict()),  # one block per chunk; the last block partial
-    ("mean", 1.0, torch.float32, 32, 2, dict(tile_tokens=32, dense_block=16)),  # every ranked block kept
-], ids=lambda v: str(v).replace("torch.", "") if not isinstance(v, dict) else "-".join(f"{k}{x}" for k, x in v.items()))
-def test_budget_plan_attends_in_the_launch_that_selects(kind, ratio, dtype, bs, g, cfg):
-    """Asked for its attention, rule "budget" selects and attends in one launch after the criticality
-    (every program finds the row's K best blocks itself and attends its share), then merges: the plan
-    is the torch path's bits (positions in block order, ranked ids, counts, capped, lengths, no
-    P_acc), `out` is torch_ref's attention over it, the request-local slots no query sees (NaN) are
-    never read, and nothing an earlier plan left in the workspaces (poisoned here) is read. With
-    four warps these small tiles of keys would have replicas: the two-launch select runs, unattended."""
-    from decoder.backends.torch_ref import TorchRef
-    from indexer.base import Plan
-
-    name = f"battend-{kind}-{ratio}-{dtype}-{bs}-{g}-{cfg}"
-    seed = zlib.crc32(name.encode()) % 10_000
-    n = 25 * bs + seed % (10 * bs)
-    q, ctx_k, loc_k, q_pos = _inputs(seed, g=g, n=n, t=1, m=2 + seed % 5, dtype=dtype)
-    ctx_v, loc_v, loc_v_ref = _values(seed + 1, ctx_k, loc_k, int(q_pos[-1]) - n + 1)
-    meta = _meta(ctx_k, bs)
-    kw = dict(eps=0.9, microbatch=2, sink=4, window=8, max_blocks=max(1, math.ceil(ratio * meta.shape[1])),
-              criticality=kind, rule="budget")
-    want = progressive_plan(q, ctx_k, loc_k, q_pos, meta, bs, **kw)
-    conf = dataclasses.replace(BUDGET_ATTEND, **cfg)
-    args = _dev(q, ctx_k, loc_k, q_pos, meta)
-    vals = dict(zip(("ctx_v", "loc_v"), _dev(ctx_v, loc_v)))
-    kernels.progressive_plan(*args, bs, cfg=conf, **vals, attend_scale=0.3, **kw)  # sizes the workspaces
-    for buf in kernels._WORKSPACES.buffers():
-        buf.fill_(1 if buf.dtype == torch.int32 else 1e30)
-    got = kernels.progressive_plan(*args, bs, cfg=conf, **vals, attend_scale=0.3, **kw)
-    for field in ("positions", "ranked", "used", "blocks", "capped", "lengths"):
-        assert torch.equal(getattr(got, field).cpu(), getattr(want, field)), f"{name}: {field} differs"
-    assert got.mass_est.isnan().all() and (want.used > 0).all() and want.capped.any() == (ratio < 1)
-    ref = TorchRef().run(*_dev(q), KVView(*_dev(ctx_k, ctx_v, loc_k, loc_v_ref, q_pos)), Plan(got.positions), 4, 8,
-                         0.3)
-    assert got.out is not None and got.out.dtype == dtype and torch.isfinite(got.out).all()
-    assert _rel(got.out, ref) < ATTEND_TOL[dtype], _rel(got.out, ref)
-    assert kernels.progressive_plan(*args, bs, **vals, attend_scale=0.3, **kw).out is None  # four warps
-    assert kernels.progressive_plan(*args, bs, cfg=dataclasses.replace(conf, budget_attend=False), **vals,
-                                    attend_scale=0.3, **kw).out is None
-
-
 def test_the_triton_backend_returns_the_planners_attention_for_its_own_query():
     """Through the planner and the triton backend: asked by `KVView.attend_scale`, the plan carries
     its attention and the backend returns that tensor; the backend runs as usual (same result within

@@ -342,8 +342,30 @@ def _select_kernel(
     g_ok = ar_g < G
     hrow = r.to(tl.int64) * G + ar_g  # X / PS rows of the group's heads
 
+    # The first chunk of the tiles' states (maxima and sums) is loaded once, before either is
+    # reduced: one round trip to L2 where the row's tiles fit one chunk (32K and 128K at the 8B
+    # shape), instead of one for the maxima and another for the sums (same values, same arithmetic).
+    ar_p = tl.arange(0, BLOCK_P)
+    msk0 = g_ok[:, None] & (ar_p < n_bt)[None, :]
+    m0 = tl.load(PS + (hrow[:, None] * n_bt + ar_p[None, :]) * 2, mask=msk0, other=NEG_BIG)
+    s0 = tl.load(PS + (hrow[:, None] * n_bt + ar_p[None, :]) * 2 + 1, mask=msk0, other=0.0)
     _, first_w = _window_start(QPOS, t, n_ctx, s_end, window, bs, nb)
-    m_all, inv_z = _row_norm(PS, hrow, g_ok, n_bt, BLOCK_P, PRECISE)
+
+    # softmax normalisation per head from the criticality programs' states (fixed order)
+    m_all = tl.max(m0, 1)
+    for c0 in range(BLOCK_P, n_bt, BLOCK_P):
+        i = c0 + ar_p
+        msk = g_ok[:, None] & (i < n_bt)[None, :]
+        m = tl.load(PS + (hrow[:, None] * n_bt + i[None, :]) * 2, mask=msk, other=NEG_BIG)
+        m_all = tl.maximum(m_all, tl.max(m, 1))
+    z = tl.sum(s0 * _exp(m0 - m_all[:, None], PRECISE), 1)
+    for c0 in range(BLOCK_P, n_bt, BLOCK_P):
+        i = c0 + ar_p
+        msk = g_ok[:, None] & (i < n_bt)[None, :]
+        m = tl.load(PS + (hrow[:, None] * n_bt + i[None, :]) * 2, mask=msk, other=NEG_BIG)
+        s = tl.load(PS + (hrow[:, None] * n_bt + i[None, :]) * 2 + 1, mask=msk, other=0.0)
+        z += tl.sum(s * _exp(m - m_all[:, None], PRECISE), 1)
+    inv_z = tl.div_rn(1.0 + 0.0 * z, tl.where(z > 0, z, 1.0))
     stamp(TS, r, 2, STAMP)
 
     out = r.to(tl.int64) * K
@@ -401,46 +423,6 @@ def _select_kernel(
 
 
 @triton.jit
-def _row_norm(PS, hrow, g_ok, n_bt, BLOCK_P: tl.constexpr, PRECISE: tl.constexpr):
-    """The softmax normalisation over a row's ranked blocks per head of its group (rows hrow of the
-    criticality), from the criticality programs' states PS (fixed order) -> (max, 1/Z) [G_PAD].
-    The first chunk of the tiles' states (maxima and sums) is loaded once, before either is
-    reduced: one round trip to L2 where the row's tiles fit one chunk (32K and 128K at the 8B
-    shape), instead of one for the maxima and another for the sums (same values, same arithmetic)."""
-    ar_p = tl.arange(0, BLOCK_P)
-    msk0 = g_ok[:, None] & (ar_p < n_bt)[None, :]
-    m0 = tl.load(PS + (hrow[:, None] * n_bt + ar_p[None, :]) * 2, mask=msk0, other=NEG_BIG)
-    s0 = tl.load(PS + (hrow[:, None] * n_bt + ar_p[None, :]) * 2 + 1, mask=msk0, other=0.0)
-    m_all = tl.max(m0, 1)
-    for c0 in range(BLOCK_P, n_bt, BLOCK_P):
-        i = c0 + ar_p
-        msk = g_ok[:, None] & (i < n_bt)[None, :]
-        m = tl.load(PS + (hrow[:, None] * n_bt + i[None, :]) * 2, mask=msk, other=NEG_BIG)
-        m_all = tl.maximum(m_all, tl.max(m, 1))
-    z = tl.sum(s0 * _exp(m0 - m_all[:, None], PRECISE), 1)
-    for c0 in range(BLOCK_P, n_bt, BLOCK_P):
-        i = c0 + ar_p
-        msk = g_ok[:, None] & (i < n_bt)[None, :]
-        m = tl.load(PS + (hrow[:, None] * n_bt + i[None, :]) * 2, mask=msk, other=NEG_BIG)
-        sm = tl.load(PS + (hrow[:, None] * n_bt + i[None, :]) * 2 + 1, mask=msk, other=0.0)
-        z += tl.sum(sm * _exp(m - m_all[:, None], PRECISE), 1)
-    return m_all, tl.div_rn(1.0 + 0.0 * z, tl.where(z > 0, z, 1.0))
-
-
-@triton.jit
-def _budget_counts(n_cand, n_ranked, h, t, nb, F, bs, BLOCKS, USED, MASS, CAPPED, LEN, sb_h, sb_t, sm_h, sm_g, sm_t,
-                   sl_h, sl_t, G: tl.constexpr, G_PAD: tl.constexpr):
-    """A budget plan row's counts (the stop kernel's outputs for a rule that keeps every candidate):
-    blocks, used, capped (fewer candidates than ranked blocks), its length, no P_acc (NaN)."""
-    ar_g = tl.arange(0, G_PAD)
-    tl.store(BLOCKS + h * sb_h + t * sb_t, (n_cand + nb - n_ranked).to(tl.int64))
-    tl.store(USED + h * sb_h + t * sb_t, n_cand.to(tl.int64))
-    tl.store(CAPPED + h * sb_h + t * sb_t, ((n_cand > 0) & (n_cand < n_ranked)).to(tl.int8))
-    tl.store(LEN + h * sl_h + t * sl_t, ((F + n_cand) * bs).to(tl.int32))
-    tl.store(MASS + h * sm_h + ar_g * sm_g + t * sm_t, tl.full([G_PAD], float("nan"), tl.float32), mask=ar_g < G)
-
-
-@triton.jit
 def _budget_plan(CAND, n_cand, n_ranked, h, t, QPOS, POS, RANKED, BLOCKS, USED, MASS, CAPPED, LEN,
                  sp_h, sp_t, sr_h, sr_t, sb_h, sb_t, sm_h, sm_g, sm_t, sl_h, sl_t,
                  n_ctx, nb, K, s_end, window, n_sb, first_w0, F, bs, G: tl.constexpr, G_PAD: tl.constexpr,
@@ -452,8 +434,12 @@ def _budget_plan(CAND, n_cand, n_ranked, h, t, QPOS, POS, RANKED, BLOCKS, USED, 
     candidates are read back BLOCK_K at a time, each expanded to its bs tokens in a [BLOCK_K, BS_PAD]
     tile (one load per candidate, not one gather per plan slot: the select 13.7 -> 12.0 us at 128K, H200,
     session 36)."""
-    _budget_counts(n_cand, n_ranked, h, t, nb, F, bs, BLOCKS, USED, MASS, CAPPED, LEN, sb_h, sb_t, sm_h, sm_g, sm_t,
-                   sl_h, sl_t, G, G_PAD)
+    ar_g = tl.arange(0, G_PAD)
+    tl.store(BLOCKS + h * sb_h + t * sb_t, (n_cand + nb - n_ranked).to(tl.int64))
+    tl.store(USED + h * sb_h + t * sb_t, n_cand.to(tl.int64))
+    tl.store(CAPPED + h * sb_h + t * sb_t, ((n_cand > 0) & (n_cand < n_ranked)).to(tl.int8))
+    tl.store(LEN + h * sl_h + t * sl_t, ((F + n_cand) * bs).to(tl.int32))
+    tl.store(MASS + h * sm_h + ar_g * sm_g + t * sm_t, tl.full([G_PAD], float("nan"), tl.float32), mask=ar_g < G)
     w_lo, first_w = _window_start(QPOS, t, n_ctx, s_end, window, bs, nb)
     pos = POS + h * sp_h + t * sp_t
     _store_dense_part(pos, F, bs, n_sb, first_w0, first_w, s_end, w_lo, BLOCK_F)
@@ -585,91 +571,61 @@ def _sums_kernel(
             msk = g_ok[:, None] & sl_ok[None, :]
             tl.store(SMX + hrow[:, None] * K + rank[None, :], mb, mask=msk)
             tl.store(SSM + hrow[:, None] * K + rank[None, :], lb, mask=msk)
-            if ATTEND:
-                _store_blocks_attention(qk, ok, v, att_scale, hrow, g_ok, rank, sl_ok, K, AACC, AML, G_PAD, SLOTS,
-                                        BS_PAD, D, LOGIT_DT, DOT_FP32)
+            if ATTEND:  # per block: [SLOTS] x ([G_PAD, BS_PAD] · [BS_PAD, D]), one batched dot
+                a3 = tl.reshape(tl.where(ok[None, :], qk * att_scale, float("-inf")), (G_PAD, SLOTS, BS_PAD))
+                ma = tl.maximum(tl.max(a3, 2), NEG_BIG)  # [G_PAD, SLOTS]
+                p3 = tl.permute(tl.math.exp2(a3 - ma[:, :, None]), (1, 0, 2))  # [SLOTS, G_PAD, BS_PAD]
+                la, pv = _pv(p3, tl.reshape(v, (SLOTS, BS_PAD, D)), 2, LOGIT_DT, DOT_FP32)  # [SLOTS, G_PAD (, D)]
+                at = hrow[None, :] * K + rank[:, None]  # [SLOTS, G_PAD]
+                msk_t = sl_ok[:, None] & g_ok[None, :]
+                tl.store(AACC + at[:, :, None] * D + offs_d[None, None, :], pv, mask=msk_t[:, :, None])
+                tl.store(AML + at * 2, tl.trans(ma), mask=msk_t)
+                tl.store(AML + at * 2 + 1, la, mask=msk_t)
     else:
-        m, l, m2, l2, acc = _dense_part(q, CK, LK, CV, LV, QPOS, h, t, sck_h, sck_n, slk_h, slk_n, scv_h, scv_n,
-                                        slv_h, slv_n, n_ctx, n_loc, nb, s_end, window, n_sb, first_w0, F, bs,
-                                        qk_scale, att_scale, G_PAD, D, BS_PAD, BLOCK_N, LOGIT_DT, DOT_FP32, PRECISE,
-                                        True, ATTEND)
+        _, first_w = _window_start(QPOS, t, n_ctx, s_end, window, bs, nb)
+        qp = tl.load(QPOS + t).to(tl.int32)
+        m = tl.full([G_PAD], NEG_BIG, tl.float32)
+        l = tl.zeros([G_PAD], tl.float32)
+        m2 = tl.full([G_PAD], NEG_BIG, tl.float32)  # ATTEND: the attention's state (base 2)
+        l2 = tl.zeros([G_PAD], tl.float32)
+        acc = tl.zeros([G_PAD, D], tl.float32)
+        for c0 in range(0, F * BS_PAD, BLOCK_N):  # the dense-part blocks that are this token's
+            u = c0 + tl.arange(0, BLOCK_N)
+            f = u // BS_PAD
+            a = u % BS_PAD
+            bid = tl.where(f < n_sb, f, first_w0 + f - n_sb)
+            tok = bid * bs + a
+            ok = (f < F) & (a < bs) & (tok < n_ctx) & ((bid < n_sb) | (bid >= first_w))
+            k = tl.load(CK + h * sck_h + tok[:, None].to(tl.int64) * sck_n + offs_d[None, :], mask=ok[:, None],
+                        other=0.0)
+            qk = _qk(q, k, LOGIT_DT, DOT_FP32)
+            x = tl.where(ok[None, :], _logits(qk, qk_scale, LOGIT_DT), float("-inf"))
+            m, l = _online(m, l, x, PRECISE)
+            if ATTEND:
+                v = tl.load(CV + h * scv_h + tok[:, None].to(tl.int64) * scv_n + offs_d[None, :],
+                            mask=ok[:, None], other=0.0)
+                m2, l2, acc = _attend_online(m2, l2, acc, tl.where(ok[None, :], qk * att_scale, float("-inf")), v,
+                                             LOGIT_DT, DOT_FP32)
+        n_vis = tl.minimum(n_loc, qp - n_ctx + 1)  # request-local slots j with n_ctx + j <= q_pos
+        for c0 in range(0, n_vis, BLOCK_N):
+            jj = c0 + tl.arange(0, BLOCK_N)
+            ok = jj < n_vis
+            k = tl.load(LK + h * slk_h + jj[:, None].to(tl.int64) * slk_n + offs_d[None, :], mask=ok[:, None],
+                        other=0.0)
+            qk = _qk(q, k, LOGIT_DT, DOT_FP32)
+            x = tl.where(ok[None, :], _logits(qk, qk_scale, LOGIT_DT), float("-inf"))
+            m, l = _online(m, l, x, PRECISE)
+            if ATTEND:
+                v = tl.load(LV + h * slv_h + jj[:, None].to(tl.int64) * slv_n + offs_d[None, :], mask=ok[:, None],
+                            other=0.0)
+                m2, l2, acc = _attend_online(m2, l2, acc, tl.where(ok[None, :], qk * att_scale, float("-inf")), v,
+                                             LOGIT_DT, DOT_FP32)
         tl.store(DMX + hrow, m, mask=g_ok)
         tl.store(DSM + hrow, l, mask=g_ok)
         if ATTEND:
             tl.store(DACC + hrow[:, None] * D + offs_d[None, :], acc, mask=g_ok[:, None])
             tl.store(DML + hrow * 2, m2, mask=g_ok)
             tl.store(DML + hrow * 2 + 1, l2, mask=g_ok)
-
-
-@triton.jit
-def _store_blocks_attention(qk, ok, v, att_scale, hrow, g_ok, rank, r_ok, K, AACC, AML, G_PAD: tl.constexpr,
-                            SLOTS: tl.constexpr, BS_PAD: tl.constexpr, D: tl.constexpr, V_DT: tl.constexpr,
-                            DOT_FP32: tl.constexpr):
-    """The partial attention of SLOTS blocks (q·k [G_PAD, SLOTS·BS_PAD] of their tokens, ok: the tokens
-    attended, v [SLOTS·BS_PAD, D]) as the attention kernel computes it (base-2 max at the attention's
-    scale, the sum of P rounded to the values' dtype, P·V in fp32), per block: [SLOTS] x ([G_PAD,
-    BS_PAD] · [BS_PAD, D]), one batched dot -> AACC [rows·G, K, D], AML [rows·G, K, 2] at the blocks'
-    ranks (r_ok: the slots that hold a block)."""
-    offs_d = tl.arange(0, D)
-    a3 = tl.reshape(tl.where(ok[None, :], qk * att_scale, float("-inf")), (G_PAD, SLOTS, BS_PAD))
-    ma = tl.maximum(tl.max(a3, 2), NEG_BIG)  # [G_PAD, SLOTS]
-    p3 = tl.permute(tl.math.exp2(a3 - ma[:, :, None]), (1, 0, 2))  # [SLOTS, G_PAD, BS_PAD]
-    la, pv = _pv(p3, tl.reshape(v, (SLOTS, BS_PAD, D)), 2, V_DT, DOT_FP32)  # [SLOTS, G_PAD (, D)]
-    at = hrow[None, :] * K + rank[:, None]  # [SLOTS, G_PAD]
-    msk_t = r_ok[:, None] & g_ok[None, :]
-    tl.store(AACC + at[:, :, None] * D + offs_d[None, None, :], pv, mask=msk_t[:, :, None])
-    tl.store(AML + at * 2, tl.trans(ma), mask=msk_t)
-    tl.store(AML + at * 2 + 1, la, mask=msk_t)
-
-
-@triton.jit
-def _dense_part(q, CK, LK, CV, LV, QPOS, h, t, sck_h, sck_n, slk_h, slk_n, scv_h, scv_n, slv_h, slv_n,
-                n_ctx, n_loc, nb, s_end, window, n_sb, first_w0, F, bs, qk_scale, att_scale, G_PAD: tl.constexpr,
-                D: tl.constexpr, BS_PAD: tl.constexpr, BLOCK_N: tl.constexpr, LOGIT_DT: tl.constexpr,
-                DOT_FP32: tl.constexpr, PRECISE: tl.constexpr, SUMS: tl.constexpr, ATTEND: tl.constexpr):
-    """A row's dense part: the tokens of its sink and window blocks that are this query's, and its
-    visible request-local keys, in one pass -> (m, l): the max and sum of exp(x - m) of the logits
-    (SUMS), and (m2, l2, acc): the attention's online state (base 2, ATTEND)."""
-    offs_d = tl.arange(0, D)
-    _, first_w = _window_start(QPOS, t, n_ctx, s_end, window, bs, nb)
-    qp = tl.load(QPOS + t).to(tl.int32)
-    m = tl.full([G_PAD], NEG_BIG, tl.float32)
-    l = tl.zeros([G_PAD], tl.float32)
-    m2 = tl.full([G_PAD], NEG_BIG, tl.float32)  # ATTEND: the attention's state (base 2)
-    l2 = tl.zeros([G_PAD], tl.float32)
-    acc = tl.zeros([G_PAD, D], tl.float32)
-    for c0 in range(0, F * BS_PAD, BLOCK_N):  # the dense-part blocks that are this token's
-        u = c0 + tl.arange(0, BLOCK_N)
-        f = u // BS_PAD
-        a = u % BS_PAD
-        bid = tl.where(f < n_sb, f, first_w0 + f - n_sb)
-        tok = bid * bs + a
-        ok = (f < F) & (a < bs) & (tok < n_ctx) & ((bid < n_sb) | (bid >= first_w))
-        k = tl.load(CK + h * sck_h + tok[:, None].to(tl.int64) * sck_n + offs_d[None, :], mask=ok[:, None],
-                    other=0.0)
-        qk = _qk(q, k, LOGIT_DT, DOT_FP32)
-        if SUMS:
-            m, l = _online(m, l, tl.where(ok[None, :], _logits(qk, qk_scale, LOGIT_DT), float("-inf")), PRECISE)
-        if ATTEND:
-            v = tl.load(CV + h * scv_h + tok[:, None].to(tl.int64) * scv_n + offs_d[None, :],
-                        mask=ok[:, None], other=0.0)
-            m2, l2, acc = _attend_online(m2, l2, acc, tl.where(ok[None, :], qk * att_scale, float("-inf")), v,
-                                         LOGIT_DT, DOT_FP32)
-    n_vis = tl.minimum(n_loc, qp - n_ctx + 1)  # request-local slots j with n_ctx + j <= q_pos
-    for c0 in range(0, n_vis, BLOCK_N):
-        jj = c0 + tl.arange(0, BLOCK_N)
-        ok = jj < n_vis
-        k = tl.load(LK + h * slk_h + jj[:, None].to(tl.int64) * slk_n + offs_d[None, :], mask=ok[:, None],
-                    other=0.0)
-        qk = _qk(q, k, LOGIT_DT, DOT_FP32)
-        if SUMS:
-            m, l = _online(m, l, tl.where(ok[None, :], _logits(qk, qk_scale, LOGIT_DT), float("-inf")), PRECISE)
-        if ATTEND:
-            v = tl.load(LV + h * slv_h + jj[:, None].to(tl.int64) * slv_n + offs_d[None, :], mask=ok[:, None],
-                        other=0.0)
-            m2, l2, acc = _attend_online(m2, l2, acc, tl.where(ok[None, :], qk * att_scale, float("-inf")), v,
-                                         LOGIT_DT, DOT_FP32)
-    return m, l, m2, l2, acc
 
 
 @triton.jit
@@ -827,96 +783,12 @@ def _stop_kernel(
 # 5. the plan's attention (ATTEND)
 
 
-@triton.jit(do_not_specialize=["T", "n_ctx", "n_loc", "nb", "K", "s_end", "window", "n_sb", "first_w0", "F", "bs",
-                               "n_bt", "n_st"])
-def _budget_attend_kernel(
-    X, PS, Q, CK, LK, CV, LV, QPOS, POS, RANKED, BLOCKS, USED, MASS, CAPPED, LEN, AACC, AML, DACC, DML,
-    sq_h, sq_g, sq_t, sck_h, sck_n, slk_h, slk_n, scv_h, scv_n, slv_h, slv_n,
-    sp_h, sp_t, sr_h, sr_t, sb_h, sb_t, sm_h, sm_g, sm_t, sl_h, sl_t,
-    T, n_ctx, n_loc, nb, K, s_end, window, n_sb, first_w0, F, bs, n_bt, n_st, att_scale,
-    G: tl.constexpr, GK_PAD: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, BS_PAD: tl.constexpr,
-    SLOTS: tl.constexpr, CHUNKS: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_F: tl.constexpr, LOGIT_DT: tl.constexpr, DOT_FP32: tl.constexpr, PRECISE: tl.constexpr,
-    PDL: tl.constexpr = False, TS=None, STAMP: tl.constexpr = False,
-):
-    """Rule "budget" attended in one launch after the criticality, for a one-token row whose blocks fit
-    a tile of BLOCK keys: programs 0 .. n_st - 1 of a row each find the row's K best blocks (the
-    select kernel's group keys and threshold, the same bits, computed by every program: no launch
-    boundary, no plan read back) and attend CHUNKS x SLOTS of them (candidates i0 .. in block order:
-    their keys and values read once for the group) -> AACC / AML at their rank, and write their part
-    of the plan (positions, ranked ids); program n_st attends the dense part -> DACC / DML and writes
-    the row's counts and its dense-part positions. `_attend_kernel` then merges the dense part and the
-    row's candidates (module docstring: "Rule budget, attended")."""
-    pdl_begin(PDL)
-    s = tl.program_id(0)
-    r = tl.program_id(1)
-    stamp(TS, r * (n_st + 1) + s, 0, STAMP)
-    h = (r // T).to(tl.int64)
-    t = r % T
-    ar_g = tl.arange(0, G_PAD)
-    g_ok = ar_g < G
-    hrow = r.to(tl.int64) * G + ar_g
-    offs_d = tl.arange(0, D)
-    q = tl.load(Q + h * sq_h + ar_g[:, None] * sq_g + t * sq_t + offs_d[None, :], mask=g_ok[:, None], other=0.0)
-    w_lo, first_w = _window_start(QPOS, t, n_ctx, s_end, window, bs, nb)
-    n_ranked = tl.maximum(tl.minimum(first_w, nb) - n_sb, 0)  # the ranked blocks: [n_sb, first_w)
-    n_cand = tl.minimum(n_ranked, K)  # the budget keeps the K best of them, or all
-    if s < n_st:
-        # the select kernel's keys and threshold (`_select_kernel`, IN_REGS), the same arithmetic
-        ar_k = tl.arange(0, GK_PAD)
-        k_ok = ar_k < G
-        krow = r.to(tl.int64) * G + ar_k
-        m_all, inv_z = _row_norm(PS, krow, k_ok, n_bt, BLOCK_P, PRECISE)
-        blk = tl.arange(0, BLOCK)
-        kreg = _group_keys(X, krow, k_ok, blk, nb, n_sb, first_w, m_all, inv_z, PRECISE)
-        n_valid = tl.sum((kreg > 0).to(tl.int32), 0)
-        key_min = tl.min(tl.where(kreg > 0, kreg, INT_MAX), 0)
-        key_max = tl.max(kreg, 0)
-        thr, take = _top_threshold_regs(kreg, nb, K, key_min, n_valid, key_max + 1)
-        taken, at, n_gt, n_eq = _emit_ranks(kreg, thr, take, r * 0, r * 0)  # the candidates' ranks, block order
-        stamp(TS, r * (n_st + 1) + s, 2, STAMP)
-        pos = POS + h * sp_h + t * sp_t + F * bs
-        u = tl.arange(0, SLOTS * BS_PAD)
-        ua = u % BS_PAD
-        for c in tl.static_range(CHUNKS):
-            i0 = (s * CHUNKS + c) * SLOTS
-            sl = i0 + tl.arange(0, SLOTS)  # ranks of this chunk's candidates
-            hit = taken[None, :] & (at[None, :] == sl[:, None])
-            bid_s = tl.sum(tl.where(hit, blk[None, :] + 1, 0), 1) - 1  # [SLOTS]; -1: no candidate of that rank
-            bid = tl.reshape(tl.broadcast_to(bid_s[:, None], (SLOTS, BS_PAD)), (SLOTS * BS_PAD,))
-            us = i0 + u // BS_PAD
-            tok = bid * bs + ua
-            ok = (bid >= 0) & (ua < bs) & (tok < n_ctx)
-            k = tl.load(CK + h * sck_h + tok[:, None].to(tl.int64) * sck_n + offs_d[None, :], mask=ok[:, None],
-                        other=0.0)
-            v = tl.load(CV + h * scv_h + tok[:, None].to(tl.int64) * scv_n + offs_d[None, :], mask=ok[:, None],
-                        other=0.0)
-            tl.store(RANKED + h * sr_h + t * sr_t + sl, bid_s.to(tl.int64), mask=sl < K)
-            tl.store(pos + us * bs + ua, tl.where(ok, tok, -1), mask=(us < K) & (ua < bs))
-            qk = _qk(q, k, LOGIT_DT, DOT_FP32)
-            _store_blocks_attention(qk, ok, v, att_scale, hrow, g_ok, sl, sl < n_cand, K, AACC, AML, G_PAD, SLOTS,
-                                    BS_PAD, D, LOGIT_DT, DOT_FP32)
-    else:
-        _budget_counts(n_cand, n_ranked, h, t, nb, F, bs, BLOCKS, USED, MASS, CAPPED, LEN, sb_h, sb_t, sm_h, sm_g,
-                       sm_t, sl_h, sl_t, G, GK_PAD)
-        _store_dense_part(POS + h * sp_h + t * sp_t, F, bs, n_sb, first_w0, first_w, s_end, w_lo, BLOCK_F)
-        dm, dl, m2, l2, acc = _dense_part(q, CK, LK, CV, LV, QPOS, h, t, sck_h, sck_n, slk_h, slk_n, scv_h,
-                                          scv_n, slv_h, slv_n, n_ctx, n_loc, nb, s_end, window, n_sb, first_w0, F,
-                                          bs, 1.0, att_scale, G_PAD, D, BS_PAD, BLOCK_N, LOGIT_DT, DOT_FP32, PRECISE,
-                                          False, True)
-        tl.store(DACC + hrow[:, None] * D + offs_d[None, :], acc, mask=g_ok[:, None])
-        tl.store(DML + hrow * 2, m2, mask=g_ok)
-        tl.store(DML + hrow * 2 + 1, l2, mask=g_ok)
-    stamp(TS, r * (n_st + 1) + s, 1, STAMP)
-
-
 @triton.jit(do_not_specialize=["T", "K"])
 def _attend_kernel(
     AACC, AML, DACC, DML, USED, OUT,
     sb_h, sb_t, so_h, so_g, so_t,
     T, K,
-    G: tl.constexpr, D: tl.constexpr, BLOCK_I: tl.constexpr, PDL: tl.constexpr = False, TS=None,
-    STAMP: tl.constexpr = False,
+    G: tl.constexpr, D: tl.constexpr, BLOCK_I: tl.constexpr, PDL: tl.constexpr = False,
 ):
     """Program (row, head): the attention over the row's dense part and its first `used` candidates
     (the blocks the stop kept, in rank order), a log-sum-exp merge of their partial states in that
@@ -924,7 +796,6 @@ def _attend_kernel(
     pdl_begin(PDL)
     r = tl.program_id(0)
     g = tl.program_id(1)
-    stamp(TS, r * G + g, 0, STAMP)
     h = (r // T).to(tl.int64)
     t = r % T
     hr = r.to(tl.int64) * G + g
@@ -954,7 +825,6 @@ def _attend_kernel(
         ai = tl.load(AACC + (hr * K + i)[:, None] * D + offs_d[None, :], mask=(i < used)[:, None], other=0.0)
     out = tl.where(l > 0, acc / tl.where(l > 0, l, 1.0), 0.0)
     tl.store(OUT + h * so_h + g * so_g + t * so_t + offs_d, out.to(OUT.dtype.element_ty))
-    stamp(TS, r * G + g, 1, STAMP)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -987,12 +857,6 @@ class PsaConfig:
     attend_tokens: int = 4096  # ... it pays while the candidates hold at most this many tokens per row (module doc)
     attend_block: int = 64  # attend: kept blocks per merge chunk
     attend_warps: int = 4
-    # rule "budget", asked for its attention: one launch selects and attends (`_budget_attend_kernel`) where a row's
-    # blocks fit one tile of keys of at most budget_attend_blocks; each program takes chunks x tile_tokens tokens
-    budget_attend: bool = True
-    budget_attend_blocks: int = 1024
-    budget_attend_chunks: int = 2
-    budget_attend_warps: int = 4
     x_budget: int = 1 << 22  # most criticality floats in the workspace: T is planned in chunks beyond it
 
 
@@ -1115,9 +979,6 @@ def progressive_plan(
     x, ps, smx, ssm, dmx, dsm = (wf[k] for k in ("x", "ps", "smx", "ssm", "dmx", "dsm"))
     budget = rule == "budget"
     attend = attend_scale is not None and not budget and attends(q, ctx_v, loc_v, bm, bs, cfg)
-    # rule "budget" attended in the launch that selects (`_budget_attend_kernel`)
-    fused = attend_scale is not None and budget and budget_attends(q, ctx_v, loc_v, nb, bs, cfg)
-    attend = attend or fused
     if attend:  # the candidates' and the dense part's partial attention (t == 1: one chunk of rows)
         wa = _carve(_WORKSPACES.get, dev, torch.float32, tag="psa_attend", aacc=rows * g * bm * d,
                     aml=rows * g * bm * 2, dacc=rows * g * d, dml=rows * g * 2)
@@ -1161,27 +1022,6 @@ def progressive_plan(
         plan_args = (pos_c, rk_c, bl_c, us_c, ms_c, cp_c, ln_c,
                      pos_c.stride(0), pos_c.stride(1), rk_c.stride(0), rk_c.stride(1), bl_c.stride(0), bl_c.stride(1),
                      ms_c.stride(0), ms_c.stride(1), ms_c.stride(2), ln_c.stride(0), ln_c.stride(1))
-        if fused:
-            n_fs = _cdiv(bm, slots * cfg.budget_attend_chunks)
-            _budget_attend_kernel[(n_fs + 1, r)](
-                x, ps, qc, ctx_k, loc_k, cv, lv, pc, *plan_args[:7], aacc, aml, dacc, dml,
-                qc.stride(0), qc.stride(1), qc.stride(2), ctx_k.stride(0), ctx_k.stride(1),
-                loc_k.stride(0), loc_k.stride(1), cv.stride(0), cv.stride(1), lv.stride(0), lv.stride(1),
-                *plan_args[7:], tcc, n, loc_k.shape[1], nb, bm, s_end, window, n_sb, first_w0, f, bs, n_bt, n_fs,
-                float(attend_scale) * LOG2E,
-                G=g, GK_PAD=_pow2(g), G_PAD=g_pad, D=d, BS_PAD=bs_pad, SLOTS=slots, CHUNKS=cfg.budget_attend_chunks,
-                BLOCK_P=max(16, min(64, _pow2(n_bt))), BLOCK=max(16, _pow2(nb)), BLOCK_N=cfg.dense_block,
-                BLOCK_F=max(16, min(1024, _pow2(f * bs))), LOGIT_DT=logit_dt, DOT_FP32=dot_fp32, PRECISE=precise,
-                PDL=bool(pdl), **pdl, **stamp_args("psa_budget_attend"), num_warps=cfg.budget_attend_warps,
-            )
-            _attend_kernel[(r, g)](
-                aacc, aml, dacc, dml, us_c, out,
-                us_c.stride(0), us_c.stride(1), out.stride(0), out.stride(1), out.stride(2),
-                tcc, bm,
-                G=g, D=d, BLOCK_I=_pow2(min(cfg.attend_block, bm)), PDL=bool(pdl), **pdl,
-                **stamp_args("psa_attend"), num_warps=cfg.attend_warps,
-            )
-            continue
         _select_kernel[(r,)](
             x, ps, pc, scr, cand, ckey, ncand, *plan_args,
             tcc, nb, n, s_end, window, n_sb, bs, n_bt, bm, scr_row, first_w0, f,
@@ -1238,20 +1078,4 @@ def attends(q: torch.Tensor, ctx_v: torch.Tensor | None, loc_v: torch.Tensor | N
             and loc_v.device == q.device)
 
 
-def budget_attends(q: torch.Tensor, ctx_v: torch.Tensor | None, loc_v: torch.Tensor | None, n_blocks: int,
-                   block_size: int, cfg: PsaConfig | None = None) -> bool:
-    """Whether `progressive_plan(rule="budget", attend_scale=...)` selects and attends in one launch
-    (`_budget_attend_kernel`): `PsaConfig.budget_attend` on, a row's n_blocks keys in one tile of at
-    most `budget_attend_blocks` that every thread holds a distinct part of (as the select's
-    in-register path), blocks of >= 16 tokens, one query token, values in the query's dtype on its
-    device."""
-    cfg = cfg or DEFAULT_CONFIG
-    tile = max(16, _pow2(n_blocks))
-    return (cfg.budget_attend and n_blocks <= cfg.budget_attend_blocks and tile >= 32 * cfg.budget_attend_warps
-            and block_size >= 16 and q.shape[2] == 1 and ctx_v is not None and loc_v is not None
-            and ctx_v.dtype == q.dtype and loc_v.dtype == q.dtype and ctx_v.device == q.device
-            and loc_v.device == q.device)
-
-
-__all__ = ["DEFAULT_CONFIG", "PsaConfig", "attends", "budget_attends", "clear_workspace", "progressive_plan",
-           "unsupported"]
+__all__ = ["DEFAULT_CONFIG", "PsaConfig", "attends", "clear_workspace", "progressive_plan", "unsupported"]
