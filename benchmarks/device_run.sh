@@ -13,7 +13,7 @@
 #           s28dot | s28kivf | s28knobs | s28exp | s28piv | s28tests | s28pf | s29tl | s29probe | s29keys | s29pdl | s29final | s29cb | s30scan | s30scan2 | s30tests | s30knobs | s30l2 | s30pdl |
 #           s31split | s31split2 | s31split3 | s31rerank | s31prefetch | s32floors | s32probe | s32loads | s32order | s32pos | s32floors3 | s32final | s33rerank | s33all | s33all2 | s33all3 | s33fifo | s33lists | s34attn | s34attn2 | s34attend | s34attend2 | s34diag | s34pdl | s34w16 | s34final | s34check |
 #           s35split | s35split2 | s35table | s35table512 | s35late | s35check | s36budget | s36budget2 | s36acq | s36pivots | s36e2e | s36final | s36tl | s36knobs | s36split |
-#           s37crit | s37split | s37attend | s37attend2 | s37late | s37table | s37table512 | s37plan | s38blocks | s38plan | s38fused
+#           s37crit | s37split | s37attend | s37attend2 | s37late | s37table | s37table512 | s37plan | s38blocks | s38plan | s38fused | s38parts | s38e2e
 #   (default: tests decode before_after)
 #   The device tool returns at most 8 files: past that, the run's JSON files come back as $OUT/json.tar.gz
 #   (and everything as $OUT/all.tar.gz if that is not enough).
@@ -1554,7 +1554,7 @@ for stage in $stages; do
     s38plan)  # session 38: the budget select reads its candidates back before the plan's other stores and stores no
       # keys (against .old/psa_head.py, alternating twice, blocks of 32 and 128), then the split without the plan's
       # lengths (`triton:plan_lengths=0`: one dependent load less; budget plans are 98-100% filled) and two launch
-      # knobs with it, at 128K; the kernel tests first
+      # knobs with it, at 128K; the kernel tests first (both changes and the knob removed: no faster, RESULTS.md)
       P=psa@rule=budget,max_ratio=0.05
       python3 -m pytest -q -p no:cacheprovider -o addopts="" tests/test_kernels_psa.py tests/test_triton_attention.py \
         -k "budget or graph or lengths" 2>&1 | tee "$OUT/gpu_tests_s38plan.log" | tail -2
@@ -1568,7 +1568,7 @@ for stage in $stages; do
     s38fused)  # session 38: psa's budget rule selected and attended in one launch (`_budget_attend_kernel`: every
       # program finds its row's K best blocks itself and attends its share; the merge after) against the select + split +
       # merge path (`:budget_attend=0`), with its chunks per program and warps, blocks of 32, 64 and 128; the PSA kernel
-      # tests first; timelines at 128K
+      # tests first; timelines at 128K (the kernel and its knobs: commit 54b8058, reverted by 3ad0c8c, slower)
       P=psa@rule=budget,max_ratio=0.05
       python3 -m pytest -q -p no:cacheprovider -o addopts="" tests/test_kernels_psa.py \
         -k "budget or graph or attend or selects" 2>&1 | tee "$OUT/gpu_tests_s38fused.log" | tail -2
@@ -1582,6 +1582,25 @@ for stage in $stages; do
         | tee "$OUT/gpu_decode_s38fused512.log" | grep -E "graph|Error|error"
       python3 benchmarks/gpu_timeline.py --lengths 131072 --methods $P,block_size=128 $P,block_size=128:budget_attend=0 \
         --tag _s38fused 2>&1 | tee "$OUT/gpu_timeline_s38fused.log" | grep -vE "^\|---" ;;
+    s38parts)  # session 38: the budget select's plan stores shared by select_parts programs per row (each finds the same
+      # threshold), 1 / 2 / 4 / 8, blocks of 128 and 32, alternating; the PSA budget tests first; timelines at 128K
+      # (`PsaConfig.select_parts`, removed with the variant: no faster, benchmarks/RESULTS.md)
+      P=psa@rule=budget,max_ratio=0.05
+      python3 -m pytest -q -p no:cacheprovider -o addopts="" tests/test_kernels_psa.py -k "budget or graph" 2>&1 \
+        | tee "$OUT/gpu_tests_s38parts.log" | tail -2
+      B=$P,block_size=128
+      python3 benchmarks/gpu_decode.py --lengths 32768 131072 --batches 1 8 --backends triton --methods $B \
+        $B:select_parts=2 $B:select_parts=4 $B:select_parts=8 $B $B:select_parts=4 $B:select_parts=8 $P \
+        $P:select_parts=4 $P $P:select_parts=4 --out "$OUT/s38parts" 2>&1 | tee "$OUT/gpu_decode_s38parts.log" \
+        | grep -E "graph|Error|error"
+      python3 benchmarks/gpu_timeline.py --lengths 131072 --methods $B $B:select_parts=4 $B:select_parts=8 \
+        --tag _s38parts 2>&1 | tee "$OUT/gpu_timeline_s38parts.log" | grep -vE "^\|---" ;;
+    s38e2e)  # session 38: the 8B model end to end at 128K (random weights), B = 1 and 8: dense and psa's budget rule over
+      # blocks of 32 and 128 tokens (s36e2e's protocol)
+      P=psa@rule=budget,max_ratio=0.05
+      python3 benchmarks/gpu_e2e.py --lengths 131072 --batches 1 8 --methods full $P $P,block_size=128 \
+        --plan-ahead off --eager-tokens 0 --hf-tokens 0 --tokens 8 --check-prefill 0 --budget-s 420 \
+        --out "$OUT/s38e2e" 2>&1 | tee "$OUT/gpu_e2e_s38e2e.log" | grep "^| \|ERROR\|Error" ;;
     *) echo "unknown stage $stage" ;;
   esac
 done

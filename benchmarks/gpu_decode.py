@@ -30,7 +30,8 @@ setting), kivf, lfps ratio 0.05; ctkvr at its paper operating point (k = 1024, l
 psa eps 0.95 with at most `--psa-max-ratio` of the blocks; saap C = 1024, nprobe 32 (~3%). A method
 argument "name@param=value" runs another operating point in the same run (`_gpu_timing.method_spec`;
 e.g. psa@max_ratio=0.05, psa capped at rho; psa@rule=budget,max_ratio=0.05, its fixed budget of the rho best
-blocks), its rows named so.
+blocks; psa@rule=budget,max_ratio=0.05,block_size=128, the same over blocks of 128 tokens, a build field), its rows
+named so.
 
 Fused searches against their torch path (`--torch-plans`, B = 1, the triton backend): the same request
 is opened a second time with the planner's fused kernels switched off (`planner.fused = False`, saap:
@@ -104,7 +105,8 @@ def graph_modes(fn, reps: int, reasons: dict | None = None) -> dict[str, float |
     T.cold, T.flush = True, "zero"
     return out
 # psa twice: its progressive rule (capped by --psa-max-ratio) and its fixed budget of the rho = 5% best blocks
-METHODS = ["streaming", "topk", "csattn", "ctkvr", "kivf", "lfps", "psa", "psa@rule=budget,max_ratio=0.05", "saap"]
+METHODS = ["streaming", "topk", "csattn", "ctkvr", "kivf", "lfps", "psa", "psa@rule=budget,max_ratio=0.05",
+           "psa@rule=budget,max_ratio=0.05,block_size=128", "saap"]
 
 
 def spec(layers: int):

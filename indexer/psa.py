@@ -50,7 +50,10 @@ the plan) instead of four, and the attention reads all B_max blocks instead of t
 the GPU benchmark's data at ρ 5% the stop keeps 32-48% of them at 32K-128K). H200, one 8B layer, ρ 5%
 (benchmarks/RESULTS.md, session 36): 32K 26.4 -> 22.1-22.5 µs, 128K 50-51 -> 41-43 µs, 512K 139 -> 129 µs,
 128K B = 8 142-169 -> 130 µs; its fidelity against the progressive rule at the same cap:
-benchmarks/RESULTS_psa_lfps.md.
+benchmarks/RESULTS_psa_lfps.md. The GPU search's cost scales with the number of blocks (every block's metadata
+scored, every block's key ranked), the attention's with the tokens attended: blocks of 128 tokens (`block_size`, a
+build field) quarter the search at the same budget (128K: 41-43 -> 32-33 µs, 8 requests 97 µs, 512K 67 µs) with
+the same recall and model fidelity for the same KV on the 8K document (RESULTS.md and RESULTS_psa_lfps.md, session 38).
 
 Cost: one pass over the block metadata (criticality, a sort of the blocks) plus exact q·k over the
 B_max candidate blocks and the dense part. The fixed shape is the price of no host sync: the plan
