@@ -75,6 +75,7 @@ CONFIGS = [
     # coarser blocks: less metadata for the criticality to read, fewer keys to select (the GPU step's bound at 128K)
     ("psa budget 5% block 64", "psa", {"rule": "budget", "max_ratio": 0.05, "block_size": 64}),
     ("psa budget 5% block 128", "psa", {"rule": "budget", "max_ratio": 0.05, "block_size": 128}),
+    ("psa budget 5% block 256", "psa", {"rule": "budget", "max_ratio": 0.05, "block_size": 256}),
     # blocks of 32 at the KV the coarse rows touch on the 8K document (their budgets round up to whole blocks, and
     # their window's block is larger): the same bytes read, for a fair comparison
     ("psa budget 6%", "psa", {"rule": "budget", "max_ratio": 0.06}),
