@@ -128,7 +128,7 @@ def test_budget_plan_equals_torch(kind, ratio, t, dtype, cfg, bs):
     path's bits: positions in the same order (block order), ranked ids with -1 past the count, the
     counts, capped, lengths, and no P_acc (NaN). After every workspace word was poisoned (the
     candidates it reads back are its own). "tiny" stores the plan in 16-slot chunks. Blocks of bs
-    tokens: a context of 25-62 blocks of 8 (25-35 of 64 or 128), the last one partial."""
+    tokens: a context of 25-62 blocks of 8 (25-35 of 64 or 128), the last one maybe partial."""
     name = f"budget-{kind}-{ratio}-{t}-{dtype}-{cfg}" + ("" if bs == 8 else f"-{bs}")
     seed = zlib.crc32(name.encode()) % 10_000
     n = 200 + seed % 300 if bs == 8 else 25 * bs + seed % (10 * bs)
