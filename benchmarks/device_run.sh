@@ -13,7 +13,7 @@
 #           s28dot | s28kivf | s28knobs | s28exp | s28piv | s28tests | s28pf | s29tl | s29probe | s29keys | s29pdl | s29final | s29cb | s30scan | s30scan2 | s30tests | s30knobs | s30l2 | s30pdl |
 #           s31split | s31split2 | s31split3 | s31rerank | s31prefetch | s32floors | s32probe | s32loads | s32order | s32pos | s32floors3 | s32final | s33rerank | s33all | s33all2 | s33all3 | s33fifo | s33lists | s34attn | s34attn2 | s34attend | s34attend2 | s34diag | s34pdl | s34w16 | s34final | s34check |
 #           s35split | s35split2 | s35table | s35table512 | s35late | s35check | s36budget | s36budget2 | s36acq | s36pivots | s36e2e | s36final | s36tl | s36knobs | s36split |
-#           s37crit | s37split | s37attend | s37attend2 | s37late | s37table | s37table512 | s37plan | s38blocks | s38plan | s38fused | s38parts | s38e2e
+#           s37crit | s37split | s37attend | s37attend2 | s37late | s37table | s37table512 | s37plan | s38blocks | s38plan | s38fused | s38parts | s38e2e | s39ids | s39more
 #   (default: tests decode before_after)
 #   The device tool returns at most 8 files: past that, the run's JSON files come back as $OUT/json.tar.gz
 #   (and everything as $OUT/all.tar.gz if that is not enough).
@@ -1601,6 +1601,27 @@ for stage in $stages; do
       python3 benchmarks/gpu_e2e.py --lengths 131072 --batches 1 8 --methods full $P $P,block_size=128 \
         --plan-ahead off --eager-tokens 0 --hf-tokens 0 --tokens 8 --check-prefill 0 --budget-s 420 \
         --out "$OUT/s38e2e" 2>&1 | tee "$OUT/gpu_e2e_s38e2e.log" | grep "^| \|ERROR\|Error" ;;
+    s39ids)  # session 39: psa's budget plan as a block list (the select stores one id per block, no plan tile; the
+      # split expands the ids) against the tree before (.old/tree: `git archive e882850 benchmarks decoder indexer storage
+      # tests`), alternating twice, blocks of 32 and 128, with the select's search in 8 and 16 parts per step
+      # (`search_ways`); the PSA and attention kernel tests first
+      P=psa@rule=budget,max_ratio=0.05
+      python3 -m pytest -q -p no:cacheprovider -o addopts="" tests/test_kernels_psa.py tests/test_triton_attention.py \
+        -k "budget or graph or search or block_lists or lengths" 2>&1 | tee "$OUT/gpu_tests_s39ids.log" | tail -2
+      rm -rf /tmp/old && cp -r .old/tree /tmp/old || exit 1
+      for i in 1 2; do
+        (cd /tmp/old && python3 benchmarks/gpu_decode.py --lengths 32768 131072 --batches 1 8 --backends triton \
+          --methods $P,block_size=128 $P --out "$OUT/s39ids_old$i" 2>&1 | grep "graph" | grep -v sdpa)
+        python3 benchmarks/gpu_decode.py --lengths 32768 131072 --batches 1 8 --backends triton --methods \
+          $P,block_size=128 $P,block_size=128:search_ways=8 $P,block_size=128:search_ways=16 $P \
+          --out "$OUT/s39ids_new$i" 2>&1 | grep -E "graph|Error|error" | grep -v sdpa
+      done 2>&1 | tee "$OUT/gpu_decode_s39ids.log" ;;
+    s39more)  # session 39: the block-list plan at 512K (B = 1) and the timeline at 128K, blocks of 128
+      P=psa@rule=budget,max_ratio=0.05
+      python3 benchmarks/gpu_decode.py --lengths 524288 --batches 1 --backends triton --methods $P,block_size=128 \
+        $P --out "$OUT/s39more512" 2>&1 | tee "$OUT/gpu_decode_s39more512.log" | grep -E "graph|Error|error"
+      python3 benchmarks/gpu_timeline.py --lengths 131072 --methods $P,block_size=128 --tag _s39more 2>&1 \
+        | tee "$OUT/gpu_timeline_s39more.log" | grep -vE "^\|---" ;;
     *) echo "unknown stage $stage" ;;
   esac
 done

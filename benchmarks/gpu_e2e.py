@@ -93,7 +93,7 @@ from indexer.rope import undo_rope  # noqa: E402
 from decoder.layers import apply_rope, mlp, rms_norm, rope_cos_sin  # noqa: E402
 from decoder.runner import Runner  # noqa: E402
 from decoder.weights import ModelWeights, fuse_weights  # noqa: E402
-from indexer.base import DecodeContext, IndexReader, Planner, PrefillCapture, get_method  # noqa: E402
+from indexer.base import DecodeContext, IndexReader, Plan, Planner, PrefillCapture, get_method  # noqa: E402
 
 MODELS = {  # name -> LlamaConfig fields
     "llama8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
@@ -437,7 +437,7 @@ class OverlappingPlans(Planner):
             self.first[layer] = plan.positions[..., :m].clone()
         pos = plan.positions.clone()
         pos[..., :m] = self.first[layer]
-        return dataclasses.replace(plan, positions=pos)
+        return Plan(pos, plan.bypass, plan.rest_logit, plan.rest_value, plan.lengths, plan.attended)
 
     def update(self, layer, k, v, positions):
         self.inner.update(layer, k, v, positions)

@@ -116,7 +116,7 @@ def plan_next(runner, reqs: list, ahead: list[int], layer: int, x: torch.Tensor,
             if not runner.stage_values or plan.is_dense:
                 return plan, False
             ctx_v = r.ctx_kv[layer][1]  # its cache's readers (this layer, steps before) ran before this fork
-            stage_rows(ctx_v, plan.positions, r.sink, r.window, r.row_cache(layer, plan.positions.shape[-1], ctx_v),
+            stage_rows(ctx_v, plan.positions, r.sink, r.window, r.row_cache(layer, plan.width, ctx_v),
                        r.pos)
             return plan, True
 

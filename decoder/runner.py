@@ -491,7 +491,7 @@ class Runner:
         if plan is None:
             plan = r.planner.plan(layer, qh, kv)
         if self.cache_rows and t == 1 and not plan.is_dense:  # RowCache per request and layer
-            kv.v_cache, kv.v_staged = r.row_cache(layer, plan.positions.shape[-1], ctx_v), staged
+            kv.v_cache, kv.v_staged = r.row_cache(layer, plan.width, ctx_v), staged
         out = self.backend.run(qh, kv, plan, r.sink, r.window, scale)  # [KVH, G, T, D]
         r.planner.update(layer, new_k, new_v, q_pos)
         if self.track_fraction and not graph_capturing(qh):

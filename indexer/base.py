@@ -292,12 +292,49 @@ def frame_rows(positions: torch.Tensor | None, q_pos: torch.Tensor, n_ctx: int, 
 
 
 @dataclass
+class BlockList:
+    """A plan's positions given as whole blocks of `size` tokens (psa's budget plan on a GPU: its select
+    writes one id per block instead of one position per token, and the `triton` backend expands them
+    in its chunk loop). Row (h, t)'s positions are its ids' tokens in order, id·size + j for j < size,
+    each kept where the id is >= 0 and the token lies in [s_end, w_lo[t]) (`frame_bounds`: where a plan
+    selects), else -1. `positions` expands them with torch for every other reader, on each read (the ids
+    may be a buffer a replayed graph rewrites); nothing is computed when the list is made, so a
+    graph-captured step holds no expansion.
+
+    ids: [KVH, T, nblk] int32, -1 = none. q_pos [T], n_ctx, sink, window: the step's frame."""
+
+    ids: torch.Tensor
+    size: int
+    q_pos: torch.Tensor
+    n_ctx: int
+    sink: int
+    window: int
+
+    @property
+    def width(self) -> int:
+        return self.ids.shape[-1] * self.size
+
+    def frame_is(self, q_pos: torch.Tensor, n_ctx: int, sink: int, window: int) -> bool:
+        """Whether the list was made for this frame (a backend that reads the ids masks the frame itself)."""
+        return q_pos is self.q_pos and (n_ctx, sink, window) == (self.n_ctx, self.sink, self.window)
+
+    @property
+    def positions(self) -> torch.Tensor:
+        """[KVH, T, nblk·size] int32, the plan's positions as `Plan.positions` defines them."""
+        s_end, w_lo = frame_bounds(self.q_pos, self.n_ctx, self.sink, self.window)
+        ids = self.ids.long()[..., None]  # [KVH, T, nblk, 1]
+        tok = ids * self.size + torch.arange(self.size, device=ids.device)
+        ok = (ids >= 0) & (tok >= s_end) & (tok < w_lo.to(ids.device)[None, :, None, None])
+        return torch.where(ok, tok, -1).to(torch.int32).flatten(-2)
+
+
 class Plan:
     """One layer's decode-step plan: what the query group attends besides the frame.
 
     positions: [KVH, T, K] int32 context positions in [0, N), distinct within a row, -1 = empty
         slot; K is fixed for (params, n_ctx, index), never by the step. None = dense attention over
-        every visible token.
+        every visible token. Given as a tensor, or as a `BlockList` (`blocks`), expanded by each read
+        of `positions`: a backend that reads blocks never asks for it (`width` is K either way).
     bypass: optional [KVH, G, T] bool: query heads that ignore `positions` (frame only), e.g.
         LFPS's highly sparse heads.
     rest_logit / rest_value: optional pseudo-token standing for the context tokens a head does not
@@ -311,20 +348,39 @@ class Plan:
         (asked for by `KVView.attend_scale`); a backend that takes it returns it instead of running.
     """
 
-    positions: torch.Tensor | None
-    bypass: torch.Tensor | None = None
-    rest_logit: torch.Tensor | None = None
-    rest_value: torch.Tensor | None = None
-    lengths: torch.Tensor | None = None
-    attended: "Attended | None" = None
+    def __init__(self, positions: "torch.Tensor | BlockList | None", bypass: torch.Tensor | None = None,
+                 rest_logit: torch.Tensor | None = None, rest_value: torch.Tensor | None = None,
+                 lengths: torch.Tensor | None = None, attended: "Attended | None" = None):
+        self.blocks = positions if isinstance(positions, BlockList) else None
+        self._positions = None if self.blocks is not None else positions
+        self.bypass = bypass
+        self.rest_logit = rest_logit
+        self.rest_value = rest_value
+        self.lengths = lengths
+        self.attended = attended
 
     @classmethod
     def dense(cls) -> "Plan":
         return cls(None)
 
     @property
+    def positions(self) -> torch.Tensor | None:
+        return self.blocks.positions if self.blocks is not None else self._positions
+
+    @property
     def is_dense(self) -> bool:
-        return self.positions is None
+        return self.blocks is None and self._positions is None
+
+    @property
+    def width(self) -> int:
+        """K, the plan's slots per row (0 when dense), without expanding a block list."""
+        if self.blocks is not None:
+            return self.blocks.width
+        return 0 if self._positions is None else self._positions.shape[-1]
+
+    def __repr__(self) -> str:
+        what = "dense" if self.is_dense else f"blocks of {self.blocks.size}" if self.blocks is not None else "positions"
+        return f"Plan({what}, width {self.width})"
 
 
 @dataclass(frozen=True)

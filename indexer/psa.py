@@ -102,8 +102,8 @@ import torch.nn.functional as F
 from pydantic import Field
 
 from indexer.selection import gather_rows
-from indexer.base import (Attended, MethodParams, Plan, Planner, SparseMethod, budget, frame_bounds, graph_capturing,
-                          register)
+from indexer.base import (Attended, BlockList, MethodParams, Plan, Planner, SparseMethod, budget, frame_bounds,
+                          graph_capturing, register)
 
 META_MIN, META_MAX, META_MEAN = 0, 1, 2
 FP16_MAX = 65504.0
@@ -206,14 +206,22 @@ def dense_part_blocks(n_ctx: int, block_size: int, sink: int, window: int) -> tu
 
 @dataclass
 class ProgressivePlan:
-    positions: torch.Tensor  # [KVH, T, (F + B_max)·bs] int32: planned context positions, -1 = none
+    # [KVH, T, (F + B_max)·bs] int32: planned context positions, -1 = none; or the blocks they are (the fused
+    # budget plan: a BlockList of F + B_max ids, `positions` expands it)
+    selection: torch.Tensor | BlockList
     blocks: torch.Tensor  # [KVH, T] int64: blocks processed (dense-part blocks + ranked ones)
-    ranked: torch.Tensor  # [KVH, T, B_max] int64: the candidate blocks, best first (past n_ranked: any)
+    # [KVH, T, B_max] int64: the candidate blocks, best first (past n_ranked: any); the fused budget plan's:
+    # int32, a view of its block list's ids, in block order
+    ranked: torch.Tensor
     used: torch.Tensor  # [KVH, T] int64: how many of them were processed
     mass_est: torch.Tensor  # [KVH, G, T] fp32: P_acc at the stop
     capped: torch.Tensor  # [KVH, T] bool: stopped by B_max before the rule was met
     lengths: torch.Tensor  # [KVH, T] int32: (dense-part blocks + used)·bs, positions past it are -1
     out: torch.Tensor | None = None  # [KVH, G, T, D]: the attention over the plan (the fused plan, when asked)
+
+    @property
+    def positions(self) -> torch.Tensor:
+        return self.selection.positions if isinstance(self.selection, BlockList) else self.selection
 
 
 def _amax(x: torch.Tensor) -> torch.Tensor:
@@ -398,11 +406,11 @@ class _PSAPlanner(Planner):
         attended = None
         if res.out is not None:
             attended = Attended(q, self.sink, self.window, kv.attend_scale, res.out)
-        return Plan(res.positions, lengths=res.lengths, attended=attended)
+        return Plan(res.selection, lengths=res.lengths, attended=attended)
 
     def update(self, layer, k, v, positions):
         res = self._last.pop(layer, None)
-        if res is None or graph_capturing(res.positions):
+        if res is None or graph_capturing(res.lengths):
             # stats() is diagnostics: ~8 small kernels per layer, not replayed in every graphed token
             # (the counts cover the steps run eagerly; `Planner` says so)
             return

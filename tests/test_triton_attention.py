@@ -24,7 +24,7 @@ from decoder.backends import backend_names, frame_mask, get_backend
 
 kernels = pytest.importorskip("decoder.kernels.attention", reason="triton is not installed")
 from decoder.backends.triton import TritonAttention  # noqa: E402
-from indexer.base import KVView, Plan  # noqa: E402
+from indexer.base import BlockList, KVView, Plan  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -159,6 +159,61 @@ def test_plan_lengths_divide_only_the_filled_slots(kvh, g, t, dtype, cfg):
     want = _reference(q, kv, Plan(torch.where(slot < cut[..., None].long(), pos, -1)), sink, window, 0.2)
     assert _rel(got.cpu(), want) < TOL[dtype]
     assert _rel(got.cpu(), _reference(q, kv, Plan(pos), sink, window, 0.2)) > 10 * TOL[dtype]
+
+
+def _block_plan(seed, kvh, t, n, bs, sink, window, q_pos, dev):
+    """A psa-like block list: per row the F = 2 dense-part ids (block 0 and the last block: their tokens in
+    the sink or window are the frame's), then distinct random blocks in block order with ~20 % of them
+    -1, and a -1 tail past `lengths` (a row may be empty). Ids in the frame and partial last blocks."""
+    gen = torch.Generator().manual_seed(seed)
+    nb = -(-n // bs)
+    slots = max(2, nb // 2)
+    ids = torch.full((kvh, t, 2 + slots), -1, dtype=torch.int32)
+    lengths = torch.zeros(kvh, t, dtype=torch.int32)
+    for h in range(kvh):
+        for i in range(t):
+            cnt = int(torch.randint(0, slots + 1, (1,), generator=gen)) if (h + i) % 3 else slots
+            blocks = torch.randperm(nb - 2, generator=gen)[:cnt].sort().values + 1
+            blocks = torch.where(torch.rand(cnt, generator=gen) < 0.2, -1, blocks)
+            ids[h, i, :2 + cnt] = torch.cat([torch.tensor([0, nb - 1]), blocks]).to(torch.int32)
+            lengths[h, i] = (2 + cnt) * bs
+    return Plan(BlockList(ids.to(dev), bs, q_pos.to(dev), n, sink, window), lengths=lengths.to(dev))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("cfg", [kernels.KernelConfig(), SMALL], ids=["default", "small"])
+@pytest.mark.parametrize("kvh,g,t,bs", [(2, 3, 1, 8), (2, 4, 1, 16), (1, 4, 3, 8), (2, 3, 1, 12)],
+                         ids=["step-bs8", "step-bs16", "t3-bs8", "step-bs12"])
+def test_block_lists_read_as_ids_equal_their_positions(kvh, g, t, bs, dtype, cfg, monkeypatch):
+    """A plan given as a block list (`BlockList`, psa's budget plan on a GPU): the split kernel reads its
+    ids and expands them itself (`block_size`), with the bits of the run over the expanded positions
+    (the same rows in the same order, the same masks), and the references' output. The backend reads
+    ids only for the frame the list was made for, and not with `block_ids=0`."""
+    d, n, m, sink, window = 16, 203, 4, 4, 8
+    q, kv, _ = _inputs(_seed("blocks", kvh, g, t, bs, dtype, cfg), kvh, g, t, d, n, 8, m, 0, dtype)
+    qd, kvd, _ = _to(DEVICE, q, kv, Plan.dense())
+    plan = _block_plan(_seed("ids", kvh, t, bs), kvh, t, n, bs, sink, window, kvd.q_pos, DEVICE)
+    blocks = plan.blocks
+    assert (blocks.positions >= 0).any() and (blocks.positions == -1).any()
+    args = (qd, kvd.ctx_k, kvd.ctx_v, kvd.loc_k, kvd.loc_v, kvd.q_pos)
+    by_ids = kernels.frame_attention(*args, blocks.ids, sink, window, 0.3, lengths=plan.lengths, cfg=cfg,
+                                     block_size=bs)
+    by_pos = kernels.frame_attention(*args, blocks.positions, sink, window, 0.3, lengths=plan.lengths, cfg=cfg)
+    assert torch.equal(by_ids, by_pos)
+    ref = _reference(q, kv, Plan(blocks.positions.cpu()), sink, window, 0.3)
+    assert _rel(by_ids.cpu(), ref) < TOL[dtype]
+    want = get_backend("torch_ref").run(qd, kvd, plan, sink, window, 0.3)
+    assert _rel(by_ids.cpu(), want.cpu().double()) < (TOL[dtype] if dtype == torch.float32 else 2 * TOL[dtype])
+
+    seen = []
+    run = kernels.frame_attention
+    monkeypatch.setattr(kernels, "frame_attention", lambda *a, **k: seen.append(k["block_size"]) or run(*a, **k))
+    for backend, win in ((TritonAttention(cfg), window), (TritonAttention(cfg), window + 1),
+                         (TritonAttention(dataclasses.replace(cfg, block_ids=False)), window)):
+        out = backend.run(qd, kvd, plan, sink, win, 0.3)
+        if win == window:
+            assert torch.equal(out, by_ids)
+    assert seen == [bs, 0, 0]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)

@@ -53,8 +53,14 @@ class TritonAttention(AttentionBackend):
         if plan.is_dense:  # dense attention ignores the plan's extras, like torch_ref
             return kernels.frame_attention(q, kv.ctx_k, kv.ctx_v, kv.loc_k, kv.loc_v, kv.q_pos, None,
                                            sink, window, scale, cfg=self.cfg)
+        blocks = plan.blocks  # read as ids where the list was made for this frame (a row cache takes positions)
+        if blocks is not None and self.cfg.block_ids and kv.v_cache is None and blocks.frame_is(kv.q_pos, kv.n_ctx,
+                                                                                                sink, window):
+            rows, block_size = blocks.ids, blocks.size
+        else:
+            rows, block_size = plan.positions, 0
         return kernels.frame_attention(
-            q, kv.ctx_k, kv.ctx_v, kv.loc_k, kv.loc_v, kv.q_pos, plan.positions, sink, window, scale,
+            q, kv.ctx_k, kv.ctx_v, kv.loc_k, kv.loc_v, kv.q_pos, rows, sink, window, scale,
             bypass=plan.bypass, rest_logit=plan.rest_logit, rest_value=plan.rest_value, lengths=plan.lengths,
-            cfg=self.cfg, v_cache=kv.v_cache, v_staged=kv.v_staged,
+            cfg=self.cfg, v_cache=kv.v_cache, v_staged=kv.v_staged, block_size=block_size,
         )

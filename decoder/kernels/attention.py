@@ -13,7 +13,10 @@ What one kv head attends, as one list of key rows (`indexer.base.frame_bounds` f
                                                         and not bypass[h, g, t]
     | local: request-local slots 0..M-1 ]               valid for query t iff N + j <= q_pos[t]
 
-(a dense plan is one range: every context row, then the local slots). Wr = min(window - 1, N - s_end)
+(a dense plan is one range: every context row, then the local slots; a plan given as a block list,
+`block_size` > 0, holds block ids, and its slot j is token id·block_size + j % block_size of the id at
+j // block_size, -1 for a -1 id: the same rows as its expanded positions, in the same order, so the same
+bits; psa's budget plan, whose select then stores one id per block). Wr = min(window - 1, N - s_end)
 is a static bound of the window's context part, exact because queries are request tokens
 (q_pos >= N, the `KVView` contract): the window of query t is [w_lo[t], N) with
 w_lo[t] >= N - window + 1. Nothing here reads a device value on the host: every count below is a
@@ -107,7 +110,7 @@ def _split_kernel(
     G: tl.constexpr, TB: tl.constexpr, D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HAS_PLAN: tl.constexpr, HAS_LEN: tl.constexpr, HAS_BYPASS: tl.constexpr, HAS_REST: tl.constexpr, DIRECT: tl.constexpr,
-    ONE_TOKEN: tl.constexpr,
+    ONE_TOKEN: tl.constexpr, BLOCK_IDS: tl.constexpr,
     DOT_PRECISION: tl.constexpr, DOT_FP32: tl.constexpr, NUM_STAGES: tl.constexpr, PDL: tl.constexpr = False,
     CACHE: tl.constexpr = 0, CACHE_STAGED: tl.constexpr = False, TS=None, STAMP: tl.constexpr = False,
 ):
@@ -179,8 +182,14 @@ def _split_kernel(
             in_plan = (r >= b2) & (r < b3)
             j = r - b2
             tt = t0 + j // n_pos_div  # the token whose plan this row belongs to
-            pos = tl.load(POS + h * sp_h + tt.to(tl.int64) * sp_t + (j % n_pos_div) * sp_k,
-                          mask=in_plan, other=-1).to(tl.int64)
+            if BLOCK_IDS > 0:  # POS holds block ids (`BlockList`): slot jj is token jj % BLOCK_IDS of id jj // BLOCK_IDS
+                jj = j % n_pos_div
+                bid = tl.load(POS + h * sp_h + tt.to(tl.int64) * sp_t + (jj // BLOCK_IDS) * sp_k,
+                              mask=in_plan, other=-1).to(tl.int64)
+                pos = tl.where(bid >= 0, bid * BLOCK_IDS + jj % BLOCK_IDS, -1)
+            else:
+                pos = tl.load(POS + h * sp_h + tt.to(tl.int64) * sp_t + (j % n_pos_div) * sp_k,
+                              mask=in_plan, other=-1).to(tl.int64)
             qpos_tt = tl.load(QPOS + tt, mask=in_plan, other=0).to(tl.int64)
             wlo_tt = tl.minimum(tl.maximum(qpos_tt - window + 1, s_end), n_ctx)
             plan_ok = in_plan & (pos >= s_end) & (pos < wlo_tt)  # -1, sink and window duplicates: no
@@ -353,6 +362,7 @@ class KernelConfig:
     pdl: bool = True  # programmatic dependent launch on Hopper and later (`indexer/kernels/pdl.py`)
     one_token: bool = True  # no plan positions (dense, the frame alone), a token per query block: per-key-row mask
     take_attended: bool = True  # the backend returns a plan's own attention (`Plan.attended`, psa) instead of running
+    block_ids: bool = True  # the backend reads a block list's ids (`Plan.blocks`), not its expanded positions
     # split kernel: a register cap per thread on CUDA (None: the compiler's, 255 with a plan: two programs per SM);
     # caps of 128 and 168 fit more programs but each runs slower: slower at every setting tried (RESULTS.md, s37)
     maxnreg: int | None = None
@@ -470,6 +480,7 @@ def frame_attention(
     cfg: KernelConfig = KernelConfig(),
     v_cache: RowCache | None = None,  # one token's plan: a cache of ctx_v's rows in HBM (module docstring)
     v_staged: bool = False,  # v_cache already holds this step's plan (`stage_rows`): read it, write nothing
+    block_size: int = 0,  # > 0: positions holds block ids [KVH, T, nblk] of that many tokens (`BlockList`)
 ) -> torch.Tensor:
     """Attention of q over sink ∪ window ∪ positions ∪ visible local slots (∪ the pseudo-token);
     see the module docstring. Two launches (one when a single split suffices), no host sync, no
@@ -478,6 +489,8 @@ def frame_attention(
     if out is not None and (out.shape != q.shape or out.dtype != q.dtype or out.stride(-1) != 1):
         raise ValueError("out must be [KVH, G, T, D] in q's dtype with unit stride along D")
     n_ctx, n_loc = ctx_k.shape[1], loc_k.shape[1]
+    if block_size and (positions is None or v_cache is not None):
+        raise ValueError("block ids need a plan, and a row cache takes positions (`BlockList.positions`)")
     if v_cache is not None and (t != 1 or positions is None or not v_cache.fits(kvh, n_ctx, positions.shape[-1])
                                 or v_cache.vals.dtype != ctx_v.dtype or v_cache.vals.device != q.device):
         raise ValueError("a row cache serves one token's plan of K positions: [KVH, (plans + 1) K, D] in ctx_v's "
@@ -489,7 +502,7 @@ def frame_attention(
     ctx_k, ctx_v = _rows_contiguous(ctx_k), _rows_contiguous(ctx_v)
     loc_k, loc_v = _rows_contiguous(loc_k.to(kv_dtype)), _rows_contiguous(loc_v.to(kv_dtype))
     dense = positions is None
-    n_pos = 0 if dense else positions.shape[-1]
+    n_pos = 0 if dense else positions.shape[-1] * max(block_size, 1)  # the plan's slots per row, in tokens
     lp = launch_plan(kvh, g, t, d, q.element_size(), n_ctx, n_loc, None if dense else n_pos, sink, window,
                      _sm_count(dev), cfg, interpreted_run=dev.type != "cuda")
     s_end = min(sink, n_ctx)
@@ -535,7 +548,7 @@ def frame_attention(
         float(scale) * LOG2E,
         G=g, TB=lp.tokens_per_block, D=d, BLOCK_M=lp.block_m, BLOCK_N=lp.block_n,
         HAS_PLAN=has_plan, HAS_LEN=has_len, HAS_BYPASS=has_bypass, HAS_REST=has_rest, DIRECT=direct,
-        ONE_TOKEN=one_token and cfg.one_token and not has_plan,
+        ONE_TOKEN=one_token and cfg.one_token and not has_plan, BLOCK_IDS=block_size if has_plan else 0,
         DOT_PRECISION="ieee" if dtype == torch.float32 else "tf32",
         DOT_FP32=interpreted() and dtype == torch.bfloat16, NUM_STAGES=lp.num_stages, PDL=bool(pdl), **pdl,
         CACHE=0 if c is None else c.plans + 1, CACHE_STAGED=v_staged, **stamp_args("split"), num_warps=lp.num_warps,

@@ -50,12 +50,17 @@ Kernels (grids from shapes only, no host sync, fixed-shape outputs; rows of one 
    candidates), `blocks`, `used`, P_acc at the stop and `capped`.
 
 Rule "budget" (`progressive_plan(rule="budget")`, the torch path's): every candidate is kept, so the
-select writes the plan itself from the candidates it just stored (`_budget_plan`: read back after a
-barrier, each expanded to its block's tokens in a [candidates, block] tile) with the counts, `capped`,
-ranked ids (block order, -1 past the count) and NaN for P_acc: crit + select, no sums or stop launch,
-and no plan's attention (that needs the sums). H200, one 8B layer, rho 5% (benchmarks/RESULTS.md, session
-36): the select 11.2-11.3 -> 11.9-12.0 us at 128K (its plan's stores), the step 50-51 -> 41-43 us; a gather
-per plan slot instead of the tile took the select to 13.7 us (2,048-slot chunks) and 21 us (8,192).
+select writes the plan itself, as a block list (`indexer.base.BlockList`): the emit stores each
+candidate's block id at its rank in block order, after the row's F dense-part ids, and `_budget_rest`
+the dense-part ids, -1 past the count, the counts, `capped` and NaN for P_acc (every store to a slot
+the emit left alone: no barrier, nothing read back); `ranked` is a view of the ids. Crit + select, no
+sums or stop launch, and no plan's attention (that needs the sums). The `triton` backend expands the
+ids in its chunk loop; any other reader of `Plan.positions` gets them expanded by torch, the bits the
+torch path plans. H200, one 8B layer, rho 5% (benchmarks/RESULTS.md): writing the plan from the select
+took it 11.2-11.3 -> 11.9-12.0 us at 128K and the step 50-51 -> 41-43 us (session 36, one position per
+token, read back after a barrier and expanded in a [candidates, block] tile); the block list instead
+takes the plan's stores 1.5-1.9 -> 0.4 us, the step over 128-token blocks 31.6-31.7 -> 30.4-30.8 us
+(session 39).
 
 The plan's attention (`progressive_plan(attend_scale=, ctx_v=, loc_v=)`, asked for by the caller through
 `KVView.attend_scale` when its backend takes it: `Plan.attended`, the `triton` backend). The sums
@@ -172,6 +177,7 @@ from indexer.kernels import Workspaces, interpreted  # also makes Triton 3.6's i
 from indexer.kernels.ivf import _emit_ranks, _exp, _round_as, _top_threshold, _top_threshold_regs  # shared helpers
 from indexer.kernels.pdl import pdl_begin, pdl_launch
 from indexer.kernels.stamps import stamp, stamp_args
+from indexer.base import BlockList
 from indexer.psa import ProgressivePlan, dense_part_blocks
 
 NEG_BIG: tl.constexpr = tl.constexpr(-1.0e30)  # the max of an empty set: finite, so exp(m - m') is never nan
@@ -322,8 +328,8 @@ def _select_kernel(
     sp_h, sp_t, sr_h, sr_t, sb_h, sb_t, sm_h, sm_g, sm_t, sl_h, sl_t,
     T, nb, n_ctx, s_end, window, n_sb, bs, n_bt, K, scr_row, first_w0, F,
     G: tl.constexpr, G_PAD: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK: tl.constexpr,
-    IN_REGS: tl.constexpr, PRECISE: tl.constexpr, BUDGET: tl.constexpr = False, POS_BLOCK: tl.constexpr = 1024,
-    BS_PAD: tl.constexpr = 16, BLOCK_F: tl.constexpr = 16, PDL: tl.constexpr = False, TS=None,
+    IN_REGS: tl.constexpr, PRECISE: tl.constexpr, BUDGET: tl.constexpr = False, BLOCK_K: tl.constexpr = 16,
+    BLOCK_F: tl.constexpr = 16, PDL: tl.constexpr = False, TS=None,
     STAMP: tl.constexpr = False,
 ):
     """One program per row (KV head, token): the group score of every ranked block (sum over the
@@ -331,8 +337,9 @@ def _select_kernel(
     the K best keys (ties: lowest block id), and their block ids and keys in block order ->
     CAND / CKEY [rows, K], their count -> NCAND [rows]. IN_REGS (the row's blocks fit one tile of
     BLOCK keys, and the tile has no element that two threads hold): the keys stay in registers from
-    the score to the emit, no scratch round trip. BUDGET (`rule="budget"`): the row's plan itself
-    from the candidates just stored (`_budget_plan`); no sums or stop kernel follows. TS / STAMP: the
+    the score to the emit, no scratch round trip. BUDGET (`rule="budget"`): the row's plan itself, the
+    candidates' ids emitted into its block list POS [rows, F + K] after the F dense-part ids, the rest
+    by `_budget_rest`; no sums or stop kernel follows. TS / STAMP: the
     timeline's stamps (0 start, 2 the states reduced, 3 the keys, 4 the threshold, 5 the emit, 1 end)."""
     pdl_begin(PDL)
     r = tl.program_id(0)
@@ -369,6 +376,12 @@ def _select_kernel(
     stamp(TS, r, 2, STAMP)
 
     out = r.to(tl.int64) * K
+    if BUDGET:  # the candidates' ids go straight to the plan's block list, after the row's F dense-part ids
+        h = (r // T).to(tl.int64)
+        ids = POS + h * sp_h + t * sp_t
+        cand = ids + F
+    else:
+        cand = CAND + out
     if IN_REGS:
         blk = tl.arange(0, BLOCK)
         kreg = _group_keys(X, hrow, g_ok, blk, nb, n_sb, first_w, m_all, inv_z, PRECISE)
@@ -378,7 +391,7 @@ def _select_kernel(
         stamp(TS, r, 3, STAMP)
         thr, take = _top_threshold_regs(kreg, nb, K, key_min, n_valid, key_max + 1)
         stamp(TS, r, 4, STAMP)
-        n_gt, n_eq = _emit_keys(kreg, blk, thr, take, r * 0, r * 0, CAND + out, CKEY + out)
+        n_gt, n_eq = _emit_keys(kreg, blk, thr, take, r * 0, r * 0, cand, CKEY + out)
         n_cand = n_gt + tl.minimum(n_eq, take)
     else:
         row = SCR + r.to(tl.int64) * scr_row
@@ -408,52 +421,44 @@ def _select_kernel(
         for c0 in range(0, nb, BLOCK):
             o = c0 + tl.arange(0, BLOCK)
             key = tl.load(row + o, mask=o < nb, other=0)
-            gt_base, eq_base = _emit_keys(key, o, thr, take, gt_base, eq_base, CAND + out, CKEY + out)
+            gt_base, eq_base = _emit_keys(key, o, thr, take, gt_base, eq_base, cand, CKEY + out)
         n_cand = gt_base + tl.minimum(eq_base, take)
     stamp(TS, r, 5, STAMP)
     if BUDGET:
-        tl.debug_barrier()  # the candidates' stores before other threads of the program read them back
-        _budget_plan(CAND + out, n_cand, n_valid, (r // T).to(tl.int64), t, QPOS, POS, RANKED, BLOCKS, USED,
-                     MASS, CAPPED, LEN, sp_h, sp_t, sr_h, sr_t, sb_h, sb_t, sm_h, sm_g, sm_t, sl_h, sl_t,
-                     n_ctx, nb, K, s_end, window, n_sb, first_w0, F, bs, G, G_PAD, BS_PAD, POS_BLOCK // BS_PAD,
-                     BLOCK_F)
+        _budget_rest(ids, n_cand, n_valid, h, t, QPOS, BLOCKS, USED, MASS, CAPPED, LEN,
+                     sb_h, sb_t, sm_h, sm_g, sm_t, sl_h, sl_t, n_ctx, nb, K, s_end, window, n_sb, first_w0, F, bs,
+                     G, G_PAD, BLOCK_K, BLOCK_F)
     else:
         tl.store(NCAND + r, n_cand)
     stamp(TS, r, 1, STAMP)
 
 
 @triton.jit
-def _budget_plan(CAND, n_cand, n_ranked, h, t, QPOS, POS, RANKED, BLOCKS, USED, MASS, CAPPED, LEN,
-                 sp_h, sp_t, sr_h, sr_t, sb_h, sb_t, sm_h, sm_g, sm_t, sl_h, sl_t,
-                 n_ctx, nb, K, s_end, window, n_sb, first_w0, F, bs, G: tl.constexpr, G_PAD: tl.constexpr,
-                 BS_PAD: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_F: tl.constexpr):
-    """A row's budget plan (`rule="budget"`) from its n_cand candidates CAND (block ids, block order):
-    the stop kernel's outputs for a rule that keeps every candidate (the torch path's `_plan_of`):
-    counts, capped (fewer candidates than ranked blocks), no P_acc (NaN), ranked ids (-1 past the
-    count), and the positions: the dense part's tokens outside the frame, then the candidates'. The
-    candidates are read back BLOCK_K at a time, each expanded to its bs tokens in a [BLOCK_K, BS_PAD]
-    tile (one load per candidate, not one gather per plan slot: the select 13.7 -> 12.0 us at 128K, H200,
-    session 36)."""
+def _budget_rest(IDS, n_cand, n_ranked, h, t, QPOS, BLOCKS, USED, MASS, CAPPED, LEN,
+                 sb_h, sb_t, sm_h, sm_g, sm_t, sl_h, sl_t, n_ctx, nb, K, s_end, window, n_sb, first_w0, F, bs,
+                 G: tl.constexpr, G_PAD: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_F: tl.constexpr):
+    """The rest of a row's budget plan (`rule="budget"`) once the emit stored its n_cand candidates at
+    IDS[F:] (block order): the stop kernel's outputs for a rule that keeps every candidate (the torch
+    path's `_plan_of`): counts, capped (fewer candidates than ranked blocks), no P_acc (NaN), and the
+    block list's other ids: the F dense-part blocks first (sink blocks, then the blocks from first_w0
+    on that are this query's: >= first_w; -1 for the others), -1 past the candidates. Each store
+    goes to a slot the emit left alone: no barrier, nothing read back."""
     ar_g = tl.arange(0, G_PAD)
     tl.store(BLOCKS + h * sb_h + t * sb_t, (n_cand + nb - n_ranked).to(tl.int64))
     tl.store(USED + h * sb_h + t * sb_t, n_cand.to(tl.int64))
     tl.store(CAPPED + h * sb_h + t * sb_t, ((n_cand > 0) & (n_cand < n_ranked)).to(tl.int8))
     tl.store(LEN + h * sl_h + t * sl_t, ((F + n_cand) * bs).to(tl.int32))
     tl.store(MASS + h * sm_h + ar_g * sm_g + t * sm_t, tl.full([G_PAD], float("nan"), tl.float32), mask=ar_g < G)
-    w_lo, first_w = _window_start(QPOS, t, n_ctx, s_end, window, bs, nb)
-    pos = POS + h * sp_h + t * sp_t
-    _store_dense_part(pos, F, bs, n_sb, first_w0, first_w, s_end, w_lo, BLOCK_F)
-    pos += F * bs
+    _, first_w = _window_start(QPOS, t, n_ctx, s_end, window, bs, nb)
+    ar_f = tl.arange(0, BLOCK_F)
+    for c0 in range(0, F, BLOCK_F):
+        f = c0 + ar_f
+        bid = tl.where(f < n_sb, f, first_w0 + f - n_sb)
+        tl.store(IDS + f, tl.where((bid < n_sb) | (bid >= first_w), bid, -1), mask=f < F)
     ar_k = tl.arange(0, BLOCK_K)
-    ar_j = tl.arange(0, BS_PAD)
     for c0 in range(0, K, BLOCK_K):
         i = c0 + ar_k
-        bid = tl.load(CAND + i, mask=i < n_cand, other=-1)
-        tl.store(RANKED + h * sr_h + t * sr_t + i, bid.to(tl.int64), mask=i < K)
-        tok = bid[:, None] * bs + ar_j[None, :]
-        keep = (i < n_cand)[:, None] & (tok < n_ctx)
-        tl.store(pos + i[:, None] * bs + ar_j[None, :], tl.where(keep, tok, -1),
-                 mask=(i < K)[:, None] & (ar_j < bs)[None, :])
+        tl.store(IDS + F + i, tl.full([BLOCK_K], -1, tl.int32), mask=(i >= n_cand) & (i < K))
 
 
 @triton.jit
@@ -841,7 +846,7 @@ class PsaConfig:
     score_block: int = 1024  # select: blocks per chunk of the score pass
     select_block: int = 4096  # select: keys the threshold search holds in registers (larger rows: L2 passes)
     select_warps: int = 8
-    plan_block: int = 8192  # select, rule "budget": plan slots per store chunk (a power of two; 8192: one at 128K)
+    plan_block: int = 1024  # select, rule "budget": block ids per store chunk (a power of two; one chunk at 512K)
     pdl: bool = True  # programmatic dependent launch on Hopper and later (`indexer/kernels/pdl.py`)
     regs_select: bool = True  # select: keep a row's keys in registers when they fit (False: the scratch path)
     regs_scores: int = 16384  # select: most G_PAD x BLOCK scores the in-register path holds
@@ -952,8 +957,14 @@ def progressive_plan(
     s_end = min(sink, n)
     n_sb, first_w0 = dense_part_blocks(n, bs, sink, window)
     f = n_sb + nb - first_w0
-    positions = torch.empty(kvh, t, (f + bm) * bs, dtype=torch.int32, device=dev)
-    ranked = torch.empty(kvh, t, bm, dtype=torch.int64, device=dev)
+    budget = rule == "budget"
+    if budget:  # the select writes the block list (`BlockList`): F dense-part ids, then the candidates'
+        ids = torch.empty(kvh, t, f + bm, dtype=torch.int32, device=dev)
+        selection = BlockList(ids, bs, q_pos, n, sink, window)
+        positions, ranked = ids, ids[..., f:]
+    else:
+        positions = selection = torch.empty(kvh, t, (f + bm) * bs, dtype=torch.int32, device=dev)
+        ranked = torch.empty(kvh, t, bm, dtype=torch.int64, device=dev)
     counts = torch.empty(2, kvh, t, dtype=torch.int64, device=dev)  # blocks, used
     mass = torch.empty(kvh, g, t, dtype=torch.float32, device=dev)
     capped = torch.empty(kvh, t, dtype=torch.int8, device=dev)
@@ -977,7 +988,6 @@ def progressive_plan(
     wi = _carve(_WORKSPACES.get, dev, torch.int32, scr=rows * scr_row, cand=rows * bm, ckey=rows * bm,
                 sid=rows * bm, ncand=rows)
     x, ps, smx, ssm, dmx, dsm = (wf[k] for k in ("x", "ps", "smx", "ssm", "dmx", "dsm"))
-    budget = rule == "budget"
     attend = attend_scale is not None and not budget and attends(q, ctx_v, loc_v, bm, bs, cfg)
     if attend:  # the candidates' and the dense part's partial attention (t == 1: one chunk of rows)
         wa = _carve(_WORKSPACES.get, dev, torch.float32, tag="psa_attend", aacc=rows * g * bm * d,
@@ -1016,7 +1026,7 @@ def progressive_plan(
             BLOCK_B=cfg.block_b, PRECISE=precise, PDL=bool(pdl), **pdl, **stamp_args("psa_crit"),
             num_warps=cfg.crit_warps,
         )
-        pos_c, rk_c = positions[:, t0:t1], ranked[:, t0:t1]
+        pos_c, rk_c = positions[:, t0:t1], ranked[:, t0:t1]  # a budget plan's: its block ids, their candidates
         bl_c, us_c, ms_c, cp_c = counts[0, :, t0:t1], counts[1, :, t0:t1], mass[:, :, t0:t1], capped[:, t0:t1]
         ln_c = lengths[:, t0:t1]
         plan_args = (pos_c, rk_c, bl_c, us_c, ms_c, cp_c, ln_c,
@@ -1030,9 +1040,9 @@ def progressive_plan(
             G=g, G_PAD=_pow2(g), BLOCK_P=max(16, min(64, _pow2(n_bt))),
             BLOCK_C=max(16, min(cfg.score_block, _pow2(nb))),
             BLOCK=min(cfg.select_block, max(16, _pow2(nb))),
-            IN_REGS=in_regs, PRECISE=precise, BUDGET=budget, BS_PAD=bs_pad,
-            POS_BLOCK=max(bs_pad, min(_pow2(cfg.plan_block), _pow2(bm) * bs_pad)),
-            BLOCK_F=max(16, min(1024, _pow2(f * bs))), PDL=bool(pdl), **pdl, **stamp_args("psa_select"),
+            IN_REGS=in_regs, PRECISE=precise, BUDGET=budget,
+            BLOCK_K=max(16, min(_pow2(cfg.plan_block), _pow2(bm))), BLOCK_F=max(16, min(_pow2(cfg.plan_block), _pow2(f))),
+            PDL=bool(pdl), **pdl, **stamp_args("psa_select"),
             num_warps=cfg.select_warps,
         )
         if budget:  # the select wrote the plan
@@ -1061,7 +1071,7 @@ def progressive_plan(
                 G=g, D=d, BLOCK_I=_pow2(min(cfg.attend_block, bm)), PDL=bool(pdl), **pdl,
                 num_warps=cfg.attend_warps,
             )
-    return ProgressivePlan(positions, counts[0], ranked, counts[1], mass, capped.view(torch.bool), lengths, out)
+    return ProgressivePlan(selection, counts[0], ranked, counts[1], mass, capped.view(torch.bool), lengths, out)
 
 
 def attends(q: torch.Tensor, ctx_v: torch.Tensor | None, loc_v: torch.Tensor | None, max_blocks: int,
