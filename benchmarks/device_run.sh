@@ -13,7 +13,7 @@
 #           s28dot | s28kivf | s28knobs | s28exp | s28piv | s28tests | s28pf | s29tl | s29probe | s29keys | s29pdl | s29final | s29cb | s30scan | s30scan2 | s30tests | s30knobs | s30l2 | s30pdl |
 #           s31split | s31split2 | s31split3 | s31rerank | s31prefetch | s32floors | s32probe | s32loads | s32order | s32pos | s32floors3 | s32final | s33rerank | s33all | s33all2 | s33all3 | s33fifo | s33lists | s34attn | s34attn2 | s34attend | s34attend2 | s34diag | s34pdl | s34w16 | s34final | s34check |
 #           s35split | s35split2 | s35table | s35table512 | s35late | s35check | s36budget | s36budget2 | s36acq | s36pivots | s36e2e | s36final | s36tl | s36knobs | s36split |
-#           s37crit | s37split | s37attend | s37attend2 | s37late | s37table | s37table512 | s37plan | s38blocks | s38plan | s38fused | s38parts | s38e2e | s39ids | s39more
+#           s37crit | s37split | s37attend | s37attend2 | s37late | s37table | s37table512 | s37plan | s38blocks | s38plan | s38fused | s38parts | s38e2e | s39ids | s39more | s39pre | s39e2e | s39merge | s39final
 #   (default: tests decode before_after)
 #   The device tool returns at most 8 files: past that, the run's JSON files come back as $OUT/json.tar.gz
 #   (and everything as $OUT/all.tar.gz if that is not enough).
@@ -1622,6 +1622,51 @@ for stage in $stages; do
         $P --out "$OUT/s39more512" 2>&1 | tee "$OUT/gpu_decode_s39more512.log" | grep -E "graph|Error|error"
       python3 benchmarks/gpu_timeline.py --lengths 131072 --methods $P,block_size=128 --tag _s39more 2>&1 \
         | tee "$OUT/gpu_timeline_s39more.log" | grep -vE "^\|---" ;;
+    s39pre)  # session 39: psa's crit loads its metadata tile before the wait for the previous kernel (PDL), against the
+      # tree before (.old/tree: `git archive 06e912f ...`), alternating twice, the budget rule over blocks of 128 and 32
+      # and psa's default rule; the PSA kernel tests first; then 512K and the timeline at 128K
+      P=psa@rule=budget,max_ratio=0.05
+      python3 -m pytest -q -p no:cacheprovider -o addopts="" tests/test_kernels_psa.py \
+        -k "budget or graph or equals_torch or attend" 2>&1 | tee "$OUT/gpu_tests_s39pre.log" | tail -2
+      rm -rf /tmp/old && cp -r .old/tree /tmp/old || exit 1
+      for i in 1 2; do
+        (cd /tmp/old && python3 benchmarks/gpu_decode.py --lengths 32768 131072 --batches 1 8 --backends triton \
+          --methods $P,block_size=128 $P psa --out "$OUT/s39pre_old$i" 2>&1 | grep -E "Error|error")
+        python3 benchmarks/gpu_decode.py --lengths 32768 131072 --batches 1 8 --backends triton --methods \
+          $P,block_size=128 $P psa --out "$OUT/s39pre_new$i" 2>&1 | grep -E "Error|error"
+      done 2>&1 | tee "$OUT/gpu_decode_s39pre.log"
+      python3 benchmarks/gpu_decode.py --lengths 524288 --batches 1 --backends triton --methods $P,block_size=128 \
+        $P --out "$OUT/s39pre512" 2>&1 | tee "$OUT/gpu_decode_s39pre512.log" | grep -E "Error|error"
+      python3 benchmarks/gpu_timeline.py --lengths 131072 --methods $P,block_size=128 --tag _s39pre 2>&1 \
+        | tee "$OUT/gpu_timeline_s39pre.log" | grep -vE "^\|---" ;;
+    s39e2e)  # session 39: the 8B model end to end at 128K (random weights), B = 1 and 8, with psa's budget plan as a
+      # block list: dense and the budget rule over blocks of 32 and 128 tokens (s38e2e's protocol)
+      P=psa@rule=budget,max_ratio=0.05
+      python3 benchmarks/gpu_e2e.py --lengths 131072 --batches 1 8 --methods full $P $P,block_size=128 \
+        --plan-ahead off --eager-tokens 0 --hf-tokens 0 --tokens 8 --check-prefill 0 --budget-s 420 \
+        --out "$OUT/s39e2e" 2>&1 | tee "$OUT/gpu_e2e_s39e2e.log" | grep "^| \|ERROR\|Error" ;;
+    s39merge)  # session 39: the split's last program per query block merges the splits' states (a ticket; no merge
+      # launch) against the merge launch (`triton:merge_last=0`), twice, psa's budget rule over blocks of 128 and 32,
+      # saap and csattn; the attention and PSA kernel tests first; then the timeline at 128K
+      P=psa@rule=budget,max_ratio=0.05
+      python3 -m pytest -q -p no:cacheprovider -o addopts="" tests/test_triton_attention.py tests/test_kernels_psa.py \
+        -k "last_split or bypass or lengths or graph or block_lists or budget or poisoned" 2>&1 \
+        | tee "$OUT/gpu_tests_s39merge.log" | tail -2
+      for i in 1 2; do
+        python3 benchmarks/gpu_decode.py --lengths 32768 131072 --batches 1 8 --backends triton triton:merge_last=0 \
+          --methods $P,block_size=128 $P saap csattn --out "$OUT/s39merge$i" 2>&1 | grep -E "Error|error"
+      done 2>&1 | tee "$OUT/gpu_decode_s39merge.log"
+      python3 benchmarks/gpu_timeline.py --lengths 131072 --methods $P,block_size=128 --tag _s39merge 2>&1 \
+        | tee "$OUT/gpu_timeline_s39merge.log" | grep -vE "^\|---" ;;
+    s39final)  # session 39: the block-list budget plan, three runs at 32K and 128K (B = 1 and 8), blocks of 128 with the
+      # select on 4 warps (`select_warps=4`) next to it, and blocks of 32; then 512K
+      P=psa@rule=budget,max_ratio=0.05
+      for i in 1 2 3; do
+        python3 benchmarks/gpu_decode.py --lengths 32768 131072 --batches 1 8 --backends triton --methods \
+          $P,block_size=128 $P,block_size=128:select_warps=4 $P --out "$OUT/s39final$i" 2>&1 | grep -E "Error|error"
+      done 2>&1 | tee "$OUT/gpu_decode_s39final.log"
+      python3 benchmarks/gpu_decode.py --lengths 524288 --batches 1 --backends triton --methods $P,block_size=128 \
+        --out "$OUT/s39final512" 2>&1 | tee "$OUT/gpu_decode_s39final512.log" | grep -E "graph|Error|error" ;;
     *) echo "unknown stage $stage" ;;
   esac
 done

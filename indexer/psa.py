@@ -53,7 +53,8 @@ the GPU benchmark's data at ρ 5% the stop keeps 32-48% of them at 32K-128K). H2
 benchmarks/RESULTS_psa_lfps.md. The GPU search's cost scales with the number of blocks (every block's metadata
 scored, every block's key ranked), the attention's with the tokens attended: blocks of 128 tokens (`block_size`, a
 build field) quarter the search at the same budget (128K: 41-43 -> 31.5-33 µs, 8 requests 97 µs, 512K 67 µs) with
-the same recall and model fidelity for the same KV on the 8K document (RESULTS.md and RESULTS_psa_lfps.md, session 38).
+the same recall and model fidelity for the same KV on the 8K document (RESULTS.md and RESULTS_psa_lfps.md, session 38);
+with the budget plan written as block ids (`BlockList`, session 39) 30.4-31.4 µs at 128K, 62 µs at 512K.
 
 Cost: one pass over the block metadata (criticality, a sort of the blocks) plus exact q·k over the
 B_max candidate blocks and the dense part. The fixed shape is the price of no host sync: the plan

@@ -117,7 +117,7 @@ def test_fused_plan_equals_torch(kind, eps, ratio, t, dtype):
 BUDGET_CASES = [("cuboid", 0.2, 1, torch.float32, None, 8), ("center", 0.2, 3, torch.bfloat16, None, 8),
                 ("mean", 1.0, 1, torch.bfloat16, None, 8), ("cuboid", 0.05, 2, torch.float32, "tiny", 8),
                 ("cuboid", 0.2, 1, torch.bfloat16, "regs", 8), ("center", 0.3, 3, torch.float32, "scratch", 8),
-                # blocks of 64 and 128 tokens (the GPU benchmark's coarse-block rows): a [candidates, 128] plan tile
+                # blocks of 64 and 128 tokens (the GPU benchmark's coarse-block rows)
                 ("cuboid", 0.3, 1, torch.bfloat16, None, 128), ("cuboid", 0.2, 2, torch.float32, "tiny", 64)]
 CONFIGS = {None: None, "tiny": dataclasses.replace(TINY, plan_block=16), "regs": REGS, "scratch": SCRATCH}
 
