@@ -182,7 +182,7 @@ def _split_kernel(
             in_plan = (r >= b2) & (r < b3)
             j = r - b2
             tt = t0 + j // n_pos_div  # the token whose plan this row belongs to
-            if BLOCK_IDS > 0:  # POS holds block ids (`BlockList`): slot jj is token jj % BLOCK_IDS of id jj // BLOCK_IDS
+            if BLOCK_IDS > 0:  # POS holds block ids (`BlockList`): slot jj, token jj % BLOCK_IDS of id jj // BLOCK_IDS
                 jj = j % n_pos_div
                 bid = tl.load(POS + h * sp_h + tt.to(tl.int64) * sp_t + (jj // BLOCK_IDS) * sp_k,
                               mask=in_plan, other=-1).to(tl.int64)

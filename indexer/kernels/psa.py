@@ -1041,7 +1041,8 @@ def progressive_plan(
             BLOCK_C=max(16, min(cfg.score_block, _pow2(nb))),
             BLOCK=min(cfg.select_block, max(16, _pow2(nb))),
             IN_REGS=in_regs, PRECISE=precise, BUDGET=budget,
-            BLOCK_K=max(16, min(_pow2(cfg.plan_block), _pow2(bm))), BLOCK_F=max(16, min(_pow2(cfg.plan_block), _pow2(f))),
+            BLOCK_K=max(16, min(_pow2(cfg.plan_block), _pow2(bm))),
+            BLOCK_F=max(16, min(_pow2(cfg.plan_block), _pow2(f))),
             PDL=bool(pdl), **pdl, **stamp_args("psa_select"),
             num_warps=cfg.select_warps,
         )
