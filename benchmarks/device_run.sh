@@ -13,7 +13,7 @@
 #           s28dot | s28kivf | s28knobs | s28exp | s28piv | s28tests | s28pf | s29tl | s29probe | s29keys | s29pdl | s29final | s29cb | s30scan | s30scan2 | s30tests | s30knobs | s30l2 | s30pdl |
 #           s31split | s31split2 | s31split3 | s31rerank | s31prefetch | s32floors | s32probe | s32loads | s32order | s32pos | s32floors3 | s32final | s33rerank | s33all | s33all2 | s33all3 | s33fifo | s33lists | s34attn | s34attn2 | s34attend | s34attend2 | s34diag | s34pdl | s34w16 | s34final | s34check |
 #           s35split | s35split2 | s35table | s35table512 | s35late | s35check | s36budget | s36budget2 | s36acq | s36pivots | s36e2e | s36final | s36tl | s36knobs | s36split |
-#           s37crit | s37split | s37attend | s37attend2 | s37late | s37table | s37table512 | s37plan | s38blocks | s38plan | s38fused | s38parts | s38e2e | s39ids | s39more | s39pre | s39e2e | s39merge | s39final | s39knobs
+#           s37crit | s37split | s37attend | s37attend2 | s37late | s37table | s37table512 | s37plan | s38blocks | s38plan | s38fused | s38parts | s38e2e | s39ids | s39more | s39pre | s39e2e | s39merge | s39final | s39knobs | s40knobs | s40pf | s40early | s40crit | s40len | s40merge | s40final
 #   (default: tests decode before_after)
 #   The device tool returns at most 8 files: past that, the run's JSON files come back as $OUT/json.tar.gz
 #   (and everything as $OUT/all.tar.gz if that is not enough).
@@ -43,6 +43,27 @@ old_new() {
     python3 benchmarks/gpu_decode.py --lengths 32768 131072 --batches 1 8 --profile --backends triton \
       --methods $methods $([ $i = 1 ] && echo --torch-plans) --out "$OUT/${label}_new$i" 2>&1 | grep "^| " | grep -v sdpa
   done
+}
+# tree_ab TAG TESTS K: this tree against the whole tree before (.old/tree, e.g. `git archive <commit> benchmarks
+# decoder indexer storage tests | tar -x -C .old/tree`), alternating twice (session 40's A/B stages): the GPU tests of
+# the files TESTS selected by -k K first; gpu_decode at 32K and 128K, B = 1 and 8, psa's budget rule over blocks of 128
+# and 32 and its default rule; 512K over blocks of 128 in both trees; the timeline of this tree at 128K
+tree_ab() {
+  local tag=$1 tests=$2 k=$3 i P=psa@rule=budget,max_ratio=0.05
+  python3 -m pytest -q -p no:cacheprovider -o addopts="" $tests -k "$k" 2>&1 | tee "$OUT/gpu_tests_$tag.log" | tail -2
+  rm -rf /tmp/old && cp -r .old/tree /tmp/old || return 1
+  for i in 1 2; do
+    (cd /tmp/old && python3 benchmarks/gpu_decode.py --lengths 32768 131072 --batches 1 8 --backends triton \
+      --methods $P,block_size=128 $P psa --out "$OUT/${tag}_old$i" 2>&1 | grep -E "Error|error")
+    python3 benchmarks/gpu_decode.py --lengths 32768 131072 --batches 1 8 --backends triton --methods \
+      $P,block_size=128 $P psa --out "$OUT/${tag}_new$i" 2>&1 | grep -E "Error|error"
+  done 2>&1 | tee "$OUT/gpu_decode_$tag.log"
+  (cd /tmp/old && python3 benchmarks/gpu_decode.py --lengths 524288 --batches 1 --backends triton --methods \
+    $P,block_size=128 --out "$OUT/${tag}512_old" 2>&1 | grep -E "Error|error")
+  python3 benchmarks/gpu_decode.py --lengths 524288 --batches 1 --backends triton --methods $P,block_size=128 \
+    --out "$OUT/${tag}512" 2>&1 | tee "$OUT/gpu_decode_${tag}512.log" | grep -E "Error|error"
+  python3 benchmarks/gpu_timeline.py --lengths 131072 --methods $P,block_size=128 --tag "_$tag" 2>&1 \
+    | tee "$OUT/gpu_timeline_$tag.log" | grep -vE "^\|---"
 }
 # s31_split TAG (session 31, the s31split* stages): the IVF and stamps kernel tests on the GPU, then timelines at
 # 128K of the shared selection against one program per selection (ctkvr alternating twice, kivf)
@@ -1623,22 +1644,9 @@ for stage in $stages; do
       python3 benchmarks/gpu_timeline.py --lengths 131072 --methods $P,block_size=128 --tag _s39more 2>&1 \
         | tee "$OUT/gpu_timeline_s39more.log" | grep -vE "^\|---" ;;
     s39pre)  # session 39: psa's crit loads its metadata tile before the wait for the previous kernel (PDL), against the
-      # tree before (.old/tree: `git archive 06e912f ...`), alternating twice, the budget rule over blocks of 128 and 32
-      # and psa's default rule; the PSA kernel tests first; then 512K and the timeline at 128K
-      P=psa@rule=budget,max_ratio=0.05
-      python3 -m pytest -q -p no:cacheprovider -o addopts="" tests/test_kernels_psa.py \
-        -k "budget or graph or equals_torch or attend" 2>&1 | tee "$OUT/gpu_tests_s39pre.log" | tail -2
-      rm -rf /tmp/old && cp -r .old/tree /tmp/old || exit 1
-      for i in 1 2; do
-        (cd /tmp/old && python3 benchmarks/gpu_decode.py --lengths 32768 131072 --batches 1 8 --backends triton \
-          --methods $P,block_size=128 $P psa --out "$OUT/s39pre_old$i" 2>&1 | grep -E "Error|error")
-        python3 benchmarks/gpu_decode.py --lengths 32768 131072 --batches 1 8 --backends triton --methods \
-          $P,block_size=128 $P psa --out "$OUT/s39pre_new$i" 2>&1 | grep -E "Error|error"
-      done 2>&1 | tee "$OUT/gpu_decode_s39pre.log"
-      python3 benchmarks/gpu_decode.py --lengths 524288 --batches 1 --backends triton --methods $P,block_size=128 \
-        $P --out "$OUT/s39pre512" 2>&1 | tee "$OUT/gpu_decode_s39pre512.log" | grep -E "Error|error"
-      python3 benchmarks/gpu_timeline.py --lengths 131072 --methods $P,block_size=128 --tag _s39pre 2>&1 \
-        | tee "$OUT/gpu_timeline_s39pre.log" | grep -vE "^\|---" ;;
+      # tree before (.old/tree: `git archive 06e912f ...`); the PSA kernel tests first (as run then: the tests also
+      # selected "attend", and the 512K row took this tree over blocks of 128 and 32, not the tree before)
+      tree_ab s39pre tests/test_kernels_psa.py "budget or graph or equals_torch or attend" ;;
     s39e2e)  # session 39: the 8B model end to end at 128K (random weights), B = 1 and 8, with psa's budget plan as a
       # block list: dense and the budget rule over blocks of 32 and 128 tokens (s38e2e's protocol)
       P=psa@rule=budget,max_ratio=0.05
@@ -1674,6 +1682,57 @@ for stage in $stages; do
         python3 benchmarks/gpu_decode.py --lengths 32768 131072 --batches 1 8 --backends triton \
           --methods $P $P:crit_warps=8 $P:crit_warps=2 --out "$OUT/s39knobs$i" 2>&1 | grep -E "Error|error"
       done ;;
+    s40knobs)  # session 40: the split kernel's launch knobs at the block-list budget step over blocks of 128 (128K):
+      # one chunk per program (programs_per_sm 3, 4), one program per SM with two K/V buffers (num_stages 3),
+      # register loads (num_stages 1), 64-row chunks with one per program; twice
+      P=psa@rule=budget,max_ratio=0.05,block_size=128
+      for i in 1 2; do
+        python3 benchmarks/gpu_decode.py --lengths 131072 --batches 1 8 --methods $P --backends triton \
+          triton:programs_per_sm=4 triton:programs_per_sm=3 triton:num_stages=3,programs_per_sm=1 \
+          triton:num_stages=1 triton:block_n=64,programs_per_sm=4 --out "$OUT/s40knobs$i" 2>&1 \
+          | grep -E "Error|error"
+      done ;;
+    s40pf)  # session 40: the split kernel's chunk loop as a software pipeline in registers (`triton:prefetch=1`: chunk
+      # c + 1's rows loaded while chunk c is attended; the knob removed after this run) against the default, twice; the
+      # attention kernel tests first
+      python3 -m pytest -q -p no:cacheprovider -o addopts="" tests/test_triton_attention.py 2>&1 \
+        | tee "$OUT/gpu_tests_s40pf.log" | tail -2
+      P=psa@rule=budget,max_ratio=0.05,block_size=128
+      for i in 1 2; do
+        python3 benchmarks/gpu_decode.py --lengths 32768 131072 --batches 1 8 --methods $P csattn saap --backends \
+          triton triton:prefetch=1 triton:prefetch=1,block_n=64 triton:prefetch=1,num_warps=8 \
+          --out "$OUT/s40pf$i" 2>&1 | grep -E "Error|error"
+      done ;;
+    s40early)  # session 40: psa's crit issues q's and the positions' loads with its metadata tile's, the select loads its
+      # row's criticality with the tiles' states (dropped after this run); against the tree before (.old/tree:
+      # `git archive 14a9204 ...`); the PSA kernel tests first (this run had no 512K row of the tree before)
+      tree_ab s40early tests/test_kernels_psa.py "budget or graph or equals_torch" ;;
+    s40crit)  # session 40: psa's crit alone issues q's and the positions' loads with its metadata tile's (the select as
+      # before); against the tree before (.old/tree: `git archive 14a9204 ...`); the PSA kernel tests first
+      tree_ab s40crit tests/test_kernels_psa.py "budget or graph or equals_torch" ;;
+    s40len)  # session 40: the split kernel without a block list's lengths (`triton:block_lengths=0`: the splits share the
+      # list's width, no program waits for the lengths; the knob removed after this run), and 3 K/V buffers in one
+      # program per SM, against the default; twice; then 512K
+      P=psa@rule=budget,max_ratio=0.05
+      for i in 1 2; do
+        python3 benchmarks/gpu_decode.py --lengths 32768 131072 --batches 1 8 --methods $P,block_size=128 $P \
+          --backends triton triton:block_lengths=0 triton:num_stages=4,programs_per_sm=1 --out "$OUT/s40len$i" 2>&1 \
+          | grep -E "Error|error"
+      done
+      python3 benchmarks/gpu_decode.py --lengths 524288 --batches 1 --backends triton triton:block_lengths=0 \
+        --methods $P,block_size=128 --out "$OUT/s40len512" 2>&1 | grep -E "Error|error" ;;
+    s40merge)  # session 40: the merge kernel's tile follows the split count (32 for 28 splits) against this tree with the
+      # fixed tile of 64 (.old/tree: the working tree with `merge_tile` returning 64; the tile code removed after this
+      # run); the attention tests of the merge and of block lists first (this run had no 512K row of the tree before)
+      tree_ab s40merge tests/test_triton_attention.py "merge_tiles or block_lists" ;;
+    s40final)  # session 40: the final tree: the PSA kernel tests and the attention tests of block lists and of more splits
+      # than one merge chunk on the GPU, then psa's budget step at 32K and 128K, B = 1 and 8
+      P=psa@rule=budget,max_ratio=0.05
+      python3 -m pytest -q -p no:cacheprovider -o addopts="" tests/test_kernels_psa.py tests/test_triton_attention.py \
+        -k "budget or graph or equals_torch or merge_chunk or block_lists" 2>&1 | tee "$OUT/gpu_tests_s40final.log" \
+        | tail -2
+      python3 benchmarks/gpu_decode.py --lengths 32768 131072 --batches 1 8 --backends triton --methods \
+        $P,block_size=128 --out "$OUT/s40final" 2>&1 | grep -E "Error|error" ;;
     *) echo "unknown stage $stage" ;;
   esac
 done

@@ -54,7 +54,8 @@ benchmarks/RESULTS_psa_lfps.md. The GPU search's cost scales with the number of 
 scored, every block's key ranked), the attention's with the tokens attended: blocks of 128 tokens (`block_size`, a
 build field) quarter the search at the same budget (128K: 41-43 -> 31.5-33 µs, 8 requests 97 µs, 512K 67 µs) with
 the same recall and model fidelity for the same KV on the 8K document (RESULTS.md and RESULTS_psa_lfps.md, session 38);
-with the budget plan written as block ids (`BlockList`, session 39) 30.4-31.4 µs at 128K, 62 µs at 512K.
+with the budget plan written as block ids (`BlockList`, session 39) 30.4-31.4 µs at 128K, 62 µs at 512K; with the
+criticality's loads issued together (session 40) 29.8-30.4 µs at 128K (5.00-5.16× SDPA), 61.4-61.7 µs at 512K.
 
 Cost: one pass over the block metadata (criticality, a sort of the blocks) plus exact q·k over the
 B_max candidate blocks and the dense part. The fixed shape is the price of no host sync: the plan

@@ -242,6 +242,27 @@ def test_planless_one_token_blocks_mask_as_the_general_path(shape, dtype):
             assert _rel(fast.cpu(), _reference(q, kv, plan, sink, window, 0.25)) < TOL[dtype]
 
 
+@pytest.mark.parametrize("splits", [18, 70])
+def test_more_splits_than_one_merge_chunk(splits):
+    """The merge kernel takes the splits in chunks of MERGE_BLOCK_S (64): 18 splits fit one, 70 take two (a step
+    with few KV heads and query blocks on a large GPU gets up to programs_per_sm x SMs splits). Each against float64
+    and torch_ref, dense and over a plan with the pseudo-token (merged last) on half of the rows. Row lists of 70
+    chunks of 16 rows (69 of context or plan rows, one of the 8 local slots), so that every split has rows, also
+    those past the first chunk of splits."""
+    kvh, g, t, d, n, k, sink, window = 1, 4, 1, 16, 1104, 1093, 4, 8  # n = 4 + 7 + k = 69 · 16
+    q, kv, pos = _inputs(_seed("merge-chunks", splits), kvh, g, t, d, n, 8, 4, k)
+    gen = torch.Generator().manual_seed(_seed("merge-chunks-rest", splits))
+    rest_logit = torch.where(torch.rand(kvh, g, t, generator=gen) < 0.5, torch.randn(kvh, g, t, generator=gen),
+                             float("-inf"))
+    cfg = kernels.KernelConfig(block_n=16, splits=splits)
+    for n_pos in (None, k):  # dense, and the plan's row list
+        lp = kernels.launch_plan(kvh, g, t, d, 4, n, 8, n_pos, sink, window, 4, cfg)
+        assert (lp.splits, lp.chunks_per_split) == (splits, -(-70 // splits))
+    assert (splits > kernels.MERGE_BLOCK_S) == (splits == 70)
+    for plan in (Plan.dense(), Plan(pos, rest_logit=rest_logit, rest_value=torch.randn(kvh, d, generator=gen))):
+        _check(q, kv, plan, sink, window, 0.25, cfg=cfg)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("cfg", [kernels.KernelConfig(), SMALL], ids=["default", "small"])
 def test_dense_plan(dtype, cfg):

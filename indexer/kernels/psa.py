@@ -151,9 +151,10 @@ uncapped, T = 1 and 3, and the tie rule on integer-valued data with duplicated b
 
 Checked without a GPU (Triton 3.6, ahead-of-time compile for sm_90 at the shape above with the JIT's
 16-divisibility of pointers and strides, default knobs): no register spills; registers per thread:
-crit 96 (cuboid, center) / 60 (mean) with 4 warps (124 / 116 / 80 with a tile each for min and max,
-before session 37), select 128 (8 warps, block 4096), sums 96 (4 warps, 37 KB shared memory), stop
-128 (4 warps); fp32 q/K and metadata (ieee dots) compile too (crit 166, sums 124, session 23).
+crit 114 (cuboid) / 96 (center) / 63 (mean) with 4 warps (96 / 96 / 60 before its loads were reordered in
+session 40; 124 / 116 / 80 with a tile each for min and max, before session 37), select 128 (8 warps, block
+4096), sums 96 (4 warps, 37 KB shared memory), stop 128 (4 warps); fp32 q/K and metadata (ieee dots) compile
+too (crit 166, sums 124, session 23).
 Attending (`benchmarks/aot_sass.py step`, session 24): sums 190 registers at 128K / 168 at 32K (72 KB
 shared memory), attend 116, no spills.
 
@@ -279,22 +280,36 @@ def _crit_kernel(
     b_ok = b < nb
     OPT: tl.constexpr = tl.float32 if DOT_FP32 else CDT
     PREC: tl.constexpr = "ieee" if OPT == tl.float32 else "tf32"
-    # The metadata tile first, in one load, so that its round trip to memory is the program's only one
-    # (q is small and in L2): a block's min and max rows are adjacent (sm_r == D, the launcher's
-    # contract), so cuboid and center read [BLOCK_B, 2D] and take one dot of depth 2D against q⁻ | q⁺.
-    # (Two tiles, min then max, cost two round trips: Triton stages each through the same shared memory
-    # for the dot, so the max tile's loads were issued only after the min tile had arrived. With one tile,
+    # The metadata tile in one load, and q's and the query positions' loads issued with it, so that the
+    # program waits for memory once where the compiler lets it: a block's min and max rows are adjacent
+    # (sm_r == D, the launcher's contract), so cuboid and center read [BLOCK_B, 2D] and take one dot of depth 2D
+    # against q⁻ | q⁺. (Two tiles, min then max, cost two round trips: Triton stages each through the same shared
+    # memory for the dot, so the max tile's loads were issued only after the min tile had arrived. With one tile,
     # 124 -> 96 registers and the 512 programs at 128K run in one wave, not two; on the H200 the crit's span
     # 10.0 -> 9.2 us, its programs 5.6 -> 7.9 us each: bound by bytes now, the step the same within its
     # spread; benchmarks/RESULTS.md, session 37.)
+    # The order of the loads is the SASS's (sm_90, `benchmarks/aot_sass.py step --only _crit_kernel`): the tile
+    # loaded first is stored to shared memory for the dot right after its loads, and that store waits for it, so
+    # a load written after it is issued only once it has arrived (the tile, then q, then after the dot the
+    # positions: three round trips before session 40). Cuboid takes q first: q's, the positions' and the tile's 20
+    # loads go out together (96 -> 114 registers; one 8B layer at 128K over blocks of 128, the crit 4.4 -> 3.8 us
+    # and the step 30.6-30.9 -> 30.3 us on the H200, RESULTS.md, session 40). Center and mean, written in that
+    # order, store q before loading the tile (and take 150 / 80 registers instead of 96 / 60), so they take the
+    # positions first and the tile before q: two round trips, the same registers (not timed).
     W: tl.constexpr = D if KIND == 2 else 2 * D
     offs_w = tl.arange(0, W)
     mp = META + h * sm_h + b[:, None].to(tl.int64) * sm_b + offs_w[None, :]
     if KIND == 2:  # the mean row
         mp += 2 * sm_r
-    mm = tl.load(mp, mask=b_ok[:, None], other=0.0).to(OPT)
-    qv = tl.load(Q + h * sq_h + g[:, None] * sq_g + t[:, None] * sq_t + (offs_w % D)[None, :], mask=j_ok[:, None],
-                 other=0.0).to(tl.float32)
+    qptr = Q + h * sq_h + g[:, None] * sq_g + t[:, None] * sq_t + (offs_w % D)[None, :]
+    if KIND == 0:
+        qv = tl.load(qptr, mask=j_ok[:, None], other=0.0).to(tl.float32)
+        qp = tl.load(QPOS + t, mask=j_ok, other=0).to(tl.int32)
+        mm = tl.load(mp, mask=b_ok[:, None], other=0.0).to(OPT)
+    else:
+        qp = tl.load(QPOS + t, mask=j_ok, other=0).to(tl.int32)
+        mm = tl.load(mp, mask=b_ok[:, None], other=0.0).to(OPT)
+        qv = tl.load(qptr, mask=j_ok[:, None], other=0.0).to(tl.float32)
     if KIND == 0:  # cuboid: q⁻·min + q⁺·max
         qv = tl.where(offs_w[None, :] < D, tl.minimum(qv, 0.0), tl.maximum(qv, 0.0))
     elif KIND == 1:  # center: (q/2)·min + (q/2)·max
@@ -304,7 +319,6 @@ def _crit_kernel(
     row = h * T * G + j  # = (kv head · T + t) · G + g
     tl.store(X + row[:, None] * nb + b[None, :], x, mask=j_ok[:, None] & b_ok[None, :])
 
-    qp = tl.load(QPOS + t, mask=j_ok, other=0).to(tl.int32)
     w_lo = tl.minimum(tl.maximum(qp - window + 1, s_end), n_ctx)
     first_w = tl.where(w_lo < n_ctx, w_lo // bs, nb)
     ranked = b_ok[None, :] & (b[None, :] >= n_sb) & (b[None, :] < first_w[:, None])
