@@ -291,23 +291,22 @@ def _crit_kernel(
     # The order of the loads is the SASS's (sm_90, `benchmarks/aot_sass.py step --only _crit_kernel`): the tile
     # loaded first is stored to shared memory for the dot right after its loads, and that store waits for it, so
     # a load written after it is issued only once it has arrived (the tile, then q, then after the dot the
-    # positions: three round trips before session 40). Cuboid takes q first: q's, the positions' and the tile's 20
-    # loads go out together (96 -> 114 registers; one 8B layer at 128K over blocks of 128, the crit 4.4 -> 3.8 us
-    # and the step 30.6-30.9 -> 30.3 us on the H200, RESULTS.md, session 40). Center and mean, written in that
-    # order, store q before loading the tile (and take 150 / 80 registers instead of 96 / 60), so they take the
-    # positions first and the tile before q: two round trips, the same registers (not timed).
+    # positions: three round trips before session 40). The positions first, then for cuboid q before the tile:
+    # q's, the positions' and the tile's 20 loads go out together (96 -> 114 registers; one 8B layer at 128K over
+    # blocks of 128, the crit 4.4 -> 3.8 us and the step 30.6-30.9 -> 30.3 us on the H200, RESULTS.md, session 40).
+    # Center and mean with q before the tile store q before loading the tile (and take 150 / 80 registers instead
+    # of 96 / 60), so they load the tile before q: two round trips, the same registers (not timed).
     W: tl.constexpr = D if KIND == 2 else 2 * D
     offs_w = tl.arange(0, W)
     mp = META + h * sm_h + b[:, None].to(tl.int64) * sm_b + offs_w[None, :]
     if KIND == 2:  # the mean row
         mp += 2 * sm_r
     qptr = Q + h * sq_h + g[:, None] * sq_g + t[:, None] * sq_t + (offs_w % D)[None, :]
+    qp = tl.load(QPOS + t, mask=j_ok, other=0).to(tl.int32)
     if KIND == 0:
         qv = tl.load(qptr, mask=j_ok[:, None], other=0.0).to(tl.float32)
-        qp = tl.load(QPOS + t, mask=j_ok, other=0).to(tl.int32)
         mm = tl.load(mp, mask=b_ok[:, None], other=0.0).to(OPT)
     else:
-        qp = tl.load(QPOS + t, mask=j_ok, other=0).to(tl.int32)
         mm = tl.load(mp, mask=b_ok[:, None], other=0.0).to(OPT)
         qv = tl.load(qptr, mask=j_ok[:, None], other=0.0).to(tl.float32)
     if KIND == 0:  # cuboid: q⁻·min + q⁺·max
