@@ -13,7 +13,7 @@
 #           s28dot | s28kivf | s28knobs | s28exp | s28piv | s28tests | s28pf | s29tl | s29probe | s29keys | s29pdl | s29final | s29cb | s30scan | s30scan2 | s30tests | s30knobs | s30l2 | s30pdl |
 #           s31split | s31split2 | s31split3 | s31rerank | s31prefetch | s32floors | s32probe | s32loads | s32order | s32pos | s32floors3 | s32final | s33rerank | s33all | s33all2 | s33all3 | s33fifo | s33lists | s34attn | s34attn2 | s34attend | s34attend2 | s34diag | s34pdl | s34w16 | s34final | s34check |
 #           s35split | s35split2 | s35table | s35table512 | s35late | s35check | s36budget | s36budget2 | s36acq | s36pivots | s36e2e | s36final | s36tl | s36knobs | s36split |
-#           s37crit | s37split | s37attend | s37attend2 | s37late | s37table | s37table512 | s37plan | s38blocks | s38plan | s38fused | s38parts | s38e2e | s39ids | s39more | s39pre | s39e2e | s39merge | s39final | s39knobs | s40knobs | s40pf | s40early | s40crit | s40len | s40merge | s40final
+#           s37crit | s37split | s37attend | s37attend2 | s37late | s37table | s37table512 | s37plan | s38blocks | s38plan | s38fused | s38parts | s38e2e | s39ids | s39more | s39pre | s39e2e | s39merge | s39final | s39knobs | s40knobs | s40pf | s40early | s40crit | s40len | s40merge | s40final | split_tma
 #   (default: tests decode before_after)
 #   The device tool returns at most 8 files: past that, the run's JSON files come back as $OUT/json.tar.gz
 #   (and everything as $OUT/all.tar.gz if that is not enough).
@@ -1733,6 +1733,10 @@ for stage in $stages; do
         | tail -2
       python3 benchmarks/gpu_decode.py --lengths 32768 131072 --batches 1 8 --backends triton --methods \
         $P,block_size=128 --out "$OUT/s40final" 2>&1 | grep -E "Error|error" ;;
+    split_tma)  # the TMA probe (benchmarks/gpu_split_tma.py, written in session 40, not yet run on a GPU): psa's block-list
+      # attention with whole-block TMA loads against frame_attention, over rows per chunk, stages, warps and programs
+      # per SM, at 128K and 512K
+      python3 benchmarks/gpu_split_tma.py --out "$OUT" 2>&1 | tee "$OUT/gpu_split_tma.log" | grep -E "us|Error|error" ;;
     *) echo "unknown stage $stage" ;;
   esac
 done
