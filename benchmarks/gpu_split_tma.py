@@ -39,11 +39,11 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks._gpu_timing import BF, D, G, KVH, M_LOCAL, Timing  # noqa: E402
-from decoder.kernels.attention import _merge_kernel, _sm_count, frame_attention  # noqa: E402
+from decoder.kernels.attention import (LOG2E, MERGE_BLOCK_S, NEG_BIG, _merge_kernel, _sm_count,  # noqa: E402
+                                      frame_attention)
 from indexer.kernels import interpreted  # noqa: E402
 from indexer.kernels.pdl import pdl_begin, pdl_launch  # noqa: E402
 
-NEG_BIG: tl.constexpr = tl.constexpr(-1.0e30)
 T = Timing()
 
 
@@ -127,6 +127,7 @@ def tma_attention(q, ctx_k, ctx_v, loc_k, loc_v, q_pos, ids, sink, window, scale
     rows per chunk (a TMA box of [ch, D])."""
     kvh, g, _, d = q.shape
     n = ctx_k.shape[1]
+    assert ctx_v.stride() == ctx_k.stride() and loc_v.stride() == loc_k.stride()  # the kernel takes K's
     n_loc = loc_k.shape[1]
     s_end = min(sink, n)
     frame = triton.next_power_of_2(max(16, s_end + max(window - 1, 0) + n_loc))
@@ -140,12 +141,13 @@ def tma_attention(q, ctx_k, ctx_v, loc_k, loc_v, q_pos, ids, sink, window, scale
     _tma_split_kernel[(splits, kvh)](
         q, kd, vd, ctx_k, ctx_v, loc_k, loc_v, q_pos, ids, pacc, pml,
         q.stride(0), q.stride(1), ctx_k.stride(0), ctx_k.stride(1), loc_k.stride(0), loc_k.stride(1), ids.stride(0),
-        n, s_end, window, n_loc, ids.shape[-1], float(scale) * 1.4426950408889634,
+        n, s_end, window, n_loc, ids.shape[-1], float(scale) * LOG2E,
         G=g, D=d, BLOCK_M=block_m, BS=bs, CH=ch, FRAME=frame, NUM_STAGES=1 if interpreted() else stages,
         DOT_FP32=interpreted(), PDL=bool(pdl), **pdl, num_warps=warps)
     _merge_kernel[(1, g, kvh)](
         pacc, pml, q_pos, q_pos, out, 0, 0, 0, 0, out.stride(0), out.stride(1), out.stride(2), splits, 1,
-        G=g, TB=block_m // g, D=d, BLOCK_M=block_m, BLOCK_S=64, HAS_REST=False, PDL=bool(pdl), **pdl, num_warps=4)
+        G=g, TB=block_m // g, D=d, BLOCK_M=block_m, BLOCK_S=MERGE_BLOCK_S, HAS_REST=False, PDL=bool(pdl), **pdl,
+        num_warps=4)
     return out
 
 
