@@ -76,6 +76,11 @@ CONFIGS = [
     ("psa budget 5% block 64", "psa", {"rule": "budget", "max_ratio": 0.05, "block_size": 64}),
     ("psa budget 5% block 128", "psa", {"rule": "budget", "max_ratio": 0.05, "block_size": 128}),
     ("psa budget 5% block 256", "psa", {"rule": "budget", "max_ratio": 0.05, "block_size": 256}),
+    # the other two criticalities over blocks of 128 (mean reads one metadata row per block instead of two)
+    ("psa budget 5% block 128 center", "psa", {"rule": "budget", "max_ratio": 0.05, "block_size": 128,
+                                               "criticality": "center"}),
+    ("psa budget 5% block 128 mean", "psa", {"rule": "budget", "max_ratio": 0.05, "block_size": 128,
+                                             "criticality": "mean"}),
     # blocks of 32 at the KV the coarse rows touch on the 8K document (their budgets round up to whole blocks, and
     # their window's block is larger): the same bytes read, for a fair comparison
     ("psa budget 6%", "psa", {"rule": "budget", "max_ratio": 0.06}),

@@ -13,7 +13,7 @@
 #           s28dot | s28kivf | s28knobs | s28exp | s28piv | s28tests | s28pf | s29tl | s29probe | s29keys | s29pdl | s29final | s29cb | s30scan | s30scan2 | s30tests | s30knobs | s30l2 | s30pdl |
 #           s31split | s31split2 | s31split3 | s31rerank | s31prefetch | s32floors | s32probe | s32loads | s32order | s32pos | s32floors3 | s32final | s33rerank | s33all | s33all2 | s33all3 | s33fifo | s33lists | s34attn | s34attn2 | s34attend | s34attend2 | s34diag | s34pdl | s34w16 | s34final | s34check |
 #           s35split | s35split2 | s35table | s35table512 | s35late | s35check | s36budget | s36budget2 | s36acq | s36pivots | s36e2e | s36final | s36tl | s36knobs | s36split |
-#           s37crit | s37split | s37attend | s37attend2 | s37late | s37table | s37table512 | s37plan | s38blocks | s38plan | s38fused | s38parts | s38e2e | s39ids | s39more | s39pre | s39e2e | s39merge | s39final | s39knobs | s40knobs | s40pf | s40early | s40crit | s40len | s40merge | s40final | split_tma
+#           s37crit | s37split | s37attend | s37attend2 | s37late | s37table | s37table512 | s37plan | s38blocks | s38plan | s38fused | s38parts | s38e2e | s39ids | s39more | s39pre | s39e2e | s39merge | s39final | s39knobs | s40knobs | s40pf | s40early | s40crit | s40len | s40merge | s40final | split_tma | s41table | s41table512 | s41repeat | s41mean
 #   (default: tests decode before_after)
 #   The device tool returns at most 8 files: past that, the run's JSON files come back as $OUT/json.tar.gz
 #   (and everything as $OUT/all.tar.gz if that is not enough).
@@ -124,13 +124,12 @@ ivf_ab() {
 }
 for stage in $stages; do
   case $stage in
-    tests)
+    tests)  # every GPU-marked test (~3 min on the H200). The kernel files' other tests, run on the GPU as well, took
+      # past a call's 10 minutes in sessions 39 and 41, so they are their own stages (kerneltests, attntests)
       python3 -m pytest -q -p no:cacheprovider -m gpu -o addopts="" \
         tests/test_gpu_decode.py tests/test_triton_attention.py tests/test_backends.py tests/test_pipeline.py \
         tests/test_csattn.py tests/test_saap_device.py tests/test_runner.py tests/test_kernels_*.py \
-        2>&1 | tee "$OUT/gpu_tests.log" | tail -40
-      python3 -m pytest -q -p no:cacheprovider -o addopts="" tests/test_triton_attention.py tests/test_backends.py \
-        tests/test_kernels_*.py 2>&1 | tail -3 | tee -a "$OUT/gpu_tests.log" ;;
+        2>&1 | tee "$OUT/gpu_tests.log" | tail -40 ;;
     kerneltests)  # the kernel test files only, GPU and non-GPU tests alike
       python3 -m pytest -q -p no:cacheprovider -o addopts="" -x tests/test_kernels_*.py 2>&1 \
         | tee "$OUT/gpu_kernel_tests.log" | tail -30 ;;
@@ -1737,6 +1736,32 @@ for stage in $stages; do
       # attention with whole-block TMA loads against frame_attention, over rows per chunk, stages, warps and programs
       # per SM, at 128K and 512K
       python3 benchmarks/gpu_split_tma.py --out "$OUT" 2>&1 | tee "$OUT/gpu_split_tma.log" | grep -E "us|Error|error" ;;
+    s41table)  # session 41, the final tree: issue 12's table (every method of gpu_decode's default list, 32K and 128K,
+      # B = 1 and 8, eager and graph, SDPA full and over a 5% slice, the given-plan rows, profiles, builds against the
+      # prefill, the fused planners against their torch path) with psa's center and mean criticality over blocks of 128
+      P=psa@rule=budget,max_ratio=0.05,block_size=128
+      python3 benchmarks/gpu_decode.py --lengths 32768 131072 --batches 1 8 --profile --torch-plans --backends triton \
+        --methods streaming topk csattn ctkvr kivf lfps psa psa@rule=budget,max_ratio=0.05 $P $P,criticality=center \
+        $P,criticality=mean saap --out "$OUT/s41table" 2>&1 | tee "$OUT/gpu_decode_s41table.log" \
+        | grep -E "^\| |Error|error" ;;
+    s41table512)  # session 41: the same table at 512K, B = 1 (gpu_decode's default list)
+      python3 benchmarks/gpu_decode.py --lengths 524288 --batches 1 --backends triton --out "$OUT/s41table512" 2>&1 \
+        | tee "$OUT/gpu_decode_s41table512.log" | grep -E "^\| |Error|error" ;;
+    s41repeat)  # session 41: psa's budget step over blocks of 128 at 128K, B = 1, cuboid and mean criticality, three runs
+      P=psa@rule=budget,max_ratio=0.05,block_size=128
+      for i in 1 2 3; do
+        python3 benchmarks/gpu_decode.py --lengths 131072 --batches 1 --backends triton --methods $P $P,criticality=mean \
+          --out "$OUT/s41repeat$i" 2>&1 | grep -E "Error|error"
+      done 2>&1 | tee "$OUT/gpu_decode_s41repeat.log" ;;
+    s41mean)  # session 41: psa's budget over blocks of 128 with the cuboid and the mean criticality at 512K (B = 1) and
+      # 128K (B = 1 and 8), twice
+      P=psa@rule=budget,max_ratio=0.05,block_size=128
+      for i in 1 2; do
+        python3 benchmarks/gpu_decode.py --lengths 524288 --batches 1 --backends triton --methods $P $P,criticality=mean \
+          --out "$OUT/s41mean512_$i" 2>&1 | grep -E "Error|error"
+        python3 benchmarks/gpu_decode.py --lengths 131072 --batches 1 8 --backends triton --methods $P \
+          $P,criticality=mean --out "$OUT/s41mean_$i" 2>&1 | grep -E "Error|error"
+      done 2>&1 | tee "$OUT/gpu_decode_s41mean.log" ;;
     *) echo "unknown stage $stage" ;;
   esac
 done

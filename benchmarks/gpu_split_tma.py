@@ -18,6 +18,12 @@ its stage count with nothing to gather per row. Whole blocks: 2 stages 74 KB (on
 (three). 8 warps: 1,504-1,600 static instructions and 96-107 registers; 4 warps: 2,392-2,520 and 160-213 (the
 frame's chunk included); no spills.
 
+Measured (session 41, H200, 2026-11-30; benchmarks/RESULTS.md "session 41", raw
+`results/gpu_split_tma_rejected_session41.json`): it does not pay. 128K: `frame_attention` 20.2-20.3 µs, the probe
+22.9-25.8 over all 16 variants (best: half blocks, 3 stages, one program per SM); 512K: 44.3-44.4 against 46.2-52.0.
+Same outputs (bf16 relative error 1.8-2.5e-3 against `frame_attention`, rounding). So the backend keeps its gathers;
+the probe stays to re-ask the question of a later Triton or GPU.
+
     python benchmarks/gpu_split_tma.py                      # on the device tool; JSON to $OUT/gpu_split_tma.json
     TRITON_INTERPRET=1 python benchmarks/gpu_split_tma.py --device cpu   # the kernel's logic on small fp32 shapes
 """

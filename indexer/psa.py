@@ -55,7 +55,10 @@ scored, every block's key ranked), the attention's with the tokens attended: blo
 build field) quarter the search at the same budget (128K: 41-43 -> 31.5-33 µs, 8 requests 97 µs, 512K 67 µs) with
 the same recall and model fidelity for the same KV on the 8K document (RESULTS.md and RESULTS_psa_lfps.md, session 38);
 with the budget plan written as block ids (`BlockList`, session 39) 30.4-31.4 µs at 128K, 62 µs at 512K; with the
-criticality's loads issued together (session 40) 29.8-30.4 µs at 128K (5.00-5.16× SDPA), 61.4-61.7 µs at 512K.
+criticality's loads issued together (session 40) 29.8-30.4 µs at 128K (5.00-5.16× SDPA), 61.4-61.7 µs at 512K
+(session 41: 4.91-5.06× at 128K over six runs). `criticality="mean"` reads one metadata row per block instead of two:
+512K 59.1-59.2 µs against 61.2-61.4, the same at 128K, with the same recall and top-1 agreement on the 8K document
+(benchmarks/RESULTS.md, session 41); cuboid stays the default.
 
 Cost: one pass over the block metadata (criticality, a sort of the blocks) plus exact q·k over the
 B_max candidate blocks and the dense part. The fixed shape is the price of no host sync: the plan
